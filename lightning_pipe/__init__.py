@@ -1,0 +1,44 @@
+"""lightning_pipe: pipeline, tensor and data parallelism for PyTorch Lightning.
+
+The public API is listed here once. The engine (mesh, schedules, partitioning, executor) is plain
+torch and usable without a Trainer.
+"""
+
+from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, RankCoordinates, init_mesh
+from lightning_pipe.pipeline.actions import Action, ActionType, PipelineSchedule, ScheduleError
+from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor, StepResult, apply_layers
+from lightning_pipe.pipeline.microbatch import signature, split_microbatches
+from lightning_pipe.pipeline.partition import PartitionMethod, compute_balance, split_layers
+from lightning_pipe.pipeline.render import render_schedule
+from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
+from lightning_pipe.pipeline.simulate import SimulationResult, simulate
+from lightning_pipe.pipeline.validate import validate_schedule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action",
+    "ActionType",
+    "CheckpointMode",
+    "MeshAxis",
+    "ParallelLayout",
+    "ParallelMesh",
+    "PartitionMethod",
+    "PipelineExecutor",
+    "PipelineSchedule",
+    "RankCoordinates",
+    "ScheduleError",
+    "ScheduleKind",
+    "SimulationResult",
+    "StepResult",
+    "apply_layers",
+    "build_schedule",
+    "compute_balance",
+    "init_mesh",
+    "render_schedule",
+    "signature",
+    "simulate",
+    "split_layers",
+    "split_microbatches",
+    "validate_schedule",
+]

@@ -1,0 +1,276 @@
+"""The one interpreter that runs any schedule on one pipeline rank.
+
+It walks the rank's action list: a forward runs the stage's layers on a micro-batch and stashes
+what backward needs, a backward pops the stash and drives autograd (from the loss on the last
+stage, from the received output gradient elsewhere), and each run of consecutive communication
+actions is posted as one batch through :class:`~lightning_pipe.pipeline.p2p.P2PTransport`.
+
+Gradients accumulate in ``.grad`` across micro-batches; the last stage scales each micro-batch's
+loss by its weight (by default ``1 / num_microbatches``, or its share of the samples), so the
+accumulated gradient equals the whole batch's on one device.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from lightning_pipe.pipeline.actions import Action, ActionType, PipelineSchedule, comm_batches
+from lightning_pipe.pipeline.p2p import ActivationMeta, P2PTransport, RecvRequest, SendRequest
+
+Activation = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+class CheckpointMode(enum.Enum):
+    """Activation recomputation per stage, with torchgpipe's three modes."""
+
+    NEVER = "never"
+    EXCEPT_LAST = "except_last"
+    """Recompute every micro-batch but the last, whose backward follows its forward soonest."""
+    ALWAYS = "always"
+
+    @classmethod
+    def parse(cls, value: CheckpointMode | str) -> CheckpointMode:
+        if isinstance(value, CheckpointMode):
+            return value
+        for mode in cls:
+            if value == mode.value:
+                return mode
+        valid = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"Unknown checkpoint mode {value!r}: expected one of {valid}.")
+
+
+def apply_layers(layers: Sequence[nn.Module], x: Any, stage_index: int = 0) -> Activation:
+    """Apply ``layers`` in order; a tuple output becomes the next layer's positional arguments."""
+    for position, layer in enumerate(layers):
+        x = layer(*x) if isinstance(x, tuple) else layer(x)
+        if not (
+            isinstance(x, torch.Tensor)
+            or (isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x))
+        ):
+            raise TypeError(
+                f"Layer {position} ({type(layer).__name__}) of pipeline stage {stage_index} returned "
+                f"{type(x).__name__}; a pipeline layer must return a tensor or a non-empty tuple of "
+                "tensors (wrap other values in tensors, or move them into the batch)."
+            )
+    return x  # type: ignore[return-value]
+
+
+@dataclass
+class StepResult:
+    """What one step returns on this rank; ``outputs`` is filled on the last stage only."""
+
+    outputs: dict[int, Any] = field(default_factory=dict)
+    """Micro-batch index -> what ``head`` returned for it (the loss when training)."""
+    peak_stashed: int = 0
+    """The most micro-batches whose activations this rank kept alive at once."""
+
+
+def _as_tuple(value: Activation) -> tuple[torch.Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+class PipelineExecutor:
+    """Runs schedules for the stages this rank holds.
+
+    Args:
+        stages: stage index -> that stage's ordered layers (one stage per rank today).
+        num_stages: total number of stages of the pipeline.
+        peers: global rank of every pipeline rank of this pipeline, indexed by ``pp_rank``.
+        device: where received tensors are allocated.
+        checkpoint: activation recomputation mode.
+        group: process group for point-to-point calls (``None``: the default group; peers are
+            global ranks either way).
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, Sequence[nn.Module]],
+        num_stages: int,
+        peers: Sequence[int],
+        device: torch.device,
+        checkpoint: CheckpointMode | str = CheckpointMode.NEVER,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.stages = {s: list(layers) for s, layers in stages.items()}
+        self.num_stages = num_stages
+        self.peers = list(peers)
+        self.checkpoint = CheckpointMode.parse(checkpoint)
+        self.transport = P2PTransport(device, group)
+
+    # ------------------------------------------------------------------ step state
+    def _reset(self) -> None:
+        self._received: dict[tuple[int, int], RecvRequest] = {}
+        self._outputs: dict[tuple[int, int], Activation] = {}
+        self._output_meta: dict[tuple[int, int], ActivationMeta] = {}
+        self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], Activation]] = {}
+        self._result = StepResult()
+
+    def run(
+        self,
+        schedule: PipelineSchedule,
+        pp_rank: int,
+        inputs: Sequence[Any] | None = None,
+        head: Callable[[Activation, int], Any] | None = None,
+        weights: Sequence[float] | None = None,
+        signatures: Sequence[Hashable] | None = None,
+    ) -> StepResult:
+        """Run ``schedule``'s actions for ``pp_rank``.
+
+        Args:
+            inputs: the micro-batches' pipeline inputs (needed on the rank of stage 0).
+            head: called on the last stage with each micro-batch's pipeline output and its index;
+                when training it must return the micro-batch's scalar loss.
+            weights: per micro-batch loss weights (default ``1 / num_microbatches`` each).
+            signatures: per micro-batch hashable shape signatures, equal on every rank of the
+                pipeline; they let repeated shapes skip header messages (see :mod:`.p2p`).
+        """
+        m = schedule.num_microbatches
+        held = schedule.stages_of(pp_rank)
+        if sorted(held) != sorted(self.stages):
+            raise ValueError(
+                f"Pipeline rank {pp_rank} holds stages {sorted(self.stages)} but the schedule "
+                f"places stages {held} on it."
+            )
+        if 0 in self.stages and (inputs is None or len(inputs) != m):
+            given = "none" if inputs is None else len(inputs)
+            raise ValueError(f"The first stage needs {m} micro-batch inputs, got {given}.")
+        if self.num_stages - 1 in self.stages and head is None:
+            raise ValueError("The last stage needs a head (loss or output function) to call.")
+        for name, seq in (("weights", weights), ("signatures", signatures)):
+            if seq is not None and len(seq) != m:
+                raise ValueError(f"{name} has {len(seq)} entries for {m} micro-batches.")
+        self._schedule, self._inputs, self._head = schedule, inputs, head
+        self._weights = list(weights) if weights is not None else [1.0 / m] * m
+        self._signatures = signatures
+        self._reset()
+        try:
+            for batch in comm_batches(schedule.actions[pp_rank]):
+                if batch[0].kind.is_compute:
+                    self._compute(batch[0])
+                else:
+                    self._communicate(batch)
+            self.transport.flush()
+            return self._result
+        finally:
+            self._reset()
+            self._inputs = None
+
+    # ------------------------------------------------------------------ compute
+    def _compute(self, action: Action) -> None:
+        if action.kind is ActionType.FORWARD:
+            self._forward(action.stage_index, action.microbatch)
+        elif action.kind is ActionType.BACKWARD:
+            self._backward(action.stage_index, action.microbatch)
+        else:
+            raise NotImplementedError(f"The executor does not run {action.kind.name} actions yet.")
+
+    def _checkpointed(self, microbatch: int) -> bool:
+        if not self._schedule.training or self.checkpoint is CheckpointMode.NEVER:
+            return False
+        if self.checkpoint is CheckpointMode.ALWAYS:
+            return True
+        return microbatch < self._schedule.num_microbatches - 1
+
+    def _forward(self, s: int, i: int) -> None:
+        training = self._schedule.training
+        leaves: list[torch.Tensor] = []
+        if s == 0:
+            x: Any = self._inputs[i]  # type: ignore[index]
+        else:
+            request = self._received.pop((s, i))
+            meta = request.meta
+            if meta is None:  # exchange() always sets it; kept for the type checker
+                raise RuntimeError(f"No metadata arrived for stage {s}, micro-batch {i}.")
+            for tensor, tensor_meta in zip(request.result, meta.tensors, strict=True):
+                if training and tensor_meta.carries_grad:
+                    tensor.requires_grad_(True)
+                    leaves.append(tensor)
+            x = tuple(request.result) if meta.is_tuple else request.result[0]
+        layers = self.stages[s]
+        with torch.set_grad_enabled(training):
+            if self._checkpointed(i):
+                is_tuple = isinstance(x, tuple)
+                args = x if is_tuple else (x,)
+                out = torch_checkpoint(
+                    lambda *a: apply_layers(layers, a if is_tuple else a[0], s),
+                    *args,
+                    use_reentrant=False,
+                )
+            else:
+                out = apply_layers(layers, x, s)
+        if s == self.num_stages - 1:
+            value = self._head(out, i)  # type: ignore[misc]
+            self._result.outputs[i] = value
+            if training:
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    got = (
+                        f"a tensor of shape {tuple(value.shape)}"
+                        if isinstance(value, torch.Tensor)
+                        else type(value).__name__
+                    )
+                    raise TypeError(f"The loss of micro-batch {i} must be a scalar tensor, got {got}.")
+                self._stash[(s, i)] = (leaves, value)
+        else:
+            self._outputs[(s, i)] = out
+            if training:
+                self._stash[(s, i)] = (leaves, out)
+        self._result.peak_stashed = max(self._result.peak_stashed, len(self._stash))
+
+    def _backward(self, s: int, i: int) -> None:
+        leaves, out = self._stash.pop((s, i))
+        if s == self.num_stages - 1:
+            loss = out
+            if not loss.requires_grad:  # type: ignore[union-attr]
+                raise RuntimeError(
+                    f"The loss of micro-batch {i} does not require grad: it is not computed from "
+                    "the pipeline output or the model's parameters."
+                )
+            (loss * self._weights[i]).backward()  # type: ignore[operator]
+        else:
+            meta = self._output_meta.pop((s, i))
+            grads = self._received.pop((s, i)).result
+            outs = [t for t, tm in zip(_as_tuple(out), meta.tensors, strict=True) if tm.carries_grad]
+            if outs:
+                torch.autograd.backward(outs, grads)
+        if s > 0:
+            self._input_grads[(s, i)] = [
+                leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves
+            ]
+
+    # ------------------------------------------------------------------ communicate
+    def _cache_key(self, boundary: int, i: int) -> Hashable | None:
+        if self._signatures is None:
+            return None
+        return (boundary, self._signatures[i])
+
+    def _communicate(self, batch: list[Action]) -> None:
+        sends: list[SendRequest] = []
+        recvs: list[tuple[tuple[int, int], RecvRequest]] = []
+        for action in batch:
+            s, i = action.stage_index, action.microbatch
+            peer = self.peers[self._schedule.peer_rank(action)]
+            if action.kind is ActionType.SEND_F:
+                out = self._outputs.pop((s, i))
+                meta = ActivationMeta.of(out)
+                if self._schedule.training:
+                    self._output_meta[(s, i)] = meta
+                sends.append(SendRequest(peer, _as_tuple(out), meta, self._cache_key(s, i)))
+            elif action.kind is ActionType.SEND_B:
+                sends.append(SendRequest(peer, self._input_grads.pop((s, i))))
+            elif action.kind is ActionType.RECV_F:
+                recvs.append(((s, i), RecvRequest(peer, cache_key=self._cache_key(s - 1, i))))
+            else:  # RECV_B
+                meta = self._output_meta[(s, i)]
+                recvs.append(((s, i), RecvRequest(peer, meta=meta, grad_of=True)))
+        self.transport.exchange(sends, [r for _, r in recvs])
+        for key, request in recvs:
+            self._received[key] = request

@@ -1,0 +1,97 @@
+"""Split a batch into micro-batches along dim 0, and describe micro-batches by their shapes.
+
+Supported batches are tensors and (nested) tuples, lists and dicts of them; any other leaf (a
+string, a number, ``None``) is copied unchanged into every micro-batch. A batch whose size does not
+divide by ``num_microbatches`` is split unevenly, like :func:`torch.tensor_split`: the first
+``size % num_microbatches`` micro-batches get one extra sample. Losses are then weighted by each
+micro-batch's share of the samples, so the gradient is still that of the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, tuple | list):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def batch_size(batch: Any) -> int:
+    """Size of dim 0 of the first tensor in ``batch``."""
+    tensors = _tensors(batch)
+    if not tensors:
+        raise TypeError(
+            f"Cannot split a batch of type {type(batch).__name__} into micro-batches: it holds no "
+            "tensor. Supported batches are tensors and tuples, lists or dicts of tensors (other "
+            "leaves are copied to every micro-batch)."
+        )
+    first = tensors[0]
+    if first.dim() == 0:
+        raise TypeError("Cannot split a batch whose first tensor is a scalar (0-dim) into micro-batches.")
+    return int(first.shape[0])
+
+
+def _split(obj: Any, sizes: list[int], size: int) -> list[Any]:
+    m = len(sizes)
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0 or obj.shape[0] != size:
+            shape = tuple(obj.shape)
+            raise ValueError(
+                f"All tensors of a batch must share dim 0 to be split into micro-batches: the first "
+                f"tensor has {size} rows but another has shape {shape}. Move per-batch constants out "
+                "of the batch or give them the batch dimension."
+            )
+        return list(torch.split(obj, sizes))
+    if isinstance(obj, Mapping):
+        parts = {k: _split(v, sizes, size) for k, v in obj.items()}
+        return [type(obj)({k: parts[k][i] for k in obj}) for i in range(m)]  # type: ignore[call-arg]
+    if isinstance(obj, tuple | list):
+        columns = [_split(v, sizes, size) for v in obj]
+        rows = [[c[i] for c in columns] for i in range(m)]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return [type(obj)(*row) for row in rows]
+        return [type(obj)(row) for row in rows]
+    return [obj] * m
+
+
+def microbatch_sizes(size: int, num_microbatches: int) -> list[int]:
+    """Sizes of the micro-batches of a batch of ``size`` samples (uneven like ``tensor_split``)."""
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}.")
+    if size < num_microbatches:
+        raise ValueError(
+            f"A batch of {size} samples cannot be split into {num_microbatches} micro-batches: "
+            f"use a batch size of at least {num_microbatches} or lower num_microbatches."
+        )
+    base, extra = divmod(size, num_microbatches)
+    return [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split ``batch`` into ``num_microbatches`` pieces along dim 0 (see the module docstring)."""
+    size = batch_size(batch)
+    return _split(batch, microbatch_sizes(size, num_microbatches), size)
+
+
+def signature(obj: Any) -> Hashable:
+    """A hashable description of the tensors' shapes and dtypes in ``obj`` (its structure too).
+
+    Two micro-batches with equal signatures produce activations of equal shapes in any model whose
+    shapes depend only on its input's shapes, which lets the executor skip shape messages.
+    """
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), obj.dtype)
+    if isinstance(obj, Mapping):
+        return ("D", tuple((k, signature(v)) for k, v in obj.items()))
+    if isinstance(obj, tuple | list):
+        return ("L", tuple(signature(v) for v in obj))
+    return ("O", type(obj).__name__)

@@ -1,0 +1,229 @@
+"""Point-to-point transport of activations and gradients between pipeline neighbours.
+
+An activation is a tensor or a tuple of tensors of any dtype whose shapes may change between
+micro-batches and steps, so the receiver is never told shapes in advance. Instead the sender
+prefixes a message with a fixed-size *header* (``int64``: tuple flag, count, and per tensor its
+dtype, whether it requires grad, and its shape) whenever the receiver cannot know the shapes yet.
+
+Headers are cached on both ends under a key that both ends know without talking: the micro-batch's
+*signature* (shapes and dtypes of the pipeline input, which every rank of a pipeline sees) and the
+stage boundary. When a signature repeats, both ends skip the header and the steady state sends one
+message per tensor and nothing else. Gradients never need a header: the stage that receives a
+gradient already knows the shape, dtype and grad-requirement of the tensor it sent.
+
+Receives on one channel must be posted in the order of the sends they match (no tags: NCCL has
+none), so :meth:`P2PTransport.exchange` drains each channel in order, in rounds: it posts every
+receive whose shape is known, up to and including the first header on each channel, waits for the
+headers, and repeats. The steady state takes one round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# Wire codes of the dtypes an activation may have. Append only: the code is on the wire.
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+HEADER_SIZE = 64
+"""Header length in int64 words: room for e.g. 8 tensors of rank 4, or 4 tensors of rank 11."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and grad-requirement of one activation tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def carries_grad(self) -> bool:
+        """Whether a gradient travels back for this tensor (floating and requiring grad)."""
+        return self.requires_grad and (self.dtype.is_floating_point or self.dtype.is_complex)
+
+
+@dataclass(frozen=True)
+class ActivationMeta:
+    """Description of one activation: its tensors and whether it is a tuple."""
+
+    tensors: tuple[TensorMeta, ...]
+    is_tuple: bool
+
+    @classmethod
+    def of(cls, value: torch.Tensor | tuple[torch.Tensor, ...]) -> ActivationMeta:
+        tensors = value if isinstance(value, tuple) else (value,)
+        return cls(
+            tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
+            isinstance(value, tuple),
+        )
+
+    def encode(self) -> torch.Tensor:
+        words = [int(self.is_tuple), len(self.tensors)]
+        for t in self.tensors:
+            if t.dtype not in _DTYPE_CODE:
+                raise TypeError(f"Cannot send a tensor of dtype {t.dtype} between pipeline stages.")
+            words += [_DTYPE_CODE[t.dtype], int(t.requires_grad), len(t.shape), *t.shape]
+        if len(words) > HEADER_SIZE:
+            raise ValueError(
+                f"A stage output of {len(self.tensors)} tensors with shapes "
+                f"{[t.shape for t in self.tensors]} does not fit the {HEADER_SIZE}-word pipeline "
+                "header; pass fewer or lower-rank tensors between stages (concatenate them)."
+            )
+        return torch.tensor(words + [0] * (HEADER_SIZE - len(words)), dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> ActivationMeta:
+        words = header.tolist()
+        is_tuple, count, pos = bool(words[0]), words[1], 2
+        tensors = []
+        for _ in range(count):
+            code, requires_grad, ndim = words[pos : pos + 3]
+            shape = tuple(words[pos + 3 : pos + 3 + ndim])
+            tensors.append(TensorMeta(shape, _DTYPES[code], bool(requires_grad)))
+            pos += 3 + ndim
+        return cls(tuple(tensors), is_tuple)
+
+
+@dataclass
+class RecvRequest:
+    """A receive to perform: from ``peer``, either with known ``meta`` or with a header first.
+
+    ``grad_of`` marks a gradient receive: only the tensors of that meta that carry a gradient
+    arrive. After :meth:`P2PTransport.exchange`, ``result`` holds the tensors and ``meta`` is set.
+    """
+
+    peer: int
+    meta: ActivationMeta | None = None
+    cache_key: Hashable | None = None
+    grad_of: bool = False
+    result: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class SendRequest:
+    """A send to ``peer``: ``tensors`` in order, preceded by a header unless the peer knows it."""
+
+    peer: int
+    tensors: Sequence[torch.Tensor]
+    meta: ActivationMeta | None = None
+    cache_key: Hashable | None = None
+
+
+class P2PTransport:
+    """Posts batched sends and receives to pipeline peers (global ranks) and keeps the header cache.
+
+    Sends are posted and not waited for until :meth:`flush` (at the end of a step): the next
+    computation overlaps them, and the tensors are kept alive here until then.
+    """
+
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        self.device = device
+        self.group = group
+        self._sent_headers: dict[Hashable, ActivationMeta] = {}
+        self._recv_headers: dict[Hashable, ActivationMeta] = {}
+        self._pending: list[tuple[dist.Work, object]] = []
+        self.headers_sent = 0
+        self.messages_sent = 0
+
+    def _header_needed_for_send(self, request: SendRequest) -> bool:
+        if request.meta is None:
+            return False  # a gradient: shapes are known on the other side
+        if request.cache_key is None:
+            return True
+        known = self._sent_headers.get(request.cache_key)
+        if known is None:
+            self._sent_headers[request.cache_key] = request.meta
+            return True
+        if known != request.meta:
+            raise RuntimeError(
+                "A stage output changed shape or dtype for an input of the same shape: it was "
+                f"{[(t.shape, t.dtype) for t in known.tensors]} and is now "
+                f"{[(t.shape, t.dtype) for t in request.meta.tensors]}. Pipeline stages must produce "
+                "outputs whose shapes depend only on the shapes of the pipeline input."
+            )
+        return False
+
+    def exchange(self, sends: Sequence[SendRequest], recvs: Sequence[RecvRequest]) -> None:
+        """Post ``sends`` and perform ``recvs`` (blocking until every receive has arrived)."""
+        ops: list[dist.P2POp] = []
+        keep: list[torch.Tensor] = []
+        for send in sends:
+            if self._header_needed_for_send(send):
+                header = send.meta.encode().to(self.device)  # type: ignore[union-attr]
+                keep.append(header)
+                ops.append(dist.P2POp(dist.isend, header, send.peer, self.group))
+                self.headers_sent += 1
+            for tensor in send.tensors:
+                tensor = tensor.detach().contiguous()
+                keep.append(tensor)
+                ops.append(dist.P2POp(dist.isend, tensor, send.peer, self.group))
+                self.messages_sent += 1
+
+        # Receives per channel, in order; each round posts up to the first unknown header.
+        queues: dict[int, list[RecvRequest]] = {}
+        for request in recvs:
+            if request.meta is None and request.cache_key is not None:
+                request.meta = self._recv_headers.get(request.cache_key)
+            queues.setdefault(request.peer, []).append(request)
+        first_round = True
+        while first_round or any(queues.values()):
+            headers: list[tuple[RecvRequest, torch.Tensor]] = []
+            data: list[tuple[RecvRequest, list[torch.Tensor]]] = []
+            for peer, queue in queues.items():
+                while queue:
+                    request = queue[0]
+                    if request.meta is None:
+                        header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
+                        ops.append(dist.P2POp(dist.irecv, header, peer, self.group))
+                        headers.append((request, header))
+                        break
+                    queue.pop(0)
+                    buffers = [
+                        torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                        for t in request.meta.tensors
+                        if not request.grad_of or t.carries_grad
+                    ]
+                    ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in buffers]
+                    data.append((request, buffers))
+            works = dist.batch_isend_irecv(ops) if ops else []
+            if len(works) == len(ops):
+                # gloo: one work per operation; leave the sends in flight.
+                recv_works = [w for w, op in zip(works, ops, strict=True) if op.op is dist.irecv]
+                self._pending += [(w, keep) for w, op in zip(works, ops, strict=True) if op.op is dist.isend]
+            else:
+                # NCCL coalesces a batch into one work; waiting on it only orders the current
+                # stream after the transfer (no host synchronisation), so waiting here is cheap.
+                recv_works = list(works)
+                self._pending += [(w, keep) for w in works]
+            for work in recv_works:
+                work.wait()
+            for request, buffers in data:
+                request.result = buffers
+            for request, header in headers:
+                request.meta = ActivationMeta.decode(header.cpu())
+                if request.cache_key is not None:
+                    self._recv_headers[request.cache_key] = request.meta
+            ops, keep, first_round = [], [], False
+
+    def flush(self) -> None:
+        """Wait for every posted send (end of step) and release their buffers."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()

@@ -1,0 +1,126 @@
+"""Split an ordered list of layers into contiguous pipeline stages.
+
+A *balance* is the number of layers of each stage (torchgpipe's term). It comes from one of:
+
+* ``"uniform"``: equal layer counts (the first stages take one more when it does not divide).
+* ``"parameters"`` (default): the contiguous split that minimises the largest stage's parameter
+  count, which balances memory and, for stacks of similar blocks, compute. Ties go to the split
+  with the smallest largest layer count, so parameter-free layers (activations, dropout) spread out
+  instead of piling onto one stage.
+* an explicit list of layer counts, one per stage.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from functools import cache
+
+from torch import nn
+
+
+class PartitionMethod(enum.Enum):
+    """How :func:`compute_balance` chooses the balance when none is given."""
+
+    UNIFORM = "uniform"
+    PARAMETERS = "parameters"
+
+
+Partition = PartitionMethod | str | Sequence[int]
+
+
+def _parse_method(value: PartitionMethod | str) -> PartitionMethod:
+    if isinstance(value, PartitionMethod):
+        return value
+    for method in PartitionMethod:
+        if value == method.value:
+            return method
+    valid = ", ".join(repr(m.value) for m in PartitionMethod)
+    raise ValueError(
+        f"Unknown partition {value!r}: expected one of {valid}, or a list of layer counts per stage "
+        "such as [3, 5]."
+    )
+
+
+def _check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
+    balance = list(balance)
+    if len(balance) != num_stages:
+        raise ValueError(
+            f"The partition {balance} has {len(balance)} entries but the pipeline has {num_stages} "
+            f"stages: give one layer count per stage."
+        )
+    if any(not isinstance(b, int) or b < 1 for b in balance):
+        raise ValueError(f"Every stage needs at least one layer, got the partition {balance}.")
+    if sum(balance) != num_layers:
+        raise ValueError(
+            f"The partition {balance} sums to {sum(balance)} layers but the model has {num_layers}: "
+            "the layer counts must add up to the number of layers from configure_pipeline()."
+        )
+    return balance
+
+
+def parameter_count(layer: nn.Module) -> int:
+    """Number of distinct parameter elements of ``layer`` (a weight shared inside it counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in layer.parameters()}.values())
+
+
+def _min_max_split(costs: Sequence[int], num_stages: int) -> list[int]:
+    """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the max part.
+
+    Exact dynamic programme, O(stages * layers^2): layer lists are short (tens to hundreds).
+    """
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    @cache
+    def best(start: int, stages: int) -> tuple[tuple[int, int], tuple[int, ...]]:
+        # Cost of splitting costs[start:] into `stages` parts: (max params, max layer count).
+        if stages == 1:
+            return (prefix[n] - prefix[start], n - start), (n - start,)
+        result: tuple[tuple[int, int], tuple[int, ...]] | None = None
+        for end in range(start + 1, n - stages + 2):
+            head = (prefix[end] - prefix[start], end - start)
+            rest_cost, rest_split = best(end, stages - 1)
+            cost = (max(head[0], rest_cost[0]), max(head[1], rest_cost[1]))
+            if result is None or cost < result[0]:
+                result = (cost, (end - start, *rest_split))
+        if result is None:  # unreachable: callers guarantee n >= stages
+            raise RuntimeError(f"cannot split {n - start} layers into {stages} stages")
+        return result
+
+    return list(best(0, num_stages)[1])
+
+
+def compute_balance(
+    layers: Sequence[nn.Module], num_stages: int, partition: Partition = "parameters"
+) -> list[int]:
+    """Return the number of layers of each of ``num_stages`` stages."""
+    num_layers = len(layers)
+    if num_stages < 1:
+        raise ValueError(f"The pipeline needs at least one stage, got {num_stages}.")
+    if num_layers < num_stages:
+        raise ValueError(
+            f"The model has {num_layers} layers but the pipeline has {num_stages} stages: every "
+            f"stage needs at least one layer. Lower pipeline_parallel_size to at most {num_layers} "
+            "or return finer-grained layers from configure_pipeline()."
+        )
+    if not isinstance(partition, PartitionMethod | str):
+        return _check_balance(partition, num_layers, num_stages)
+    method = _parse_method(partition)
+    if method is PartitionMethod.UNIFORM:
+        base, extra = divmod(num_layers, num_stages)
+        return [base + (1 if s < extra else 0) for s in range(num_stages)]
+    return _min_max_split([parameter_count(layer) for layer in layers], num_stages)
+
+
+def split_layers(layers: Sequence[nn.Module], balance: Sequence[int]) -> list[list[nn.Module]]:
+    """Cut ``layers`` into consecutive groups of the sizes in ``balance``."""
+    _check_balance(balance, len(layers), len(balance))
+    stages: list[list[nn.Module]] = []
+    start = 0
+    for count in balance:
+        stages.append(list(layers[start : start + count]))
+        start += count
+    return stages

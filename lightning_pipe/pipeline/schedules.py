@@ -1,0 +1,149 @@
+"""Pure functions that build pipeline schedules as data (see :mod:`.actions`).
+
+A builder first decides each rank's *compute order* (which forward and backward, in which order),
+then :func:`add_communication` inserts the sends and receives that order implies. Keeping the two
+apart means a new schedule only has to say what it computes when; communication placement, and the
+batching of a send with the opposite receive, come for free and are checked by the validator.
+
+* GPipe (Huang et al., 2019, arXiv:1811.06965): all forwards, then all backwards. Backwards run in
+  reverse micro-batch order so that the last micro-batch, whose activations are the freshest, is
+  consumed first (this is what makes torchgpipe's ``checkpoint="except_last"`` pay off).
+* 1F1B (PipeDream-Flush, Narayanan et al., 2021, arXiv:2006.09503): stage ``r`` of ``p`` runs
+  ``min(p - 1 - r, m)`` warm-up forwards, then alternates one forward and one backward, then
+  drains the remaining backwards. It has the same bubble as GPipe, ``(p - 1) / (m + p - 1)``, but
+  keeps at most ``p - r`` micro-batches' activations alive instead of ``m``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from lightning_pipe.pipeline.actions import Action, ActionType, B, F, PipelineSchedule
+
+
+class ScheduleKind(enum.Enum):
+    """The schedules the engine can build."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+    @classmethod
+    def parse(cls, value: ScheduleKind | str) -> ScheduleKind:
+        """Accept the enum or its user-facing name, with an error that lists the valid names."""
+        if isinstance(value, ScheduleKind):
+            return value
+        for kind in cls:
+            if isinstance(value, str) and value.lower() == kind.value:
+                return kind
+        valid = ", ".join(repr(k.value) for k in cls)
+        raise ValueError(f"Unknown pipeline schedule {value!r}: expected one of {valid}.")
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(
+            f"num_microbatches must be an integer >= 1, got {num_microbatches!r}. "
+            "Set it to the number of pieces each batch is split into (a few times the "
+            "pipeline size keeps the bubble small)."
+        )
+
+
+def gpipe_compute_order(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """Per-rank compute order of GPipe with one stage per rank."""
+    _check_sizes(num_stages, num_microbatches)
+    m = num_microbatches
+    return [[F(s, i) for i in range(m)] + [B(s, i) for i in reversed(range(m))] for s in range(num_stages)]
+
+
+def one_f_one_b_compute_order(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """Per-rank compute order of 1F1B (PipeDream-Flush) with one stage per rank."""
+    _check_sizes(num_stages, num_microbatches)
+    m = num_microbatches
+    orders: list[list[Action]] = []
+    for s in range(num_stages):
+        warmup = min(num_stages - 1 - s, m)
+        order = [F(s, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [F(s, warmup + i), B(s, i)]
+        order += [B(s, i) for i in range(m - warmup, m)]
+        orders.append(order)
+    return orders
+
+
+def forward_only_compute_order(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """Per-rank compute order for evaluation: every forward in micro-batch order, no backward."""
+    _check_sizes(num_stages, num_microbatches)
+    return [[F(s, i) for i in range(num_microbatches)] for s in range(num_stages)]
+
+
+def add_communication(
+    compute_orders: list[list[Action]], num_stages: int, stage_to_rank: tuple[int, ...]
+) -> list[list[Action]]:
+    """Insert the receives each computation needs before it and the sends it produces after it.
+
+    Receives go immediately before their consumer and sends immediately after their producer, so
+    that in 1F1B's steady state ``SEND_F`` of one micro-batch and ``RECV_B`` of another become
+    adjacent and are posted as one batch, matched on the peer by its adjacent ``SEND_B`` and
+    ``RECV_F`` (the batching that keeps the steady state free of extra round trips). Communication
+    between two stages on the same rank would be a local hand-off; it is not generated here
+    because the current builders place one stage per rank.
+    """
+    last = num_stages - 1
+    result: list[list[Action]] = []
+    for order in compute_orders:
+        actions: list[Action] = []
+        for a in order:
+            s, i = a.stage_index, a.microbatch
+            if a.kind is ActionType.FORWARD:
+                if s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
+                    actions.append(Action(s, ActionType.RECV_F, i))
+                actions.append(a)
+                if s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
+                    actions.append(Action(s, ActionType.SEND_F, i))
+            elif a.kind in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT):
+                if s < last and stage_to_rank[s + 1] != stage_to_rank[s]:
+                    actions.append(Action(s, ActionType.RECV_B, i))
+                actions.append(a)
+                if s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]:
+                    actions.append(Action(s, ActionType.SEND_B, i))
+            else:
+                actions.append(a)
+        result.append(actions)
+    return result
+
+
+def build_schedule(
+    kind: ScheduleKind | str, num_stages: int, num_microbatches: int, training: bool = True
+) -> PipelineSchedule:
+    """Build and validate the schedule ``kind`` for ``num_stages`` stages, one per pipeline rank.
+
+    With ``training=False`` every kind becomes the same forward-only schedule (evaluation and
+    prediction have no backward to interleave).
+    """
+    # Imported here: the validator simulates schedules and so depends on this module's types.
+    from lightning_pipe.pipeline.validate import validate_schedule
+
+    kind = ScheduleKind.parse(kind)
+    builder = {
+        ScheduleKind.GPIPE: gpipe_compute_order,
+        ScheduleKind.ONE_F_ONE_B: one_f_one_b_compute_order,
+    }[kind]
+    stage_to_rank = tuple(range(num_stages))
+    orders = (
+        builder(num_stages, num_microbatches)
+        if training
+        else forward_only_compute_order(num_stages, num_microbatches)
+    )
+    actions = add_communication(orders, num_stages, stage_to_rank)
+    schedule = PipelineSchedule(
+        name=kind.value if training else "forward",
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        stage_to_rank=stage_to_rank,
+        actions=tuple(tuple(a) for a in actions),
+        training=training,
+    )
+    validate_schedule(schedule)
+    return schedule
