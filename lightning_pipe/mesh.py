@@ -52,15 +52,31 @@ class ParallelLayout:
     def resolve(
         cls,
         world_size: int,
-        pipeline_parallel_size: int = 1,
+        pipeline_parallel_size: int | Literal["auto"] = 1,
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
     ) -> ParallelLayout:
-        """Fill in ``data_parallel_size="auto"`` and check that the sizes multiply to the world."""
-        pp, tp = pipeline_parallel_size, tensor_parallel_size
-        for name, value in (("pipeline_parallel_size", pp), ("tensor_parallel_size", tp)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        """Fill in the ``"auto"`` sizes and check that the sizes multiply to the world size.
+
+        ``"auto"`` takes what the other sizes leave. When both the pipeline and the data size are
+        ``"auto"``, the pipeline takes everything (``dp = 1``): a user who asked for a pipeline
+        strategy with N devices gets an N-stage pipeline per tensor group.
+        """
+        tp = tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}.")
+        if pipeline_parallel_size == "auto":
+            dp_known = 1 if data_parallel_size == "auto" else data_parallel_size
+            if not isinstance(dp_known, int) or dp_known < 1 or world_size % (dp_known * tp) != 0:
+                raise ValueError(
+                    f"data_parallel_size ({data_parallel_size}) x tensor_parallel_size ({tp}) does not "
+                    f"divide the world size {world_size}, so no pipeline size fits. Use sizes whose "
+                    "product divides the number of processes."
+                )
+            pipeline_parallel_size = world_size // (dp_known * tp)
+        pp = pipeline_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1 or 'auto', got {pp!r}.")
         if data_parallel_size == "auto":
             if world_size % (pp * tp) != 0:
                 raise ValueError(
@@ -111,11 +127,16 @@ class ParallelLayout:
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """A layout bound to this process: its coordinates and the DeviceMesh with one group per axis."""
+    """A layout bound to this process: its coordinates and the DeviceMesh with one group per axis.
+
+    ``model_group`` holds the ranks of this rank's model replica (all pipeline and tensor ranks of
+    one data-parallel index): what a global gradient norm or a found-inf flag is agreed over.
+    """
 
     layout: ParallelLayout
     rank: int
     device_mesh: DeviceMesh
+    model_group: dist.ProcessGroup
 
     @property
     def coordinates(self) -> RankCoordinates:
@@ -142,4 +163,15 @@ def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
             f"The layout {layout} needs {layout.world_size} processes but the world has {world}."
         )
     mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=tuple(a.value for a in MeshAxis))
-    return ParallelMesh(layout, dist.get_rank(), mesh)
+    rank = dist.get_rank()
+    per_replica = layout.pipeline_parallel_size * layout.tensor_parallel_size
+    model_group: dist.ProcessGroup | None = None
+    # new_group is collective: every rank creates every replica's group, in the same order.
+    for dp_rank in range(layout.data_parallel_size):
+        ranks = list(range(dp_rank * per_replica, (dp_rank + 1) * per_replica))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            model_group = group
+    if model_group is None:  # unreachable: the ranges above cover the world
+        raise RuntimeError(f"rank {rank} is in no model-parallel group of {layout}")
+    return ParallelMesh(layout, rank, mesh, model_group)

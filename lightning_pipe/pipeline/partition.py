@@ -67,7 +67,10 @@ def parameter_count(layer: nn.Module) -> int:
 def _min_max_split(costs: Sequence[int], num_stages: int) -> list[int]:
     """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the max part.
 
-    Exact dynamic programme, O(stages * layers^2): layer lists are short (tens to hundreds).
+    Two exact dynamic programmes, O(stages * layers^2) each (layer lists are tens to hundreds):
+    the first finds the smallest achievable largest-stage cost, the second, among the splits that
+    achieve it, the one with the smallest largest layer count. (One programme over the pair of
+    maxima would not be exact: the max of pairs does not preserve their lexicographic order.)
     """
     n = len(costs)
     prefix = [0]
@@ -75,22 +78,33 @@ def _min_max_split(costs: Sequence[int], num_stages: int) -> list[int]:
         prefix.append(prefix[-1] + c)
 
     @cache
-    def best(start: int, stages: int) -> tuple[tuple[int, int], tuple[int, ...]]:
-        # Cost of splitting costs[start:] into `stages` parts: (max params, max layer count).
+    def min_cost(start: int, stages: int) -> int:
         if stages == 1:
-            return (prefix[n] - prefix[start], n - start), (n - start,)
-        result: tuple[tuple[int, int], tuple[int, ...]] | None = None
-        for end in range(start + 1, n - stages + 2):
-            head = (prefix[end] - prefix[start], end - start)
-            rest_cost, rest_split = best(end, stages - 1)
-            cost = (max(head[0], rest_cost[0]), max(head[1], rest_cost[1]))
-            if result is None or cost < result[0]:
-                result = (cost, (end - start, *rest_split))
-        if result is None:  # unreachable: callers guarantee n >= stages
-            raise RuntimeError(f"cannot split {n - start} layers into {stages} stages")
-        return result
+            return prefix[n] - prefix[start]
+        return min(
+            max(prefix[end] - prefix[start], min_cost(end, stages - 1))
+            for end in range(start + 1, n - stages + 2)
+        )
 
-    return list(best(0, num_stages)[1])
+    bound = min_cost(0, num_stages)
+    infeasible = (n + 1, ())
+
+    @cache
+    def fewest_layers(start: int, stages: int) -> tuple[int, tuple[int, ...]]:
+        # Smallest largest layer count of a split of costs[start:] whose every part costs <= bound.
+        if stages == 1:
+            return (n - start, (n - start,)) if prefix[n] - prefix[start] <= bound else infeasible
+        best: tuple[int, tuple[int, ...]] = infeasible
+        for end in range(start + 1, n - stages + 2):
+            if prefix[end] - prefix[start] > bound:
+                break
+            rest, split = fewest_layers(end, stages - 1)
+            candidate = (max(end - start, rest), (end - start, *split))
+            if rest <= n and candidate < best:
+                best = candidate
+        return best
+
+    return list(fewest_layers(0, num_stages)[1])
 
 
 def compute_balance(

@@ -40,6 +40,7 @@ def validate_schedule(schedule: PipelineSchedule) -> None:
                     f"Rank {rank} runs {action}, but stage {action.stage_index} lives on rank "
                     f"{schedule.stage_to_rank[action.stage_index]}."
                 )
+        needed_comms: set[Action] = set()
         split = any(a.kind is ActionType.BACKWARD_INPUT for a in actions)
         grad_actions = (2 if split else 1) if schedule.training else 0
         for s in schedule.stages_of(rank):
@@ -70,11 +71,19 @@ def validate_schedule(schedule: PipelineSchedule) -> None:
                     needs += [(Action(s, ActionType.SEND_F, i), fwd, False)]
                     if grads:
                         needs += [(Action(s, ActionType.RECV_B, i), grads[0], True)]
+                needed_comms.update(comm for comm, _, _ in needs)
                 for comm, compute, comes_first in needs:
                     _expect_once(counts, comm, rank)
                     if (position[comm] < position[compute]) != comes_first:
                         where = "before" if comes_first else "after"
                         raise ScheduleError(f"Rank {rank} must run {comm} {where} {compute}.")
+        for action in actions:
+            if action.kind.is_comm and action not in needed_comms:
+                raise ScheduleError(
+                    f"Rank {rank} has {action}, which no computation of its stages needs "
+                    "(a message past the first or last stage, across a rank boundary that does not "
+                    "exist, or a gradient in a forward-only schedule)."
+                )
         expected = (1 + grad_actions) * m * len(schedule.stages_of(rank))
         computes = sum(1 for a in actions if a.kind.is_compute)
         if computes != expected:

@@ -1,0 +1,195 @@
+"""The parallel layout (data x pipeline x tensor) and the device mesh built from it."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from lightning_pipe.mesh import (
+    MeshAxis,
+    ParallelLayout,
+    RankCoordinates,
+    init_mesh,
+)
+from tests.distributed import run_distributed
+
+# ---------------------------------------------------------------------------------------- resolve
+
+
+def test_resolve_auto_data_parallel_size() -> None:
+    assert ParallelLayout.resolve(8, pipeline_parallel_size=2) == ParallelLayout(4, 2, 1)
+    assert ParallelLayout.resolve(8, pipeline_parallel_size=2, tensor_parallel_size=2) == ParallelLayout(
+        2, 2, 2
+    )
+    assert ParallelLayout.resolve(4, pipeline_parallel_size=4) == ParallelLayout(1, 4, 1)
+    assert ParallelLayout.resolve(1) == ParallelLayout(1, 1, 1)
+    assert ParallelLayout.resolve(6, tensor_parallel_size=3).shape == (2, 1, 3)
+
+
+def test_resolve_explicit_sizes() -> None:
+    layout = ParallelLayout.resolve(
+        12, pipeline_parallel_size=3, tensor_parallel_size=2, data_parallel_size=2
+    )
+    assert layout.shape == (2, 3, 2)
+    assert layout.world_size == 12
+    assert str(layout) == "dp=2 x pp=3 x tp=2"
+
+
+def test_resolve_product_not_world_size() -> None:
+    with pytest.raises(ValueError) as info:
+        ParallelLayout.resolve(8, pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=3)
+    message = str(info.value)
+    assert "data_parallel_size (3) x pipeline_parallel_size (2) x tensor_parallel_size (2) = 12" in message
+    assert "but the world size is 8" in message
+    assert 'data_parallel_size="auto"' in message
+    with pytest.raises(ValueError, match=r"= 2, but the world size is 4\..*data_parallel_size=\"auto\""):
+        ParallelLayout.resolve(4, pipeline_parallel_size=2, data_parallel_size=1)
+
+
+def test_resolve_auto_when_sizes_do_not_divide_world() -> None:
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"pipeline_parallel_size \(3\) x tensor_parallel_size \(1\) = 3 "
+            r"does not divide the world size 4"
+        ),
+    ):
+        ParallelLayout.resolve(4, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="= 4 does not divide the world size 6"):
+        ParallelLayout.resolve(6, pipeline_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_resolve_auto_pipeline_takes_what_remains() -> None:
+    # Both "auto": one pipeline over every device (per tensor group), no data parallelism.
+    assert ParallelLayout.resolve(4, "auto").shape == (1, 4, 1)
+    assert ParallelLayout.resolve(8, "auto", tensor_parallel_size=2).shape == (1, 4, 2)
+    assert ParallelLayout.resolve(8, "auto", data_parallel_size=2).shape == (2, 4, 1)
+    with pytest.raises(ValueError, match="does not divide the world size 6"):
+        ParallelLayout.resolve(6, "auto", data_parallel_size=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be an integer >= 1 or 'auto', got 0"),
+        ({"tensor_parallel_size": -1}, "tensor_parallel_size must be an integer >= 1, got -1"),
+        ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1, got 0"),
+        ({"pipeline_parallel_size": 2.0}, "pipeline_parallel_size must be an integer >= 1 or 'auto', got 2.0"),
+        ({"pipeline_parallel_size": True}, "pipeline_parallel_size must be an integer >= 1 or 'auto', got True"),
+        ({"data_parallel_size": "Auto"}, "data_parallel_size must be an integer >= 1, got 'Auto'"),
+    ],
+    ids=["pp0", "tp-negative", "dp0", "pp-float", "pp-bool", "dp-bad-string"],
+)
+def test_resolve_rejects_bad_sizes(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelLayout.resolve(4, **kwargs)
+
+
+def test_layout_rejects_bad_sizes_directly() -> None:
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1, got 0"):
+        ParallelLayout(0, 1, 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        ParallelLayout(1, 1, 0)
+
+
+# ---------------------------------------------------------------------------------------- coordinates
+
+
+def test_coordinates_rank_of_round_trip_dp2_pp2_tp2() -> None:
+    layout = ParallelLayout(2, 2, 2)
+    seen = []
+    for dp, pp, tp in itertools.product(range(2), repeat=3):
+        rank = layout.rank_of(dp, pp, tp)
+        assert rank == (dp * 2 + pp) * 2 + tp
+        assert layout.coordinates(rank) == RankCoordinates(dp, pp, tp)
+        seen.append(rank)
+    assert sorted(seen) == list(range(8))
+    # Tensor axis innermost, data axis outermost.
+    assert layout.coordinates(1) == RankCoordinates(0, 0, 1)
+    assert layout.coordinates(2) == RankCoordinates(0, 1, 0)
+    assert layout.coordinates(4) == RankCoordinates(1, 0, 0)
+    assert layout.coordinates(7) == RankCoordinates(1, 1, 1)
+
+
+def test_coordinates_round_trip_uneven_sizes() -> None:
+    layout = ParallelLayout(3, 4, 2)
+    for rank in range(layout.world_size):
+        c = layout.coordinates(rank)
+        assert 0 <= c.dp_rank < 3 and 0 <= c.pp_rank < 4 and 0 <= c.tp_rank < 2
+        assert layout.rank_of(c.dp_rank, c.pp_rank, c.tp_rank) == rank
+
+
+def test_coordinates_outside_world() -> None:
+    layout = ParallelLayout(2, 2, 2)
+    with pytest.raises(ValueError, match="Rank 8 is outside a world of 8 processes"):
+        layout.coordinates(8)
+    with pytest.raises(ValueError, match="Rank -1 is outside a world of 8 processes"):
+        layout.coordinates(-1)
+
+
+def test_pipeline_ranks() -> None:
+    layout = ParallelLayout(2, 2, 2)
+    assert layout.pipeline_ranks(0) == [0, 2]
+    assert layout.pipeline_ranks(2) == [0, 2]
+    assert layout.pipeline_ranks(1) == [1, 3]
+    assert layout.pipeline_ranks(5) == [5, 7]
+    assert layout.pipeline_ranks(6) == [4, 6]
+    # Every rank is in exactly one pipeline, at its own pp_rank.
+    for rank in range(8):
+        peers = layout.pipeline_ranks(rank)
+        assert peers[layout.coordinates(rank).pp_rank] == rank
+    assert ParallelLayout(1, 4, 1).pipeline_ranks(3) == [0, 1, 2, 3]
+    assert ParallelLayout(3, 1, 1).pipeline_ranks(2) == [2]
+
+
+def test_mesh_axis_names_outermost_first() -> None:
+    assert [a.value for a in MeshAxis] == ["dp", "pp", "tp"]
+
+
+# ---------------------------------------------------------------------------------------- init_mesh
+
+
+def test_init_mesh_needs_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match=r"needs torch\.distributed to be initialised first"):
+        init_mesh(ParallelLayout(), "cpu")
+
+
+def mesh_worker() -> dict[str, Any]:
+    rank = dist.get_rank()
+    layout = ParallelLayout.resolve(4, pipeline_parallel_size=2)
+    mesh = init_mesh(layout, "cpu")
+    wrong = None
+    try:
+        init_mesh(ParallelLayout(1, 2, 1), "cpu")
+    except ValueError as err:
+        wrong = str(err)
+    return {
+        "rank": rank,
+        "mesh_rank": mesh.rank,
+        "coordinates": mesh.coordinates,
+        "pipeline_peers": mesh.pipeline_peers,
+        "pipeline_group": dist.get_process_group_ranks(mesh.group(MeshAxis.PIPELINE)),
+        "data_group": dist.get_process_group_ranks(mesh.group(MeshAxis.DATA)),
+        "tensor_group": dist.get_process_group_ranks(mesh.group(MeshAxis.TENSOR)),
+        "wrong_world": wrong,
+    }
+
+
+def test_init_mesh_groups_match_layout() -> None:
+    results = run_distributed(mesh_worker, 4, timeout=120)
+    layout = ParallelLayout(2, 2, 1)
+    for rank, got in enumerate(results):
+        c = layout.coordinates(rank)
+        assert got["rank"] == got["mesh_rank"] == rank
+        assert got["coordinates"] == c
+        assert got["pipeline_group"] == got["pipeline_peers"] == layout.pipeline_ranks(rank)
+        assert got["pipeline_group"] == [2 * c.dp_rank, 2 * c.dp_rank + 1]
+        assert got["data_group"] == [layout.rank_of(d, c.pp_rank, c.tp_rank) for d in range(2)]
+        assert got["data_group"] == [c.pp_rank, 2 + c.pp_rank]
+        assert got["tensor_group"] == [rank]
+        assert got["wrong_world"] == "The layout dp=1 x pp=2 x tp=1 needs 2 processes but the world has 4."
