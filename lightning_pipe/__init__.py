@@ -13,6 +13,7 @@ from lightning_pipe.pipeline.render import render_schedule
 from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
 from lightning_pipe.pipeline.simulate import SimulationResult, simulate
 from lightning_pipe.pipeline.validate import validate_schedule
+from lightning_pipe.strategy import PipeTPStrategy
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "ParallelLayout",
     "ParallelMesh",
     "PartitionMethod",
+    "PipeTPStrategy",
     "PipelineExecutor",
     "PipelineSchedule",
     "RankCoordinates",

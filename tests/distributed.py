@@ -37,6 +37,7 @@ def _child(
     out_dir: str,
     args: tuple,
     pg_timeout: float,
+    init_group: bool,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -49,9 +50,10 @@ def _child(
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.pt"
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
-        )
+        if init_group:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+            )
         result = fn(*args)
         torch.save({"ok": True, "result": result}, out)
     except BaseException:
@@ -63,14 +65,28 @@ def _child(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    init_group: bool = True,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result, by rank."""
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result, by rank.
+
+    With ``init_group=False`` the children only get the torchrun-style environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*``) and ``fn`` initialises the group itself, as a
+    Lightning ``Trainer`` does.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, port, out_dir, args, pg_timeout), daemon=True)
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world_size, port, out_dir, args, pg_timeout, init_group),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -250,7 +250,8 @@ class PipelineExecutor:
     def _cache_key(self, boundary: int, i: int) -> Hashable | None:
         if self._signatures is None:
             return None
-        return (boundary, self._signatures[i])
+        # Training and evaluation produce the same shapes but differ in requires_grad.
+        return (boundary, self._schedule.training, self._signatures[i])
 
     def _communicate(self, batch: list[Action]) -> None:
         sends: list[SendRequest] = []

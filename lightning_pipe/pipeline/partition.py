@@ -29,6 +29,14 @@ class PartitionMethod(enum.Enum):
 Partition = PartitionMethod | str | Sequence[int]
 
 
+def check_partition(partition: Partition) -> None:
+    """Raise the error :func:`compute_balance` would raise for an unknown method name, early."""
+    if isinstance(partition, PartitionMethod | str):
+        _parse_method(partition)
+    elif not all(isinstance(b, int) and not isinstance(b, bool) for b in partition):
+        raise ValueError(f"A partition list holds layer counts (integers), got {list(partition)!r}.")
+
+
 def _parse_method(value: PartitionMethod | str) -> PartitionMethod:
     if isinstance(value, PartitionMethod):
         return value

@@ -1,0 +1,119 @@
+"""Which layers, parameters and state-dict keys of a model each pipeline stage owns.
+
+Every rank builds the full model (so that initialisation from a seed is identical to one device),
+then keeps the layers of its stage. The plan records that split once, with the checks that make a
+mistake visible at setup rather than as a wrong gradient later: layers must be distinct submodules
+of the model, every trainable parameter must belong to some layer, and no parameter may be shared
+by layers on different stages (tied weights across stages come with the data-parallel work).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_pipe.pipeline.partition import Partition, compute_balance, parameter_count
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The split of a model's pipeline layers into stages."""
+
+    layer_names: tuple[str, ...]
+    """Qualified name of each pipeline layer inside the model, in pipeline order."""
+    balance: tuple[int, ...]
+    """Number of layers of each stage."""
+    parameter_counts: tuple[int, ...]
+    """Distinct parameter elements of each layer."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.balance)
+
+    def layer_range(self, stage_index: int) -> range:
+        start = sum(self.balance[:stage_index])
+        return range(start, start + self.balance[stage_index])
+
+    def stage_of_layer(self, layer_index: int) -> int:
+        for stage in range(self.num_stages):
+            if layer_index in self.layer_range(stage):
+                return stage
+        raise IndexError(f"layer {layer_index} is outside the {len(self.layer_names)} pipeline layers")
+
+    def stage_of_key(self, key: str) -> int | None:
+        """The stage that owns a state-dict key of the model, ``None`` for keys outside all layers."""
+        for index, name in enumerate(self.layer_names):
+            if key.startswith(name + "."):
+                return self.stage_of_layer(index)
+        return None
+
+    def describe(self, layers: Sequence[nn.Module]) -> str:
+        """A table of stages, their layers and parameter counts, for the start-of-run log."""
+        lines = []
+        for stage in range(self.num_stages):
+            rng = self.layer_range(stage)
+            kinds = ", ".join(type(layers[i]).__name__ for i in rng)
+            params = sum(self.parameter_counts[i] for i in rng)
+            lines.append(
+                f"  stage {stage}: layers {rng.start}-{rng.stop - 1} ({kinds}), {params:,} parameters"
+            )
+        return "\n".join(lines)
+
+
+def make_plan(
+    model: nn.Module, layers: Sequence[nn.Module], num_stages: int, partition: Partition = "parameters"
+) -> PipelinePlan:
+    """Check ``layers`` against ``model`` and split them into ``num_stages`` stages."""
+    if not isinstance(layers, Sequence) or isinstance(layers, nn.Module) or not layers:
+        raise TypeError(
+            "configure_pipeline() must return a non-empty list of nn.Module layers in pipeline order, "
+            f"got {type(layers).__name__}. For an nn.Sequential `self.layers`, return list(self.layers)."
+        )
+    names_by_id = {id(m): name for name, m in model.named_modules() if name}
+    names: list[str] = []
+    for position, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise TypeError(
+                f"configure_pipeline() item {position} is a {type(layer).__name__}, not an nn.Module."
+            )
+        if id(layer) not in names_by_id:
+            raise ValueError(
+                f"configure_pipeline() item {position} ({type(layer).__name__}) is not a submodule of "
+                f"{type(model).__name__}: assign it to an attribute (e.g. inside an nn.ModuleList) so its "
+                "parameters are registered, saved and optimised."
+            )
+        names.append(names_by_id[id(layer)])
+    if len(set(names)) != len(names):
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"configure_pipeline() lists the layers {repeated} more than once.")
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(
+                    f"configure_pipeline() lists both {a!r} and its submodule {b!r}; list each layer once."
+                )
+
+    balance = compute_balance(layers, num_stages, partition)
+    plan = PipelinePlan(tuple(names), tuple(balance), tuple(parameter_count(m) for m in layers))
+
+    stage_of_param: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        stage = plan.stage_of_layer(index)
+        for pname, param in layer.named_parameters():
+            previous = stage_of_param.setdefault(id(param), stage)
+            if previous != stage:
+                raise ValueError(
+                    f"Parameter {names[index]}.{pname} is shared by layers on pipeline stages {previous} "
+                    f"and {stage} (tied weights). Tied weights across stages are not supported yet: pass "
+                    "an explicit `partition` list that keeps the sharing layers on one stage."
+                )
+    stray = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stage_of_param]
+    if stray:
+        raise ValueError(
+            f"The trainable parameters {stray} belong to no layer returned by configure_pipeline(), so no "
+            "pipeline stage would train them. Move them into a pipeline layer, or freeze them with "
+            "requires_grad_(False)."
+        )
+    return plan

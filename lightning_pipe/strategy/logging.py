@@ -1,0 +1,156 @@
+"""Make ``self.log`` symmetric under pipeline parallelism.
+
+The user's step runs on the last stage only, once per micro-batch, yet every rank must end with
+the same ``trainer.callback_metrics`` as one device: ModelCheckpoint, EarlyStopping and the
+progress bar read them on every rank, and a rank that disagrees hangs or diverges.
+
+So while the pipeline runs, the last stage's ``self.log`` calls go to a :class:`LogCapture` in
+place of the loop's result collection. Afterwards the last stage reduces them to one record per
+key (the mean over micro-batches weighted by their sizes: one value for the whole batch, as one
+device logs it), sends the records and the state of every logged torchmetrics ``Metric`` to the
+other ranks of its pipeline, and *every* rank replays the records into its real result
+collection. From there on Lightning's own machinery (on_step/on_epoch accumulation, ``sync_dist``
+through ``strategy.reduce`` over the data-parallel group, epoch-end ``Metric.compute``) runs the
+same way on all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchmetrics import Metric
+
+
+@dataclass
+class LogRecord:
+    """Everything one ``results.log`` call needs, reduced over micro-batches and picklable."""
+
+    fx: str
+    name: str
+    options: dict[str, Any]
+    """Keyword arguments of ``_ResultCollection.log`` except the value and ``sync_dist_fn``."""
+    metric_attribute: str | None = None
+    weighted_sum: float = 0.0
+    weight: float = 0.0
+
+    @property
+    def value(self) -> float:
+        return self.weighted_sum / self.weight
+
+
+@dataclass
+class LogCapture:
+    """Stands in for the loop's ``_ResultCollection`` while the last stage runs its steps."""
+
+    microbatch_size: int = 0
+    records: dict[tuple[str, str], LogRecord] = field(default_factory=dict)
+
+    def log(self, fx: str, name: str, value: Any, **options: Any) -> None:
+        options.pop("sync_dist_fn", None)  # a bound strategy method: re-attached on replay
+        metric_attribute = options.pop("metric_attribute", None)
+        user_batch_size = options.pop("batch_size", None)
+        record = self.records.get((fx, name))
+        if record is None:
+            record = LogRecord(fx, name, options, metric_attribute)
+            self.records[(fx, name)] = record
+        if isinstance(value, Metric):
+            return  # its state travels whole; see metric_states()
+        weight = float(user_batch_size if user_batch_size is not None else self.microbatch_size)
+        record.weighted_sum += float(value.detach().double()) * weight
+        record.weight += weight
+        record.options["batch_size"] = int(record.weight)
+
+    def reset(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning resets tensors on the first log of a hook; the replay does that for real."""
+
+
+@contextmanager
+def capturing(trainer: Any, capture: LogCapture | None) -> Iterator[None]:
+    """Route ``self.log`` to ``capture`` during the pipeline (no-op for ``None``)."""
+    loop = trainer._active_loop
+    if capture is None or loop is None or getattr(loop, "_results", None) is None:
+        yield
+        return
+    # The fit loop only forwards `_results` to its epoch loop, which owns the collection.
+    while isinstance(getattr(type(loop), "_results", None), property):
+        loop = loop.epoch_loop
+    connector = trainer._logger_connector
+    real, current_fx = loop._results, connector._current_fx
+    loop._results = capture
+    try:
+        yield
+    finally:
+        loop._results = real
+        # Replay decides about resets as if no log had happened yet, identically on every rank.
+        connector._current_fx = current_fx
+
+
+def metric_states(module: torch.nn.Module, records: list[LogRecord]) -> dict[str, Any]:
+    """The state of every Metric logged in ``records``, moved to CPU for sending."""
+    states: dict[str, Any] = {}
+    for record in records:
+        attr = record.metric_attribute
+        if attr is None or attr in states:
+            continue
+        metric = module.get_submodule(attr)
+        if not isinstance(metric, Metric):
+            raise TypeError(f"{attr!r} was logged as a torchmetrics Metric but is a {type(metric).__name__}.")
+        state = {
+            k: ([t.cpu() for t in v] if isinstance(v, list) else v.cpu())
+            for k, v in metric.metric_state.items()
+        }
+        cache = metric._forward_cache
+        states[attr] = (
+            state,
+            metric._update_count,
+            cache.cpu() if isinstance(cache, torch.Tensor) else cache,
+        )
+    return states
+
+
+def load_metric_states(module: torch.nn.Module, states: dict[str, Any], device: torch.device) -> None:
+    """Give this rank's copies of the logged metrics the last stage's state."""
+    for attr, (state, update_count, cache) in states.items():
+        metric: Any = module.get_submodule(attr)
+        for key, value in state.items():
+            if isinstance(value, list):
+                setattr(metric, key, [t.to(device) for t in value])
+            else:
+                setattr(metric, key, value.to(device))
+        metric._update_count = update_count
+        metric._computed = None
+        metric._forward_cache = cache.to(device) if isinstance(cache, torch.Tensor) else cache
+
+
+def replay(
+    trainer: Any,
+    module: torch.nn.Module,
+    records: list[LogRecord],
+    reduce_fn: Callable[..., Any],
+    device: torch.device,
+) -> None:
+    """Log ``records`` into the active loop's real result collection, as ``LightningModule.log`` would."""
+    results = trainer._results
+    if results is None:
+        return
+    connector = trainer._logger_connector
+    for record in records:
+        if connector.should_reset_tensors(record.fx):
+            results.reset(metrics=False, fx=record.fx)
+        if record.metric_attribute is not None:
+            value: Any = module.get_submodule(record.metric_attribute)
+        else:
+            value = torch.tensor(record.value, dtype=torch.get_default_dtype(), device=device)
+        results.log(
+            record.fx,
+            record.name,
+            value,
+            sync_dist_fn=reduce_fn,
+            metric_attribute=record.metric_attribute,
+            **record.options,
+        )
+        connector._current_fx = record.fx

@@ -1,0 +1,466 @@
+"""``PipeTPStrategy``: the Lightning adapter over the plain-torch engine.
+
+The strategy keeps Lightning's loops, hooks, launchers and cluster environments (it derives from
+``DDPStrategy`` for the process-group plumbing, but never wraps the model in DDP) and replaces
+one thing: a training, validation, test or predict *step* runs a whole pipeline schedule over the
+micro-batches of the batch. Inside the schedule the user's step runs on the last stage, once per
+micro-batch, with ``self(...)`` returning the pipeline output.
+
+Lightning's closure would zero the gradients after ``training_step`` and then call backward; the
+executor has already run backward for every micro-batch by then, so the strategy switches the
+closure's zero-grad and backward off (the automatic-optimization loop's ``_skip_backward``) and
+runs the zero-grad hooks itself at the start of each accumulation window. Optimizer steps,
+accumulation, LR schedulers and gradient clipping (by a global norm over all stages) then run
+unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics import Metric
+from typing_extensions import override
+
+from lightning_pipe.data_parallel.replicas import average_gradients, broadcast_parameters
+from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
+from lightning_pipe.pipeline.actions import PipelineSchedule
+from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor
+from lightning_pipe.pipeline.microbatch import batch_size, microbatch_sizes, signature, split_microbatches
+from lightning_pipe.pipeline.partition import check_partition
+from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
+from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
+from lightning_pipe.strategy import logging as pipe_logging
+from lightning_pipe.strategy.outputs import concat_outputs, default_pipeline_input, forward_returns
+
+_SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
+
+
+class PipeTPStrategy(DDPStrategy):
+    """Pipeline (GPipe / 1F1B) x tensor x data parallelism for Lightning.
+
+    Args:
+        pipeline_parallel_size: number of pipeline stages. ``"auto"``: what the tensor and data
+            sizes leave (with both data and pipeline ``"auto"``, every device joins the pipeline).
+        tensor_parallel_size: ranks that shard each layer (1 until tensor parallelism lands).
+        data_parallel_size: model replicas. ``"auto"``: world size / (pipeline x tensor).
+        num_microbatches: micro-batches per batch. ``None``: ``2 x pipeline_parallel_size``,
+            capped at the batch size. Batches that do not divide evenly are split like
+            ``torch.tensor_split`` and their losses weighted by size.
+        schedule: ``"1f1b"`` (default; at most ``pipeline_parallel_size`` micro-batches of
+            activations alive per stage) or ``"gpipe"`` (all forwards, then all backwards).
+        partition: ``"parameters"`` (default: balance parameter counts), ``"uniform"`` (balance
+            layer counts) or a list of layer counts per stage.
+        checkpoint: activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``.
+        process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
+        timeout: deadline of every collective and point-to-point exchange.
+        start_method: ``"popen"`` (Lightning re-launches the script; torchrun and SLURM start
+            the processes themselves) or ``"spawn"``/``"fork"``/``"forkserver"``.
+    """
+
+    strategy_name = "pipe_tp"
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        num_microbatches: int | None = None,
+        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        partition: Literal["parameters", "uniform"] | list[int] = "parameters",
+        checkpoint: Literal["never", "except_last", "always"] = "never",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method, **kwargs
+        )
+        # Validate everything now, before any process is launched or any data is loaded.
+        ParallelLayout.resolve(
+            _min_world(pipeline_parallel_size, tensor_parallel_size, data_parallel_size),
+            pipeline_parallel_size,
+            tensor_parallel_size,
+            data_parallel_size,
+        )
+        if num_microbatches is not None and (
+            not isinstance(num_microbatches, int)
+            or isinstance(num_microbatches, bool)
+            or num_microbatches < 1
+        ):
+            raise ValueError(
+                f"num_microbatches must be an integer >= 1 or None (automatic), got {num_microbatches!r}."
+            )
+        check_partition(partition)
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.num_microbatches = num_microbatches
+        self.schedule = ScheduleKind.parse(schedule)
+        self.partition = partition
+        self.checkpoint = CheckpointMode.parse(checkpoint)
+        self._mesh: ParallelMesh | None = None
+        self._plan: PipelinePlan | None = None
+        self._executor: PipelineExecutor | None = None
+        self._owned_params: list[torch.nn.Parameter] = []
+        self._schedules: dict[tuple[int, bool], PipelineSchedule] = {}
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def module(self) -> LightningModule:
+        """The LightningModule being trained (it is never wrapped under this strategy)."""
+        if self.lightning_module is None:
+            raise RuntimeError("The pipe_tp strategy has no LightningModule attached yet.")
+        return self.lightning_module
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        if self._mesh is None:
+            raise RuntimeError("The pipe_tp mesh exists only after the processes have started.")
+        return self._mesh
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh.coordinates.pp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.mesh.layout.pipeline_parallel_size - 1
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        layout = ParallelLayout.resolve(
+            self.world_size, self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size
+        )
+        if layout.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={layout.tensor_parallel_size} is not supported yet; use 1."
+            )
+        self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank of a pipeline must see the same batch: shard data over the data axis only.
+        c = self.mesh.coordinates
+        return {"num_replicas": self.mesh.layout.data_parallel_size, "rank": c.dp_rank}
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        module = self.module
+        self._check_module(module, trainer)
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(module)
+        self._build_pipeline(module)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            # The executor runs backward inside training_step; the closure must neither zero the
+            # gradients afterwards nor run backward again.
+            trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_global_clipping()
+
+    def _check_module(self, module: LightningModule, trainer: Trainer) -> None:
+        if not module.automatic_optimization:
+            raise MisconfigurationException(
+                f"{type(module).__name__} uses manual optimization (automatic_optimization = False), which "
+                "the pipe_tp strategy does not support: the pipeline runs forward and backward of all "
+                "micro-batches inside one step. Use automatic optimization."
+            )
+        if not callable(getattr(module, "configure_pipeline", None)):
+            raise MisconfigurationException(
+                f"{type(module).__name__} has no configure_pipeline() method, which the pipe_tp strategy "
+                "needs: return the ordered list of layers to split into stages, e.g. "
+                "`def configure_pipeline(self): return list(self.layers)`."
+            )
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if precision not in _SUPPORTED_PRECISION:
+            raise MisconfigurationException(
+                f"precision={precision!r} is not supported by the pipe_tp strategy yet; use one of "
+                f"{list(_SUPPORTED_PRECISION)} (for 16-bit training on GPUs, 'bf16-mixed')."
+            )
+
+    def _build_pipeline(self, module: LightningModule) -> None:
+        mesh = self.mesh
+        pp = mesh.layout.pipeline_parallel_size
+        layers = module.configure_pipeline()  # type: ignore[operator]
+        plan = make_plan(module, layers, pp, self.partition)
+        own = [layers[i] for i in plan.layer_range(self.pp_rank)]
+        self._plan, self._layers = plan, list(layers)
+        self._owned_params = [p for layer in own for p in layer.parameters() if p.requires_grad]
+        self._executor = PipelineExecutor(
+            {self.pp_rank: own}, pp, mesh.pipeline_peers, self.root_device, self.checkpoint
+        )
+        self._schedules.clear()
+        # torchmetrics sync over the data axis only: ranks of one pipeline hold the same state.
+        for sub in module.modules():
+            if isinstance(sub, Metric):
+                sub.process_group = mesh.group(MeshAxis.DATA)
+        dp_group = mesh.group(MeshAxis.DATA)
+        if mesh.layout.data_parallel_size > 1:
+            src = mesh.layout.rank_of(0, self.pp_rank, mesh.coordinates.tp_rank)
+            tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
+            broadcast_parameters(tensors, dp_group, src)
+        rank_zero_info(
+            f"pipe_tp: layout {mesh.layout} (world {mesh.layout.world_size}), schedule "
+            f"{self.schedule.value}, micro-batches {self.num_microbatches or f'auto (2 x {pp})'}, "
+            f"checkpoint {self.checkpoint.value}\n{plan.describe(layers)}"
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        # Only this stage's layers (and the module's own non-layer state) go to the device: the
+        # other stages' layers stay where they were built, off the accelerator.
+        assert self.model is not None and self._plan is not None
+        own = set(self._plan.layer_range(self.pp_rank))
+        skip = {
+            id(t)
+            for i, layer in enumerate(self._layers)
+            if i not in own
+            for t in (*layer.parameters(), *layer.buffers())
+        }
+        device = self.root_device
+        self.model._apply(lambda t: t if id(t) in skip else t.to(device))
+
+    @override
+    def configure_ddp(self) -> None:
+        """No DDP wrapper: data-parallel gradients are averaged by the strategy itself."""
+
+    def _install_global_clipping(self) -> None:
+        strategy = self
+
+        def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
+            strategy.clip_gradients_global_norm(float(clip_val))
+
+        self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)  # type: ignore[method-assign]
+
+    def clip_gradients_global_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients, as one device would; returns the norm."""
+        grads = [p.grad for p in self._owned_params if p.grad is not None]
+        device = self.root_device
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += g.detach().float().pow(2).sum()
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
+        total = local.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(coef.to(g.dtype))
+        return total
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over the data axis by default: ranks of one pipeline hold the same logged values."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group or self.mesh.group(MeshAxis.DATA), reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = _sync_ddp_if_available(flag, dist.group.WORLD, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.module.trainer
+        epoch_loop = trainer.fit_loop.epoch_loop
+        batch_idx = epoch_loop.batch_idx
+        optimizer = trainer.optimizers[0]
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            # What the closure would have done (after the step, too late for us): zero the grads.
+            call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
+            call._call_lightning_module_hook(
+                trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
+            )
+        with self.precision_plugin.train_step_context():
+            loss = self._run_step("training_step", args, training=True)
+        if not trainer.fit_loop._should_accumulate():
+            average_gradients(self._owned_params, self.mesh.group(MeshAxis.DATA))
+        call._call_callback_hooks(trainer, "on_after_backward")
+        call._call_lightning_module_hook(trainer, "on_after_backward")
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._run_step("validation_step", args, training=False)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._run_step("test_step", args, training=False)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._run_step("predict_step", args, training=False)
+
+    def _microbatches(self, batch: Any) -> int:
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        return max(1, min(2 * self.mesh.layout.pipeline_parallel_size, batch_size(batch)))
+
+    def _schedule_for(self, m: int, training: bool) -> PipelineSchedule:
+        key = (m, training)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(
+                self.schedule, self.mesh.layout.pipeline_parallel_size, m, training
+            )
+        return self._schedules[key]
+
+    def _run_step(self, step_name: str, args: tuple[Any, ...], training: bool) -> Any:
+        """Run one schedule over the batch's micro-batches; return the same result on every rank."""
+        module = self.module
+        trainer = module.trainer
+        batch, rest = args[0], args[1:]
+        m = self._microbatches(batch)
+        sizes = microbatch_sizes(batch_size(batch), m)
+        microbatches = split_microbatches(batch, m)
+        to_input = getattr(module, "pipeline_input", default_pipeline_input)
+        inputs = [to_input(mb) for mb in microbatches]
+        total = sum(sizes)
+        weights = [n / total / trainer.accumulate_grad_batches for n in sizes] if training else None
+        capture = pipe_logging.LogCapture() if self.is_last_stage else None
+
+        def head(output: Any, i: int) -> Any:
+            if capture is not None:
+                capture.microbatch_size = sizes[i]
+            with forward_returns(module, output, step_name):
+                value = getattr(module, step_name)(microbatches[i], *rest)
+            if not training:
+                return value
+            loss = value.get("loss") if isinstance(value, dict) else value
+            if not isinstance(loss, torch.Tensor):
+                raise MisconfigurationException(
+                    f"training_step must return the loss tensor (or a dict with a 'loss' key) for every "
+                    f"micro-batch under pipe_tp, got {type(value).__name__} for micro-batch {i}."
+                )
+            return loss
+
+        assert self._executor is not None
+        with pipe_logging.capturing(trainer, capture):
+            result = self._executor.run(
+                self._schedule_for(m, training),
+                self.pp_rank,
+                inputs=inputs if self.is_first_stage else None,
+                head=head if self.is_last_stage else None,
+                weights=weights,
+                signatures=[signature(x) for x in inputs],
+            )
+
+        payload: dict[str, Any] = {}
+        if self.is_last_stage:
+            outputs = [result.outputs[i] for i in range(m)]
+            records = list(capture.records.values()) if capture is not None else []
+            payload["records"] = records
+            payload["metrics"] = pipe_logging.metric_states(module, records)
+            if training:
+                payload["loss"] = sum(
+                    float(o.detach().double()) * n / total for o, n in zip(outputs, sizes, strict=True)
+                )
+            elif step_name == "predict_step":
+                payload["predictions"] = _to_cpu(concat_outputs(outputs))
+        payload = self._from_last_stage(payload)
+        pipe_logging.load_metric_states(module, payload["metrics"], self.root_device)
+        pipe_logging.replay(trainer, module, payload["records"], self.reduce, self.root_device)
+        if training:
+            return torch.tensor(payload["loss"], dtype=torch.float32, device=self.root_device)
+        return payload.get("predictions")
+
+    def _from_last_stage(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Send the last stage's ``payload`` to every rank of this pipeline."""
+        layout = self.mesh.layout
+        if layout.pipeline_parallel_size == 1:
+            return payload
+        c = self.mesh.coordinates
+        src = layout.rank_of(c.dp_rank, layout.pipeline_parallel_size - 1, c.tp_rank)
+        box = [payload]
+        device = self.root_device if self.root_device.type == "cuda" else None
+        dist.broadcast_object_list(box, src=src, group=self.mesh.group(MeshAxis.PIPELINE), device=device)
+        return box[0]
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state on global rank 0, each tensor from the stage that owns it."""
+        assert self._plan is not None
+        full = self.module.state_dict()
+        c = self.mesh.coordinates
+        mine = {}
+        if c.dp_rank == 0 and c.tp_rank == 0:
+            mine = {
+                k: v.detach().cpu() for k, v in full.items() if self._plan.stage_of_key(k) == self.pp_rank
+            }
+        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
+        dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
+        if self.global_rank != 0:
+            return {}
+        merged = dict(full)
+        for part in gathered:
+            merged.update(part or {})
+        return merged
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state on global rank 0, each parameter's entry from its owner stage."""
+        state = optimizer.state_dict()
+        c = self.mesh.coordinates
+        mine = state["state"] if c.dp_rank == 0 and c.tp_rank == 0 else {}
+        mine = {
+            k: {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in v.items()}
+            for k, v in mine.items()
+        }
+        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
+        dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
+        if self.global_rank != 0:
+            return {}
+        merged_state: dict[Any, Any] = {}
+        for part in gathered:
+            merged_state.update(part or {})
+        return {"state": merged_state, "param_groups": state["param_groups"]}
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)({k: _to_cpu(v) for k, v in value.items()})
+    if isinstance(value, tuple | list):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _min_world(pp: int | str, tp: int, dp: int | str) -> int:
+    """Smallest world size that fits the given sizes (for validating them before launch)."""
+    return (
+        (pp if isinstance(pp, int) else 1)
+        * (tp if isinstance(tp, int) else 1)
+        * (dp if isinstance(dp, int) else 1)
+    )

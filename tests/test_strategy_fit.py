@@ -1,0 +1,105 @@
+"""``Trainer.fit`` under pipe_tp (gloo, CPU) ends where ``strategy="auto"`` on one device ends.
+
+Weights after two epochs (within 1e-5), ``callback_metrics`` (loss on step and epoch, a
+torchmetrics metric, a ``sync_dist`` value), identical on every rank and equal to the single
+device, for pp in {2, 4}, both schedules, accumulate_grad_batches in {1, 2}, with and without
+gradient clipping, with a per-step LR scheduler. Several fits share one spawned world per pipeline
+size to keep CI fast.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_pipe import PipeTPStrategy
+from tests.distributed import run_distributed
+from tests.lightning_models import Regressor, dataset, loader
+
+TOL = 1e-5
+TRAIN, VAL = dataset(40, seed=1), dataset(16, seed=2)
+
+CASES = [
+    {"id": "1f1b-acc1", "schedule": "1f1b", "m": 4, "acc": 1, "clip": None},
+    {"id": "gpipe-acc2-clip", "schedule": "gpipe", "m": 3, "acc": 2, "clip": 0.05},
+    {"id": "1f1b-acc2-clip", "schedule": "1f1b", "m": 2, "acc": 2, "clip": 0.05},
+    {"id": "gpipe-acc1-m8", "schedule": "gpipe", "m": 8, "acc": 1, "clip": None},
+]
+
+
+def _trainer(strategy: Any, devices: int, case: dict[str, Any], root: str) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=2,
+        accumulate_grad_batches=case["acc"],
+        gradient_clip_val=case["clip"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+
+
+def _metrics(trainer: L.Trainer) -> dict[str, float]:
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def fit_worker(pp: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for case in cases:
+        model = Regressor()
+        strategy = PipeTPStrategy(
+            pipeline_parallel_size=pp,
+            num_microbatches=case["m"],
+            schedule=case["schedule"],
+            timeout=timedelta(seconds=60),
+        )
+        with tempfile.TemporaryDirectory() as root:
+            trainer = _trainer(strategy, pp, case, root)
+            trainer.fit(model, loader(TRAIN, 8, reference=False), loader(VAL, 8, reference=False))
+        owned = {
+            n: p.detach().clone()
+            for n, p in model.named_parameters()
+            if strategy._plan.stage_of_key(n) == strategy.pp_rank
+        }
+        out[case["id"]] = {"params": owned, "metrics": _metrics(trainer), "step": trainer.global_step}
+    return out
+
+
+def reference(case: dict[str, Any]) -> dict[str, Any]:
+    model = Regressor()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = _trainer("auto", 1, case, root)
+        trainer.fit(model, loader(TRAIN, 8, reference=True), loader(VAL, 8, reference=True))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "metrics": _metrics(trainer), "step": trainer.global_step}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"pp{p}")
+def fits(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return run_distributed(fit_worker, request.param, request.param, CASES, timeout=400, init_group=False)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_fit_matches_single_device(fits: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    ref = reference(case)
+    got = [r[case["id"]] for r in fits]
+    merged = {n: p for r in got for n, p in r["params"].items()}
+    assert merged.keys() == ref["params"].keys()
+    for name, expected in ref["params"].items():
+        torch.testing.assert_close(merged[name], expected, atol=TOL, rtol=0, msg=f"weight {name}")
+    for rank, r in enumerate(got):
+        assert r["step"] == ref["step"]
+        assert r["metrics"].keys() == ref["metrics"].keys(), f"rank {rank}"
+        for key, value in ref["metrics"].items():
+            assert r["metrics"][key] == pytest.approx(value, abs=TOL), f"rank {rank}: {key}"
+    # Identical on every rank, not merely close.
+    assert all(r["metrics"] == got[0]["metrics"] for r in got)
