@@ -1,0 +1,168 @@
+"""pipe_tp's edge cases: one process (pp=1) equals one device, bad configurations fail at setup
+with messages that name the fix, and the bf16 precisions train."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+
+from lightning_pipe import PipeTPStrategy
+from tests.distributed import run_distributed
+from tests.lightning_models import Regressor, dataset, loader
+
+TRAIN, VAL = dataset(40, seed=1), dataset(16, seed=2)
+
+
+def _fit(
+    model: L.LightningModule, strategy: Any, devices: int, reference: bool = False, **kw: Any
+) -> L.Trainer:
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=devices,
+            max_epochs=kw.pop("max_epochs", 1),
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+            **kw,
+        )
+        trainer.fit(model, loader(TRAIN, 8, reference), loader(VAL, 8, reference))
+    return trainer
+
+
+class ManualOpt(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class NoPipeline(Regressor):
+    configure_pipeline = None  # type: ignore[assignment]
+
+
+class TwoCalls(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return ((self(x) - y) ** 2).mean() + self(x).sum() * 0
+
+
+class StrayParameter(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+
+def _error(model: L.LightningModule, strategy: Any, **kw: Any) -> str:
+    try:
+        _fit(model, strategy, 1, **kw)
+    except Exception as err:  # the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def single_process_worker() -> dict[str, Any]:
+    def strategy(**kw: Any) -> PipeTPStrategy:
+        return PipeTPStrategy(timeout=timedelta(seconds=30), **kw)
+
+    model = Regressor()
+    trainer = _fit(model, strategy(num_microbatches=3), 1, max_epochs=2)
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "manual": _error(ManualOpt(), strategy()),
+        "no_pipeline": _error(NoPipeline(), strategy()),
+        "two_calls": _error(TwoCalls(), strategy()),
+        "stray": _error(StrayParameter(), strategy()),
+        "fp16": _error(Regressor(), strategy(), plugins=[MixedPrecision("16-mixed", "cpu")]),
+        "too_many_stages": _error(Regressor(), strategy(pipeline_parallel_size=2)),
+    }
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, Any]:
+    return run_distributed(single_process_worker, 1, timeout=300, init_group=False)[0]
+
+
+def test_one_process_equals_one_device(single: dict[str, Any]) -> None:
+    model = Regressor()
+    trainer = _fit(model, "auto", 1, reference=True, max_epochs=2)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(single["params"][name], param.detach(), atol=1e-5, rtol=0)
+    ref = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert single["metrics"].keys() == ref.keys()
+    for key, value in ref.items():
+        assert single["metrics"][key] == pytest.approx(value, abs=1e-5), key
+
+
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        ("manual", r"MisconfigurationException: ManualOpt uses manual optimization.*Use automatic"),
+        ("no_pipeline", r"NoPipeline has no configure_pipeline\(\).*return list\(self.layers\)"),
+        ("two_calls", r"TwoCalls.training_step called self\(\.\.\.\) 2 times.*exactly once"),
+        ("stray", r"\['temperature'\] belong to no layer returned by configure_pipeline\(\)"),
+        ("fp16", r"precision='16-mixed' is not supported.*'bf16-mixed'"),
+        (
+            "too_many_stages",
+            r"pipeline_parallel_size \(2\) x tensor_parallel_size \(1\) = 2 does not divide the world size 1",
+        ),
+    ],
+)
+def test_setup_errors_name_the_fix(single: dict[str, Any], case: str, pattern: str) -> None:
+    assert re.search(pattern, single[case], re.S), single[case]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"schedule": "zigzag"}, r"Unknown pipeline schedule 'zigzag': expected one of 'gpipe', '1f1b'"),
+        ({"partition": "balanced"}, r"Unknown partition 'balanced': expected one of 'uniform', 'parameters'"),
+        ({"checkpoint": "sometimes"}, r"Unknown checkpoint mode 'sometimes': expected one of 'never'"),
+        ({"num_microbatches": 0}, r"num_microbatches must be an integer >= 1 or None \(automatic\), got 0"),
+        ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size must be an integer >= 1 or 'auto', got 0"),
+        ({"partition": [2, "x"]}, r"A partition list holds layer counts \(integers\)"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        PipeTPStrategy(**kwargs)
+
+
+def bf16_worker(precision: str) -> dict[str, Any]:
+    model = Regressor()
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
+    trainer = _fit(model, strategy, 2, precision=precision, max_epochs=2)
+    return {
+        "params": {
+            n: p.detach().float().clone()
+            for n, p in model.named_parameters()
+            if strategy._plan.stage_of_key(n) == strategy.pp_rank
+        },
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_precisions_train_like_one_device(precision: str) -> None:
+    got = run_distributed(bf16_worker, 2, precision, timeout=300, init_group=False)
+    model = Regressor()
+    trainer = _fit(model, "auto", 1, reference=True, precision=precision, max_epochs=2)
+    merged = {n: p for r in got for n, p in r["params"].items()}
+    for name, param in model.named_parameters():
+        # bf16 keeps ~3 significant digits and micro-batching changes the matmul shapes, so the
+        # runs agree to bf16 precision, not bit for bit.
+        torch.testing.assert_close(merged[name], param.detach().float(), atol=3e-2, rtol=3e-2)
+    assert got[0]["metrics"] == got[1]["metrics"]
+    assert got[0]["metrics"]["train_loss_epoch"] == pytest.approx(
+        float(trainer.callback_metrics["train_loss_epoch"]), rel=3e-2
+    )

@@ -1,0 +1,118 @@
+"""validate / test / predict and the callbacks that read callback_metrics, under pipe_tp (pp=2).
+
+One fit with ModelCheckpoint(monitor="val_loss", save_top_k=2), EarlyStopping, LearningRateMonitor
+and a CSV logger, then trainer.validate / test / predict on the trained model; every number is
+compared with the same sequence on one device, and the best checkpoint (written by rank 0 with
+every stage's weights) must hold the single device's best weights.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from lightning_pipe import PipeTPStrategy
+from tests.distributed import run_distributed
+from tests.lightning_models import Regressor, dataset, loader
+
+TOL = 1e-5
+TRAIN, VAL, TEST = dataset(40, seed=1), dataset(16, seed=2), dataset(12, seed=3)
+
+
+def _session(strategy: Any, devices: int, reference: bool) -> dict[str, Any]:
+    model = Regressor(lr=0.02)
+    with tempfile.TemporaryDirectory() as root:
+        checkpoint = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), monitor="val_loss", save_top_k=2)
+        stopper = EarlyStopping(monitor="val_loss", min_delta=0.005, patience=1)
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=devices,
+            max_epochs=6,
+            callbacks=[checkpoint, stopper, LearningRateMonitor()],
+            logger=CSVLogger(root),
+            enable_model_summary=False,
+            default_root_dir=root,
+        )
+        trainer.fit(model, loader(TRAIN, 8, reference), loader(VAL, 8, reference))
+        best = None
+        if trainer.is_global_zero:
+            best = torch.load(checkpoint.best_model_path, weights_only=True)["state_dict"]
+        out = {
+            "epochs": trainer.current_epoch,
+            "stopped_epoch": stopper.stopped_epoch,
+            "best_score": float(checkpoint.best_model_score),
+            "kept": sorted(os.path.basename(p) for p in checkpoint.best_k_models),
+            "files": sorted(os.listdir(os.path.join(root, "ckpt"))) if trainer.is_global_zero else None,
+            "best_state": best,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "validate": trainer.validate(model, loader(VAL, 8, reference), verbose=False),
+            "test": trainer.test(model, DataLoader(TEST, batch_size=6), verbose=False),
+            "predict": trainer.predict(model, DataLoader(TEST, batch_size=5)),
+        }
+    return out
+
+
+def eval_worker() -> dict[str, Any]:
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
+    return _session(strategy, 2, reference=False)
+
+
+@pytest.fixture(scope="module")
+def sessions() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    got = run_distributed(eval_worker, 2, timeout=400, init_group=False)
+    return got, _session("auto", 1, reference=True)
+
+
+def test_callbacks_see_single_device_metrics(sessions: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
+    got, ref = sessions
+    for r in got:
+        assert r["epochs"] == ref["epochs"]
+        assert r["stopped_epoch"] == ref["stopped_epoch"]
+        assert r["best_score"] == pytest.approx(ref["best_score"], abs=TOL)
+        assert r["kept"] == ref["kept"]
+        assert r["metrics"].keys() == ref["metrics"].keys()
+        for key, value in ref["metrics"].items():
+            assert r["metrics"][key] == pytest.approx(value, abs=TOL), key
+    # The run must actually have stopped early, or the EarlyStopping check above proves nothing.
+    assert 0 < ref["stopped_epoch"] < 5
+    # Three epochs saved three checkpoints; save_top_k=2 must have deleted the worst one.
+    assert ref["epochs"] >= 3
+    assert got[0]["files"] == ref["files"] and len(ref["files"]) == 2
+
+
+def test_best_checkpoint_holds_every_stage(sessions: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
+    got, ref = sessions
+    saved, expected = got[0]["best_state"], ref["best_state"]
+    assert saved.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(saved[key], value, atol=TOL, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_evaluation_results(sessions: tuple[list[dict[str, Any]], dict[str, Any]], stage: str) -> None:
+    got, ref = sessions
+    for r in got:
+        assert len(r[stage]) == len(ref[stage]) == 1
+        assert r[stage][0].keys() == ref[stage][0].keys()
+        for key, value in ref[stage][0].items():
+            assert r[stage][0][key] == pytest.approx(value, abs=TOL), key
+
+
+def test_predict_returns_replica_predictions_on_every_rank(
+    sessions: tuple[list[dict[str, Any]], dict[str, Any]],
+) -> None:
+    got, ref = sessions
+    for r in got:
+        assert len(r["predict"]) == len(ref["predict"]) == 3
+        for mine, theirs in zip(r["predict"], ref["predict"], strict=True):
+            torch.testing.assert_close(mine, theirs, atol=TOL, rtol=0)
