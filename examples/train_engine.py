@@ -1,6 +1,6 @@
 """Train a small MLP with the bare pipeline engine (no Lightning) on 4 CPU processes with gloo.
 
-Run: ``torchrun --nproc-per-node 4 examples/train_engine.py`` (or ``bash examples/train.sh engine``).
+Run: ``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_engine.py``.
 Each process holds one stage of an 8-layer network; the last stage computes the loss and prints it.
 This is the engine the ``pipe_tp`` Lightning strategy drives; it shows the pieces without a Trainer.
 """

@@ -64,7 +64,18 @@ def _session(strategy: Any, devices: int, reference: bool) -> dict[str, Any]:
 
 def eval_worker() -> dict[str, Any]:
     strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
-    return _session(strategy, 2, reference=False)
+    out = _session(strategy, 2, reference=False)
+    # The same module, unchanged, also trains under plain DDP (configure_pipeline is ignored there).
+    model = Regressor()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
+        )  # fmt: skip
+        trainer.fit(model, loader(TRAIN, 8, reference=False))
+    out["ddp_loss"] = float(trainer.callback_metrics["train_loss_epoch"])
+    out["ddp_weight"] = model.layers[0].weight.detach().clone()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +127,10 @@ def test_predict_returns_replica_predictions_on_every_rank(
         assert len(r["predict"]) == len(ref["predict"]) == 3
         for mine, theirs in zip(r["predict"], ref["predict"], strict=True):
             torch.testing.assert_close(mine, theirs, atol=TOL, rtol=0)
+
+
+def test_same_module_trains_under_ddp(sessions: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
+    got, _ = sessions
+    assert torch.isfinite(torch.tensor(got[0]["ddp_loss"]))
+    torch.testing.assert_close(got[0]["ddp_weight"], got[1]["ddp_weight"], atol=0, rtol=0)
+    assert not torch.equal(got[0]["ddp_weight"], Regressor().layers[0].weight.detach())

@@ -103,3 +103,34 @@ def test_fit_matches_single_device(fits: list[dict[str, Any]], case: dict[str, A
             assert r["metrics"][key] == pytest.approx(value, abs=TOL), f"rank {rank}: {key}"
     # Identical on every rank, not merely close.
     assert all(r["metrics"] == got[0]["metrics"] for r in got)
+
+
+def dp_worker() -> dict[str, Any]:
+    model = Regressor()
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
+    case = {"acc": 2, "clip": 0.05}
+    with tempfile.TemporaryDirectory() as root:
+        trainer = _trainer(strategy, 4, case, root)
+        trainer.fit(model, loader(TRAIN, 4, reference=False))
+    coords = strategy.mesh.coordinates
+    return {
+        "coords": (coords.dp_rank, coords.pp_rank),
+        "params": {
+            n: p.detach().clone()
+            for n, p in model.named_parameters()
+            if strategy._plan.stage_of_key(n) == strategy.pp_rank
+        },
+    }
+
+
+def test_data_parallel_pipelines_match_one_device_on_the_whole_batch() -> None:
+    """dp=2 x pp=2: each replica sees half of every batch of 8; one device sees all 8."""
+    got = run_distributed(dp_worker, 4, timeout=300, init_group=False)
+    assert [r["coords"] for r in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    model = Regressor()
+    with tempfile.TemporaryDirectory() as root:
+        _trainer("auto", 1, {"acc": 2, "clip": 0.05}, root).fit(model, loader(TRAIN, 8, reference=True))
+    for replica in (got[:2], got[2:]):
+        merged = {n: p for r in replica for n, p in r["params"].items()}
+        for name, expected in model.named_parameters():
+            torch.testing.assert_close(merged[name], expected.detach(), atol=TOL, rtol=0, msg=name)
