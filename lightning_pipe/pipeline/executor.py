@@ -12,7 +12,9 @@ accumulated gradient equals the whole batch's on one device.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,10 +73,32 @@ class StepResult:
     """Micro-batch index -> what ``head`` returned for it (the loss when training)."""
     peak_stashed: int = 0
     """The most micro-batches whose activations this rank kept alive at once."""
+    peak_activation_bytes: int = 0
+    """Most bytes of tensors autograd saved for backward, over the micro-batches alive at once
+    (measured only with ``PipelineExecutor.measure_activation_memory``)."""
+
+
+ActionRecorder = Callable[[Action, float, float], None]
+"""Called with an action and its start and end (``time.perf_counter()`` seconds) after it ran; a
+communication batch reports each of its actions with the batch's span (post and wait)."""
 
 
 def _as_tuple(value: Activation) -> tuple[torch.Tensor, ...]:
     return value if isinstance(value, tuple) else (value,)
+
+
+def _counting_pack(saved: dict[tuple[int, int], int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A saved-tensor hook that records each distinct saved tensor's bytes and keeps the tensor."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[(tensor.data_ptr(), tensor.nbytes)] = tensor.nbytes
+        return tensor
+
+    return pack
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class PipelineExecutor:
@@ -104,6 +128,10 @@ class PipelineExecutor:
         self.peers = list(peers)
         self.checkpoint = CheckpointMode.parse(checkpoint)
         self.transport = P2PTransport(device, group)
+        self.recorder: ActionRecorder | None = None
+        """Timeline hook; ``None`` (the default) costs one attribute test per action."""
+        self.measure_activation_memory = False
+        """Count the bytes autograd saves per micro-batch (a hook per saved tensor when on)."""
 
     # ------------------------------------------------------------------ step state
     def _reset(self) -> None:
@@ -112,6 +140,7 @@ class PipelineExecutor:
         self._output_meta: dict[tuple[int, int], ActivationMeta] = {}
         self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], Activation]] = {}
+        self._stash_bytes: dict[tuple[int, int], int] = {}
         self._result = StepResult()
 
     def run(
@@ -153,11 +182,17 @@ class PipelineExecutor:
         self._signatures = signatures
         self._reset()
         try:
+            recorder = self.recorder
             for batch in comm_batches(schedule.actions[pp_rank]):
+                start = time.perf_counter() if recorder is not None else 0.0
                 if batch[0].kind.is_compute:
                     self._compute(batch[0])
                 else:
                     self._communicate(batch)
+                if recorder is not None:
+                    end = time.perf_counter()
+                    for action in batch:
+                        recorder(action, start, end)
             self.transport.flush()
             return self._result
         finally:
@@ -196,7 +231,13 @@ class PipelineExecutor:
                     leaves.append(tensor)
             x = tuple(request.result) if meta.is_tuple else request.result[0]
         layers = self.stages[s]
-        with torch.set_grad_enabled(training):
+        saved: dict[tuple[int, int], int] = {}
+        memory = (
+            torch.autograd.graph.saved_tensors_hooks(_counting_pack(saved), _identity)
+            if training and self.measure_activation_memory
+            else contextlib.nullcontext()
+        )
+        with torch.set_grad_enabled(training), memory:
             if self._checkpointed(i):
                 is_tuple = isinstance(x, tuple)
                 args = x if is_tuple else (x,)
@@ -224,9 +265,18 @@ class PipelineExecutor:
             if training:
                 self._stash[(s, i)] = (leaves, out)
         self._result.peak_stashed = max(self._result.peak_stashed, len(self._stash))
+        if training and self.measure_activation_memory:
+            if self._checkpointed(i):  # recomputation keeps only the stage input
+                saved = {
+                    (t.data_ptr(), t.nbytes): t.nbytes for t in _as_tuple(x) if isinstance(t, torch.Tensor)
+                }
+            self._stash_bytes[(s, i)] = sum(saved.values())
+            live = sum(self._stash_bytes.values())
+            self._result.peak_activation_bytes = max(self._result.peak_activation_bytes, live)
 
     def _backward(self, s: int, i: int) -> None:
         leaves, out = self._stash.pop((s, i))
+        self._stash_bytes.pop((s, i), None)
         if s == self.num_stages - 1:
             loss = out
             if not loss.requires_grad:  # type: ignore[union-attr]
