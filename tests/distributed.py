@@ -15,6 +15,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,73 @@ def _child(
             dist.destroy_process_group()
 
 
+@dataclass
+class Outcome:
+    """How one rank ended: its exit code, its result or its error text, and whether it was killed."""
+
+    rank: int
+    exitcode: int | None
+    result: Any = None
+    error: str | None = None
+    killed: bool = False
+    seconds: float = 0.0
+
+
+def _launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    timeout: float,
+    pg_timeout: float,
+    init_group: bool,
+    grace: float,
+) -> list[Outcome]:
+    """Start the ranks, wait until all exit (or ``grace`` s after the first failure, or the
+    deadline), kill what is left, and report every rank's outcome."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world_size, port, out_dir, args, pg_timeout, init_group),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        start = time.monotonic()
+        for p in procs:
+            p.start()
+        deadline = start + timeout
+        ended: dict[int, float] = {}
+        while time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if p.exitcode is not None and r not in ended:
+                    ended[r] = time.monotonic() - start
+            if len(ended) == world_size:
+                break
+            failures = [p for p in procs if p.exitcode not in (None, 0)]
+            if failures and time.monotonic() > start + min(ended.values()) + grace:
+                break
+            time.sleep(0.05)
+        outcomes = []
+        for r, p in enumerate(procs):
+            killed = p.is_alive()
+            if killed:
+                p.kill()
+            p.join()
+            outcome = Outcome(r, None if killed else p.exitcode, killed=killed, seconds=ended.get(r, 0.0))
+            path = Path(out_dir) / f"rank{r}.pt"
+            if path.exists():
+                payload = torch.load(path, weights_only=False)
+                if payload["ok"]:
+                    outcome.result = payload["result"]
+                else:
+                    outcome.error = payload["error"]
+            outcomes.append(outcome)
+        return outcomes
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -76,58 +144,29 @@ def run_distributed(
 
     With ``init_group=False`` the children only get the torchrun-style environment (``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*``) and ``fn`` initialises the group itself, as a
-    Lightning ``Trainer`` does.
+    Lightning ``Trainer`` does. Any failure raises, with every failed rank's traceback.
     """
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [
-            ctx.Process(
-                target=_child,
-                args=(fn, r, world_size, port, out_dir, args, pg_timeout, init_group),
-                daemon=True,
-            )
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        failed = False
-        while time.monotonic() < deadline:
-            if all(p.exitcode is not None for p in procs):
-                break
-            if any(p.exitcode not in (None, 0) for p in procs):
-                failed = True
-                # Give the others a moment to fail on their own (their error is often the clue).
-                for p in procs:
-                    p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
-                break
-            time.sleep(0.05)
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        results: list[Any] = []
-        errors: list[str] = []
-        for r in range(world_size):
-            path = Path(out_dir) / f"rank{r}.pt"
-            if not path.exists():
-                results.append(None)
-                continue
-            payload = torch.load(path, weights_only=False)
-            if payload["ok"]:
-                results.append(payload["result"])
-            else:
-                errors.append(f"--- rank {r} ---\n{payload['error']}")
-                results.append(None)
-        if errors:
-            raise RuntimeError("Distributed run failed:\n" + "\n".join(errors))
-        if alive and not failed:
-            raise TimeoutError(f"Ranks {alive} were still running after {timeout:.0f}s (hang?); killed.")
-        if alive or any(p.exitcode != 0 for p in procs):
-            codes = {r: p.exitcode for r, p in enumerate(procs)}
-            raise RuntimeError(
-                f"Distributed run failed: exit codes {codes}, still alive at the end: {alive}."
-            )
-        return results
+    outcomes = _launch(fn, world_size, args, timeout, pg_timeout, init_group, grace=10.0)
+    errors = [f"--- rank {o.rank} ---\n{o.error}" for o in outcomes if o.error]
+    if errors:
+        raise RuntimeError("Distributed run failed:\n" + "\n".join(errors))
+    killed = [o.rank for o in outcomes if o.killed]
+    if killed:
+        raise TimeoutError(f"Ranks {killed} were still running after {timeout:.0f}s (hang?); killed.")
+    if any(o.exitcode != 0 for o in outcomes):
+        codes = {o.rank: o.exitcode for o in outcomes}
+        raise RuntimeError(f"Distributed run failed: exit codes {codes}.")
+    return [o.result for o in outcomes]
+
+
+def run_distributed_outcomes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    init_group: bool = True,
+) -> list[Outcome]:
+    """Like :func:`run_distributed` for runs that are meant to fail: waits for every rank to end
+    on its own (until ``timeout``), and returns each rank's outcome instead of raising."""
+    return _launch(fn, world_size, args, timeout, pg_timeout, init_group, grace=timeout)

@@ -17,6 +17,7 @@ import enum
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -101,6 +102,35 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+_WHAT = {
+    ActionType.FORWARD: "the forward of",
+    ActionType.BACKWARD: "the backward of",
+    ActionType.BACKWARD_INPUT: "the input-gradient backward of",
+    ActionType.BACKWARD_WEIGHT: "the weight-gradient backward of",
+    ActionType.SEND_F: "sending the activation of",
+    ActionType.RECV_F: "receiving the activation of",
+    ActionType.SEND_B: "sending the input gradient of",
+    ActionType.RECV_B: "receiving the output gradient of",
+}
+
+
+def _describe(action: Action) -> str:
+    """``action`` in words, for error messages: what, which stage, which micro-batch."""
+    return f"{_WHAT[action.kind]} stage {action.stage_index}, micro-batch {action.microbatch} ({action})"
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    if hasattr(err, "add_note"):  # Python >= 3.11
+        err.add_note(note)
+
+
+def _check_finite(value: Activation, where: str) -> None:
+    for k, t in enumerate(_as_tuple(value)):
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            part = f" (tensor {k})" if isinstance(value, tuple) else ""
+            raise FloatingPointError(f"NaN or Inf first appeared in {where}{part}.")
+
+
 class PipelineExecutor:
     """Runs schedules for the stages this rank holds.
 
@@ -112,6 +142,9 @@ class PipelineExecutor:
         checkpoint: activation recomputation mode.
         group: process group for point-to-point calls (``None``: the default group; peers are
             global ranks either way).
+        timeout: deadline of every exchange with a neighbour (``None``: the process group's).
+        check_finite: raise as soon as a stage output or a loss holds NaN or Inf, naming the
+            stage and micro-batch where it first appeared (costs a reduction per output).
     """
 
     def __init__(
@@ -122,12 +155,15 @@ class PipelineExecutor:
         device: torch.device,
         checkpoint: CheckpointMode | str = CheckpointMode.NEVER,
         group: dist.ProcessGroup | None = None,
+        timeout: timedelta | None = None,
+        check_finite: bool = False,
     ) -> None:
         self.stages = {s: list(layers) for s, layers in stages.items()}
         self.num_stages = num_stages
         self.peers = list(peers)
         self.checkpoint = CheckpointMode.parse(checkpoint)
-        self.transport = P2PTransport(device, group)
+        self.check_finite = check_finite
+        self.transport = P2PTransport(device, group, timeout)
         self.recorder: ActionRecorder | None = None
         """Timeline hook; ``None`` (the default) costs one attribute test per action."""
         self.measure_activation_memory = False
@@ -180,13 +216,19 @@ class PipelineExecutor:
         self._schedule, self._inputs, self._head = schedule, inputs, head
         self._weights = list(weights) if weights is not None else [1.0 / m] * m
         self._signatures = signatures
+        self._pp_rank = pp_rank
+        self.transport.owner = f"Pipeline rank {pp_rank} (global rank {self.peers[pp_rank]}, stages {held})"
         self._reset()
         try:
             recorder = self.recorder
             for batch in comm_batches(schedule.actions[pp_rank]):
                 start = time.perf_counter() if recorder is not None else 0.0
                 if batch[0].kind.is_compute:
-                    self._compute(batch[0])
+                    try:
+                        self._compute(batch[0])
+                    except Exception as err:
+                        _add_note(err, f"{self.transport.owner} was running {_describe(batch[0])}.")
+                        raise
                 else:
                     self._communicate(batch)
                 if recorder is not None:
@@ -248,9 +290,13 @@ class PipelineExecutor:
                 )
             else:
                 out = apply_layers(layers, x, s)
+        if self.check_finite:
+            _check_finite(out, f"the output of pipeline stage {s} for micro-batch {i}")
         if s == self.num_stages - 1:
             value = self._head(out, i)  # type: ignore[misc]
             self._result.outputs[i] = value
+            if self.check_finite and isinstance(value, torch.Tensor):
+                _check_finite(value, f"the loss of micro-batch {i}")
             if training:
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     got = (
@@ -261,6 +307,14 @@ class PipelineExecutor:
                     raise TypeError(f"The loss of micro-batch {i} must be a scalar tensor, got {got}.")
                 self._stash[(s, i)] = (leaves, value)
         else:
+            if training:
+                for k, t in enumerate(_as_tuple(out)):
+                    if t.requires_grad and t.grad_fn is None and not isinstance(t, nn.Parameter):
+                        raise RuntimeError(
+                            f"Output {k} of pipeline stage {s} requires grad but has no grad path: it is "
+                            "a new leaf tensor, so gradients sent back for it would reach no "
+                            "parameter. Compute it from the stage input or parameters, or detach() it."
+                        )
             self._outputs[(s, i)] = out
             if training:
                 self._stash[(s, i)] = (leaves, out)
@@ -314,14 +368,17 @@ class PipelineExecutor:
                 meta = ActivationMeta.of(out)
                 if self._schedule.training:
                     self._output_meta[(s, i)] = meta
-                sends.append(SendRequest(peer, _as_tuple(out), meta, self._cache_key(s, i)))
+                sends.append(
+                    SendRequest(peer, _as_tuple(out), meta, self._cache_key(s, i), label=_describe(action))
+                )
             elif action.kind is ActionType.SEND_B:
-                sends.append(SendRequest(peer, self._input_grads.pop((s, i))))
+                sends.append(SendRequest(peer, self._input_grads.pop((s, i)), label=_describe(action)))
             elif action.kind is ActionType.RECV_F:
-                recvs.append(((s, i), RecvRequest(peer, cache_key=self._cache_key(s - 1, i))))
+                request = RecvRequest(peer, cache_key=self._cache_key(s - 1, i), label=_describe(action))
+                recvs.append(((s, i), request))
             else:  # RECV_B
                 meta = self._output_meta[(s, i)]
-                recvs.append(((s, i), RecvRequest(peer, meta=meta, grad_of=True)))
+                recvs.append(((s, i), RecvRequest(peer, meta=meta, grad_of=True, label=_describe(action))))
         self.transport.exchange(sends, [r for _, r in recvs])
         for key, request in recvs:
             self._received[key] = request

@@ -19,8 +19,10 @@ headers, and repeats. The steady state takes one round.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,10 @@ _DTYPES: tuple[torch.dtype, ...] = (
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 HEADER_SIZE = 64
 """Header length in int64 words: room for e.g. 8 tensors of rank 4, or 4 tensors of rank 11."""
+
+
+class PipelineCommunicationError(RuntimeError):
+    """A pipeline exchange missed its deadline or lost its peer; the message names both ends."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ class RecvRequest:
     meta: ActivationMeta | None = None
     cache_key: Hashable | None = None
     grad_of: bool = False
+    label: str = "a receive"
+    """What this receive is for, for error messages (e.g. ``RECV_F stage 1 micro-batch 3``)."""
     result: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -124,6 +132,7 @@ class SendRequest:
     tensors: Sequence[torch.Tensor]
     meta: ActivationMeta | None = None
     cache_key: Hashable | None = None
+    label: str = "a send"
 
 
 class P2PTransport:
@@ -133,14 +142,48 @@ class P2PTransport:
     computation overlaps them, and the tensors are kept alive here until then.
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        timeout: timedelta | None = None,
+        owner: str = "this rank",
+    ) -> None:
         self.device = device
         self.group = group
+        # gloo honours a per-wait deadline; NCCL's host-side wait would block the CPU instead of
+        # ordering streams, so there the process group's own timeout (watchdog) is the deadline.
+        self.timeout = timeout if device.type != "cuda" else None
+        self.owner = owner
         self._sent_headers: dict[Hashable, ActivationMeta] = {}
         self._recv_headers: dict[Hashable, ActivationMeta] = {}
-        self._pending: list[tuple[dist.Work, object]] = []
+        self._pending: list[tuple[dist.Work, str, int, object]] = []
         self.headers_sent = 0
         self.messages_sent = 0
+
+    def _wait(self, work: dist.Work, label: str, peer: int) -> None:
+        """Wait for ``work``; turn a timeout or a dead peer into an error that says who and what."""
+        start = time.monotonic()
+        try:
+            if self.timeout is not None:
+                work.wait(self.timeout)
+            else:
+                work.wait()
+        except Exception as err:
+            elapsed = time.monotonic() - start
+            cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if "closed by peer" in cause or "Connection reset" in cause:
+                hint = f"rank {peer} has stopped (its own error, in its log, is the cause)"
+            else:
+                hint = (
+                    f"rank {peer} did not answer within the deadline: it may be stuck, have failed "
+                    "without closing its connection, or run a different schedule; raise the "
+                    "strategy's `timeout` if steps are legitimately slower"
+                )
+            raise PipelineCommunicationError(
+                f"{self.owner} gave up on {label} with peer rank {peer} after {elapsed:.1f}s: {hint}. "
+                f"Underlying error: {cause}"
+            ) from err
 
     def _header_needed_for_send(self, request: SendRequest) -> bool:
         if request.meta is None:
@@ -153,7 +196,8 @@ class P2PTransport:
             return True
         if known != request.meta:
             raise RuntimeError(
-                "A stage output changed shape or dtype for an input of the same shape: it was "
+                f"{self.owner}, {request.label}: a stage output changed shape or dtype for an input "
+                "of the same shape: it was "
                 f"{[(t.shape, t.dtype) for t in known.tensors]} and is now "
                 f"{[(t.shape, t.dtype) for t in request.meta.tensors]}. Pipeline stages must produce "
                 "outputs whose shapes depend only on the shapes of the pipeline input."
@@ -163,17 +207,20 @@ class P2PTransport:
     def exchange(self, sends: Sequence[SendRequest], recvs: Sequence[RecvRequest]) -> None:
         """Post ``sends`` and perform ``recvs`` (blocking until every receive has arrived)."""
         ops: list[dist.P2POp] = []
+        labels: list[str] = []
         keep: list[torch.Tensor] = []
         for send in sends:
             if self._header_needed_for_send(send):
                 header = send.meta.encode().to(self.device)  # type: ignore[union-attr]
                 keep.append(header)
                 ops.append(dist.P2POp(dist.isend, header, send.peer, self.group))
+                labels.append(f"{send.label} (header)")
                 self.headers_sent += 1
             for tensor in send.tensors:
                 tensor = tensor.detach().contiguous()
                 keep.append(tensor)
                 ops.append(dist.P2POp(dist.isend, tensor, send.peer, self.group))
+                labels.append(send.label)
                 self.messages_sent += 1
 
         # Receives per channel, in order; each round posts up to the first unknown header.
@@ -192,6 +239,7 @@ class P2PTransport:
                     if request.meta is None:
                         header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
                         ops.append(dist.P2POp(dist.irecv, header, peer, self.group))
+                        labels.append(f"{request.label} (header)")
                         headers.append((request, header))
                         break
                     queue.pop(0)
@@ -201,29 +249,38 @@ class P2PTransport:
                         if not request.grad_of or t.carries_grad
                     ]
                     ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in buffers]
+                    labels += [request.label] * len(buffers)
                     data.append((request, buffers))
             works = dist.batch_isend_irecv(ops) if ops else []
+            recv_works: list[tuple[dist.Work, str, int]] = []
             if len(works) == len(ops):
                 # gloo: one work per operation; leave the sends in flight.
-                recv_works = [w for w, op in zip(works, ops, strict=True) if op.op is dist.irecv]
-                self._pending += [(w, keep) for w, op in zip(works, ops, strict=True) if op.op is dist.isend]
+                for work, op, label in zip(works, ops, labels, strict=True):
+                    if op.op is dist.irecv:
+                        recv_works.append((work, label, op.peer))
+                    else:
+                        self._pending.append((work, label, op.peer, keep))
             else:
                 # NCCL coalesces a batch into one work; waiting on it only orders the current
                 # stream after the transfer (no host synchronisation), so waiting here is cheap.
-                recv_works = list(works)
-                self._pending += [(w, keep) for w in works]
-            for work in recv_works:
-                work.wait()
+                label = "; ".join(labels)
+                peers = sorted({op.peer for op in ops})
+                recv_works = [(w, label, peers[0]) for w in works]
+                self._pending += [(w, label, peers[0], keep) for w in works]
+            for work, label, peer in recv_works:
+                self._wait(work, label, peer)
             for request, buffers in data:
                 request.result = buffers
             for request, header in headers:
                 request.meta = ActivationMeta.decode(header.cpu())
                 if request.cache_key is not None:
                     self._recv_headers[request.cache_key] = request.meta
-            ops, keep, first_round = [], [], False
+            ops, labels, keep, first_round = [], [], [], False
 
     def flush(self) -> None:
         """Wait for every posted send (end of step) and release their buffers."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        try:
+            for work, label, peer, _ in self._pending:
+                self._wait(work, label, peer)
+        finally:
+            self._pending.clear()

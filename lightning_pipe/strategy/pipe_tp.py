@@ -17,13 +17,14 @@ unchanged.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
@@ -48,6 +49,7 @@ from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
 from lightning_pipe.strategy import logging as pipe_logging
 from lightning_pipe.strategy.outputs import concat_outputs, default_pipeline_input, forward_returns
 
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 _SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
 
 
@@ -68,7 +70,11 @@ class PipeTPStrategy(DDPStrategy):
             layer counts) or a list of layer counts per stage.
         checkpoint: activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``.
         process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
-        timeout: deadline of every collective and point-to-point exchange.
+        timeout: deadline of every collective and point-to-point exchange (default 5 minutes):
+            past it the waiting rank raises an error naming itself, its stage, the action and
+            micro-batch it waited on and its peer, and the job stops instead of hanging.
+        check_finite: raise as soon as a stage output or a loss holds NaN/Inf, naming the stage
+            and micro-batch where it first appeared.
         start_method: ``"popen"`` (Lightning re-launches the script; torchrun and SLURM start
             the processes themselves) or ``"spawn"``/``"fork"``/``"forkserver"``.
     """
@@ -85,7 +91,8 @@ class PipeTPStrategy(DDPStrategy):
         partition: Literal["parameters", "uniform"] | list[int] = "parameters",
         checkpoint: Literal["never", "except_last", "always"] = "never",
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
+        check_finite: bool = False,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -128,6 +135,7 @@ class PipeTPStrategy(DDPStrategy):
         self.schedule = ScheduleKind.parse(schedule)
         self.partition = partition
         self.checkpoint = CheckpointMode.parse(checkpoint)
+        self.check_finite = check_finite
         self._mesh: ParallelMesh | None = None
         self._plan: PipelinePlan | None = None
         self._executor: PipelineExecutor | None = None
@@ -228,7 +236,13 @@ class PipeTPStrategy(DDPStrategy):
         self._plan, self._layers = plan, list(layers)
         self._owned_params = [p for layer in own for p in layer.parameters() if p.requires_grad]
         self._executor = PipelineExecutor(
-            {self.pp_rank: own}, pp, mesh.pipeline_peers, self.root_device, self.checkpoint
+            {self.pp_rank: own},
+            pp,
+            mesh.pipeline_peers,
+            self.root_device,
+            self.checkpoint,
+            timeout=self._timeout,
+            check_finite=self.check_finite,
         )
         self._schedules.clear()
         # torchmetrics sync over the data axis only: ranks of one pipeline hold the same state.
@@ -280,7 +294,8 @@ class PipeTPStrategy(DDPStrategy):
         local = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             local += g.detach().float().pow(2).sum()
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
+        with self._collective("summing the gradient norm over the model's ranks"):
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
         total = local.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
@@ -288,6 +303,22 @@ class PipeTPStrategy(DDPStrategy):
         return total
 
     # ------------------------------------------------------------------ collectives
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Name this rank and the operation in any error a collective raises (a peer that failed
+        first, or a deadline that passed)."""
+        try:
+            yield
+        except Exception as err:
+            c = self.mesh.coordinates
+            note = (
+                f"Rank {self.global_rank} (dp_rank {c.dp_rank}, pp_rank {c.pp_rank}, tp_rank {c.tp_rank}) "
+                f"failed while {what}; if another rank failed first, its error is the cause."
+            )
+            if hasattr(err, "add_note"):
+                err.add_note(note)
+            raise
+
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Reduce over the data axis by default: ranks of one pipeline hold the same logged values."""
@@ -318,7 +349,8 @@ class PipeTPStrategy(DDPStrategy):
         with self.precision_plugin.train_step_context():
             loss = self._run_step("training_step", args, training=True)
         if not trainer.fit_loop._should_accumulate():
-            average_gradients(self._owned_params, self.mesh.group(MeshAxis.DATA))
+            with self._collective("averaging gradients over the data-parallel group"):
+                average_gradients(self._owned_params, self.mesh.group(MeshAxis.DATA))
         call._call_callback_hooks(trainer, "on_after_backward")
         call._call_lightning_module_hook(trainer, "on_after_backward")
         return loss
@@ -419,7 +451,8 @@ class PipeTPStrategy(DDPStrategy):
         src = layout.rank_of(c.dp_rank, layout.pipeline_parallel_size - 1, c.tp_rank)
         box = [payload]
         device = self.root_device if self.root_device.type == "cuda" else None
-        dist.broadcast_object_list(box, src=src, group=self.mesh.group(MeshAxis.PIPELINE), device=device)
+        with self._collective(f"receiving the step's results from the last stage (rank {src})"):
+            dist.broadcast_object_list(box, src=src, group=self.mesh.group(MeshAxis.PIPELINE), device=device)
         return box[0]
 
     # ------------------------------------------------------------------ checkpoints
