@@ -102,6 +102,8 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+_BACKWARDS = (ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)
+
 _WHAT = {
     ActionType.FORWARD: "the forward of",
     ActionType.BACKWARD: "the backward of",
@@ -166,6 +168,9 @@ class PipelineExecutor:
         self.transport = P2PTransport(device, group, timeout)
         self.recorder: ActionRecorder | None = None
         """Timeline hook; ``None`` (the default) costs one attribute test per action."""
+        self.before_last_backward: Callable[[], None] | None = None
+        """Called once per step right before the rank's last backward action (where a
+        data-parallel reducer arms itself to overlap its all-reduce with that backward)."""
         self.measure_activation_memory = False
         """Count the bytes autograd saves per micro-batch (a hook per saved tensor when on)."""
 
@@ -221,7 +226,11 @@ class PipelineExecutor:
         self._reset()
         try:
             recorder = self.recorder
-            for batch in comm_batches(schedule.actions[pp_rank]):
+            batches = comm_batches(schedule.actions[pp_rank])
+            last_backward = max((k for k, b in enumerate(batches) if b[0].kind in _BACKWARDS), default=-1)
+            for position, batch in enumerate(batches):
+                if position == last_backward and self.before_last_backward is not None:
+                    self.before_last_backward()
                 start = time.perf_counter() if recorder is not None else 0.0
                 if batch[0].kind.is_compute:
                     try:

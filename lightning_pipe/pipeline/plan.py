@@ -3,8 +3,10 @@
 Every rank builds the full model (so that initialisation from a seed is identical to one device),
 then keeps the layers of its stage. The plan records that split once, with the checks that make a
 mistake visible at setup rather than as a wrong gradient later: layers must be distinct submodules
-of the model, every trainable parameter must belong to some layer, and no parameter may be shared
-by layers on different stages (tied weights across stages come with the data-parallel work).
+of the model and every trainable parameter must belong to some layer. A parameter shared by layers
+on different stages (a token embedding tied to the output head) is recorded as *tied*: each stage
+that uses it keeps a copy, and the strategy sums their gradients across exactly those stages after
+backward, so the copies stay identical, as on one device.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class PipelinePlan:
     """Number of layers of each stage."""
     parameter_counts: tuple[int, ...]
     """Distinct parameter elements of each layer."""
+    tied: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Parameters used by layers on several stages (tied weights): model parameter name and the
+    stages that hold a copy, whose gradients must be summed across exactly those stages."""
 
     @property
     def num_stages(self) -> int:
@@ -98,18 +103,18 @@ def make_plan(
     balance = compute_balance(layers, num_stages, partition)
     plan = PipelinePlan(tuple(names), tuple(balance), tuple(parameter_count(m) for m in layers))
 
-    stage_of_param: dict[int, int] = {}
+    stages_of_param: dict[int, set[int]] = {}
     for index, layer in enumerate(layers):
-        stage = plan.stage_of_layer(index)
-        for pname, param in layer.named_parameters():
-            previous = stage_of_param.setdefault(id(param), stage)
-            if previous != stage:
-                raise ValueError(
-                    f"Parameter {names[index]}.{pname} is shared by layers on pipeline stages {previous} "
-                    f"and {stage} (tied weights). Tied weights across stages are not supported yet: pass "
-                    "an explicit `partition` list that keeps the sharing layers on one stage."
-                )
-    stray = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stage_of_param]
+        for param in layer.parameters():
+            stages_of_param.setdefault(id(param), set()).add(plan.stage_of_layer(index))
+    tied = tuple(
+        (name, tuple(sorted(stages_of_param[id(p)])))
+        for name, p in model.named_parameters()
+        if p.requires_grad and len(stages_of_param.get(id(p), ())) > 1
+    )
+    if tied:
+        plan = PipelinePlan(plan.layer_names, plan.balance, plan.parameter_counts, tied)
+    stray = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stages_of_param]
     if stray:
         raise ValueError(
             f"The trainable parameters {stray} belong to no layer returned by configure_pipeline(), so no "

@@ -38,7 +38,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_pipe.data_parallel.replicas import average_gradients, broadcast_parameters
+from lightning_pipe.data_parallel.reducer import GradientReducer
+from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
 from lightning_pipe.pipeline.actions import PipelineSchedule
 from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor
@@ -75,6 +76,8 @@ class PipeTPStrategy(DDPStrategy):
             micro-batch it waited on and its peer, and the job stops instead of hanging.
         check_finite: raise as soon as a stage output or a loss holds NaN/Inf, naming the stage
             and micro-batch where it first appeared.
+        bucket_cap_mb: size of the gradient buckets of the data-parallel reducer, whose
+            all-reduces overlap the last backward of each optimizer step.
         start_method: ``"popen"`` (Lightning re-launches the script; torchrun and SLURM start
             the processes themselves) or ``"spawn"``/``"fork"``/``"forkserver"``.
     """
@@ -93,6 +96,7 @@ class PipeTPStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         check_finite: bool = False,
+        bucket_cap_mb: float = 25.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -136,6 +140,11 @@ class PipeTPStrategy(DDPStrategy):
         self.partition = partition
         self.checkpoint = CheckpointMode.parse(checkpoint)
         self.check_finite = check_finite
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
+        self.bucket_cap_mb = bucket_cap_mb
+        self._reducer: GradientReducer | None = None
+        self._tied: list[tuple[torch.nn.Parameter, dist.ProcessGroup, bool]] = []
         self._mesh: ParallelMesh | None = None
         self._plan: PipelinePlan | None = None
         self._executor: PipelineExecutor | None = None
@@ -234,7 +243,8 @@ class PipeTPStrategy(DDPStrategy):
         plan = make_plan(module, layers, pp, self.partition)
         own = [layers[i] for i in plan.layer_range(self.pp_rank)]
         self._plan, self._layers = plan, list(layers)
-        self._owned_params = [p for layer in own for p in layer.parameters() if p.requires_grad]
+        owned = {id(p): p for layer in own for p in layer.parameters() if p.requires_grad}
+        self._owned_params = list(owned.values())
         self._executor = PipelineExecutor(
             {self.pp_rank: own},
             pp,
@@ -250,15 +260,39 @@ class PipeTPStrategy(DDPStrategy):
             if isinstance(sub, Metric):
                 sub.process_group = mesh.group(MeshAxis.DATA)
         dp_group = mesh.group(MeshAxis.DATA)
+        self._reducer = None
         if mesh.layout.data_parallel_size > 1:
             src = mesh.layout.rank_of(0, self.pp_rank, mesh.coordinates.tp_rank)
             tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
             broadcast_parameters(tensors, dp_group, src)
+            self._reducer = GradientReducer(self._owned_params, dp_group, self.bucket_cap_mb)
+        self._tied = self._tied_groups(module, plan)
         rank_zero_info(
             f"pipe_tp: layout {mesh.layout} (world {mesh.layout.world_size}), schedule "
             f"{self.schedule.value}, micro-batches {self.num_microbatches or f'auto (2 x {pp})'}, "
             f"checkpoint {self.checkpoint.value}\n{plan.describe(layers)}"
         )
+
+    def _tied_groups(
+        self, module: LightningModule, plan: PipelinePlan
+    ) -> list[tuple[torch.nn.Parameter, dist.ProcessGroup, bool]]:
+        """For each tied parameter this rank holds: the group of its copies' ranks, and whether
+        this rank counts it in the gradient norm (the first stage does)."""
+        layout = self.mesh.layout
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        # new_group is collective: every rank creates every group, in the same order.
+        for stages in sorted({stages for _, stages in plan.tied}):
+            for dp in range(layout.data_parallel_size):
+                for tp in range(layout.tensor_parallel_size):
+                    ranks = [layout.rank_of(dp, s, tp) for s in stages]
+                    group = dist.new_group(ranks)
+                    if self.global_rank in ranks:
+                        groups[stages] = group
+        return [
+            (module.get_parameter(name), groups[stages], self.pp_rank == stages[0])
+            for name, stages in plan.tied
+            if self.pp_rank in stages
+        ]
 
     @override
     def model_to_device(self) -> None:
@@ -266,12 +300,13 @@ class PipeTPStrategy(DDPStrategy):
         # other stages' layers stay where they were built, off the accelerator.
         assert self.model is not None and self._plan is not None
         own = set(self._plan.layer_range(self.pp_rank))
-        skip = {
-            id(t)
-            for i, layer in enumerate(self._layers)
-            if i not in own
-            for t in (*layer.parameters(), *layer.buffers())
-        }
+
+        def tensors(indices: set[int]) -> set[int]:
+            layers = [layer for i, layer in enumerate(self._layers) if i in indices]
+            return {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
+
+        # A tied parameter belongs to an owned layer too: it must move.
+        skip = tensors(set(range(len(self._layers))) - own) - tensors(own)
         device = self.root_device
         self.model._apply(lambda t: t if id(t) in skip else t.to(device))
 
@@ -290,10 +325,13 @@ class PipeTPStrategy(DDPStrategy):
     def clip_gradients_global_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every stage's gradients, as one device would; returns the norm."""
         grads = [p.grad for p in self._owned_params if p.grad is not None]
+        # A tied parameter's copies hold the same (summed) gradient: count it on one stage only.
+        not_counted = {id(p) for p, _, counts in self._tied if not counts}
         device = self.root_device
         local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local += g.detach().float().pow(2).sum()
+        for p in self._owned_params:
+            if p.grad is not None and id(p) not in not_counted:
+                local += p.grad.detach().float().pow(2).sum()
         with self._collective("summing the gradient norm over the model's ranks"):
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
         total = local.sqrt()
@@ -346,11 +384,23 @@ class PipeTPStrategy(DDPStrategy):
             call._call_lightning_module_hook(
                 trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
             )
+            if self._reducer is not None:
+                self._reducer.attach()
+        final = not trainer.fit_loop._should_accumulate()
+        assert self._executor is not None
+        # Only the last backward of an optimizer step communicates, overlapped with that backward.
+        self._executor.before_last_backward = self._reducer.arm if final and self._reducer else None
         with self.precision_plugin.train_step_context():
             loss = self._run_step("training_step", args, training=True)
-        if not trainer.fit_loop._should_accumulate():
-            with self._collective("averaging gradients over the data-parallel group"):
-                average_gradients(self._owned_params, self.mesh.group(MeshAxis.DATA))
+        if final:
+            if self._reducer is not None:
+                with self._collective("averaging gradients over the data-parallel group"):
+                    self._reducer.finish()
+            with self._collective("summing the gradients of tied parameters across stages"):
+                for param, group, _ in self._tied:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
         call._call_callback_hooks(trainer, "on_after_backward")
         call._call_lightning_module_hook(trainer, "on_after_backward")
         return loss

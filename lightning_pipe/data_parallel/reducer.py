@@ -1,0 +1,169 @@
+"""Bucketed gradient all-reduce over the data-parallel group that overlaps the last backward.
+
+The design follows PyTorch DDP's reducer (Li et al., 2020, arXiv:2006.15704), cut to what a
+pipeline needs:
+
+* Parameters are grouped into buckets of about ``bucket_cap_mb`` in *reverse* registration order
+  (the last layers' gradients are ready first in backward), each bucket a flat buffer whose slices
+  are the parameters' ``.grad`` (no copy before or after the collective).
+* A pipeline step runs many backwards (one per micro-batch, and accumulated batches on top); only
+  the last backward of the last accumulated batch is *armed*. Before that, gradients accumulate
+  locally and no collective is issued.
+* While armed, a post-accumulate-grad hook counts each bucket's ready parameters; a full bucket's
+  all-reduce is launched asynchronously at once, so communication overlaps the rest of backward.
+  Launches follow bucket order on every rank whatever order gradients become ready in (a bucket
+  that fills early waits for its predecessors), because collectives must match across ranks.
+* :meth:`GradientReducer.finish` launches what never filled (parameters without a gradient in the
+  last backward take part with what they hold, zeros for unused ones, so no rank waits), waits
+  for everything, and resets to ``None`` the gradients of parameters that no replica used in the
+  whole window, as on one device. Which parameters were used travels as one flag per parameter
+  in spare slots at the end of the last bucket, so this costs no extra collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class _Bucket:
+    index: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    pending: int = 0
+    work: dist.Work | None = None
+    launched: bool = False
+
+
+@dataclass
+class GradientReducer:
+    """Averages the gradients of ``params`` over ``group``; see the module docstring."""
+
+    params: Sequence[nn.Parameter]
+    group: dist.ProcessGroup
+    bucket_cap_mb: float = 25.0
+    events: list[tuple[str, int]] | None = None
+    """When a list, records ``("ready", param_index)`` and ``("launch", bucket_index)`` in order."""
+    _buckets: list[_Bucket] = field(default_factory=list, init=False)
+    _where: dict[int, tuple[int, int]] = field(default_factory=dict, init=False)
+    _armed: bool = field(default=False, init=False)
+    _next: int = field(default=0, init=False)
+    _used: torch.Tensor = field(default_factory=lambda: torch.zeros(0), init=False)
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}.")
+        unique = list({id(p): p for p in self.params if p.requires_grad}.values())
+        self.params = unique
+        self.size = dist.get_world_size(self.group)
+        cap = int(self.bucket_cap_mb * 1024 * 1024)
+        current: list[nn.Parameter] = []
+        for param in reversed(unique):
+            full = sum(p.numel() * p.element_size() for p in current)
+            same_kind = not current or (current[0].dtype == param.dtype and current[0].device == param.device)
+            if current and (full + param.numel() * param.element_size() > cap or not same_kind):
+                self._add_bucket(current)
+                current = []
+            current.append(param)
+        if current:
+            self._add_bucket(current, flags=len(unique))
+        device = unique[0].device if unique else torch.device("cpu")
+        self._used = torch.zeros(len(unique), dtype=torch.uint8, device=device)
+        for position, param in enumerate(unique):
+            param.register_post_accumulate_grad_hook(self._hook(position))
+
+    def _add_bucket(self, params: list[nn.Parameter], flags: int = 0) -> None:
+        first = params[0]
+        numel = sum(p.numel() for p in params)
+        buffer = torch.zeros(numel + flags, dtype=first.dtype, device=first.device)
+        views, offset = [], 0
+        index = len(self._buckets)
+        for slot, param in enumerate(params):
+            views.append(buffer[offset : offset + param.numel()].view_as(param))
+            self._where[id(param)] = (index, slot)
+            offset += param.numel()
+        self._buckets.append(_Bucket(index, params, buffer, views))
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Parameters per bucket, in launch order."""
+        return [len(b.params) for b in self._buckets]
+
+    def attach(self) -> None:
+        """Start an accumulation window: make every ``.grad`` its bucket slice, keeping its value.
+
+        Call it right after the optimizer's ``zero_grad`` (which usually sets grads to ``None``).
+        """
+        for bucket in self._buckets:
+            for param, view in zip(bucket.params, bucket.views, strict=True):
+                grad = param.grad
+                if grad is None:
+                    view.zero_()
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                param.grad = view
+        self._used.zero_()
+
+    def arm(self) -> None:
+        """The next backward is the window's last: launch each bucket as soon as it is full."""
+        self._armed = True
+        self._next = 0
+        for bucket in self._buckets:
+            bucket.pending, bucket.work, bucket.launched = len(bucket.params), None, False
+
+    def _hook(self, position: int):  # type: ignore[no-untyped-def]
+        def on_grad_ready(param: nn.Parameter) -> None:
+            self._used[position] = 1
+            index, slot = self._where[id(param)]
+            bucket = self._buckets[index]
+            if param.grad is not None and param.grad.data_ptr() != bucket.views[slot].data_ptr():
+                # Autograd replaced the gradient (it was None): move it into the bucket.
+                bucket.views[slot].copy_(param.grad)
+                param.grad = bucket.views[slot]
+            if not self._armed:
+                return
+            if self.events is not None:
+                self.events.append(("ready", position))
+            bucket.pending -= 1
+            self._launch_ready()
+
+        return on_grad_ready
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.events is not None:
+            self.events.append(("launch", bucket.index))
+        if bucket.index == len(self._buckets) - 1:
+            # Launched last, once every earlier bucket is complete: the used flags are final.
+            bucket.buffer[-len(self.params) :].copy_(self._used)
+        bucket.buffer.div_(self.size)  # average = sum of pre-divided parts (DDP's order)
+        bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        bucket.launched = True
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def finish(self) -> None:
+        """Launch what is left, in order, wait for all, and drop globally unused gradients."""
+        if not self._armed:
+            self.arm()
+        for bucket in self._buckets[self._next :]:
+            self._launch(bucket)
+        self._next = len(self._buckets)
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+        self._armed = False
+        if not self.params:
+            return
+        used = (self._buckets[-1].buffer[-len(self.params) :] > 0).tolist()  # some replica used it
+        for position, param in enumerate(self.params):
+            if not used[position]:
+                param.grad = None

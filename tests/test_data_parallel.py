@@ -1,0 +1,193 @@
+"""Data parallelism: the bucketed reducer, tied weights across stages, unused parameters.
+
+Every layout trains to the weights of one device on the whole batch (within 1e-5), with
+accumulate_grad_batches=2; and an event log shows that no collective is issued before the last
+backward of an optimizer step and that bucket all-reduces start while that backward still runs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_pipe import PipelineExecutor, PipeTPStrategy, build_schedule
+from lightning_pipe.data_parallel.reducer import GradientReducer
+from tests.distributed import run_distributed
+from tests.lightning_models import Regressor, dataset, loader
+
+TOL = 1e-5
+VOCAB, DIM, SEQ = 11, 8, 5
+
+
+class TiedLM(L.LightningModule):
+    """Token embedding on the first stage tied to the output head on the last."""
+
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        if unused:
+            self.blocks[1].add_module("never_called", nn.Linear(DIM, DIM))
+            self.blocks[1] = _SkipUnused(self.blocks[1])
+
+    def configure_pipeline(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        loss = F.cross_entropy(self(ids).reshape(-1, VOCAB), targets.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
+
+
+class _SkipUnused(nn.Module):
+    def __init__(self, inner: nn.Sequential) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner[1](self.inner[0](x))  # `never_called` never is
+
+
+def _tokens(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return TensorDataset(ids, torch.roll(ids, 1, dims=1))
+
+
+TOKENS = _tokens(32)
+
+
+def _fit(model: L.LightningModule, strategy: Any, devices: int, data: DataLoader) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, accumulate_grad_batches=2,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root,
+        ).fit(model, data)  # fmt: skip
+
+
+def _reference(model: L.LightningModule, ds: TensorDataset, batch: int) -> dict[str, torch.Tensor]:
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
+    _fit(model, "auto", 1, DataLoader(ds, batch_size=batch, sampler=sampler))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def layout_worker(kind: str, pp: int) -> dict[str, Any]:
+    model = Regressor() if kind == "mlp" else TiedLM(unused=kind == "unused")
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=pp, num_microbatches=2, timeout=timedelta(seconds=60), bucket_cap_mb=0.0005
+    )
+    world = int(os.environ["WORLD_SIZE"])  # the Trainer initialises the process group itself
+    per_replica = 8 // (world // pp)
+    data = (
+        loader(dataset(40, seed=1), per_replica, reference=False)
+        if kind == "mlp"
+        else DataLoader(TOKENS, batch_size=per_replica)
+    )
+    _fit(model, strategy, world, data)
+    c = strategy.mesh.coordinates
+    return {
+        "coords": (c.dp_rank, c.pp_rank),
+        "buckets": strategy._reducer.bucket_sizes if strategy._reducer else [],
+        "params": {
+            n: p.detach().clone()
+            for n, p in model.named_parameters()
+            if strategy._plan.stage_of_key(n) == strategy.pp_rank
+        },
+        "tied_copy": model.head.weight.detach().clone() if kind != "mlp" else None,
+    }
+
+
+def _check(got: list[dict[str, Any]], ref: dict[str, torch.Tensor], pp: int) -> None:
+    for replica in range(len(got) // pp):
+        merged = {n: p for r in got[replica * pp : (replica + 1) * pp] for n, p in r["params"].items()}
+        assert merged.keys() == ref.keys()
+        for name, expected in ref.items():
+            torch.testing.assert_close(merged[name], expected, atol=TOL, rtol=0, msg=name)
+
+
+def test_dp2_alone_with_several_buckets() -> None:
+    got = run_distributed(layout_worker, 2, "mlp", 1, timeout=300, init_group=False)
+    assert len(got[0]["buckets"]) > 2, "the tiny bucket cap must make several buckets"
+    _check(got, _reference(Regressor(), dataset(40, seed=1), 8), pp=1)
+
+
+def test_tied_embedding_and_head_across_stages() -> None:
+    got = run_distributed(layout_worker, 4, "tied", 2, timeout=300, init_group=False)
+    ref = _reference(TiedLM(), TOKENS, 8)
+    _check(got, ref, pp=2)
+    # Both stages' copies of the tied weight stay identical, and equal to one device's.
+    for r in got:
+        torch.testing.assert_close(r["tied_copy"], ref["embed.weight"], atol=TOL, rtol=0)
+
+
+def test_unused_parameter_neither_hangs_nor_moves() -> None:
+    got = run_distributed(layout_worker, 2, "unused", 1, timeout=300, init_group=False)
+    ref = _reference(TiedLM(unused=True), TOKENS, 8)
+    _check(got, ref, pp=1)
+    # AdamW would decay it if it had received a zero gradient instead of none.
+    unused = "blocks.1.inner.never_called.weight"
+    torch.testing.assert_close(got[0]["params"][unused], TiedLM(unused=True).get_parameter(unused).detach())
+
+
+def events_worker() -> dict[str, Any]:
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 6) for _ in range(6)]
+    params = [p for layer in layers for p in layer.parameters()]
+    events: list[tuple[str, int]] = []
+    reducer = GradientReducer(params, dist.group.WORLD, bucket_cap_mb=0.0002, events=events)
+    executor = PipelineExecutor({0: layers}, 1, [dist.get_rank()], torch.device("cpu"))
+    schedule = build_schedule("1f1b", 1, 4)
+    inputs = [torch.randn(3, 6) for _ in range(4)]
+
+    def head(out: torch.Tensor, i: int) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    marks = []
+    reducer.attach()
+    executor.run(schedule, 0, inputs=inputs, head=head)  # an accumulation step: must stay local
+    marks.append(len(events))
+    executor.before_last_backward = lambda: (marks.append(len(events)), reducer.arm())
+    executor.run(schedule, 0, inputs=inputs, head=head)  # the optimizer step's batch
+    marks.append(len(events))
+    reducer.finish()
+    return {"events": events, "marks": marks, "buckets": reducer.bucket_sizes, "params": len(params)}
+
+
+def test_collectives_only_in_the_last_backward_and_overlapped() -> None:
+    for r in run_distributed(events_worker, 2, timeout=120):
+        events, (after_accumulation, armed, after_backward) = r["events"], r["marks"]
+        buckets = len(r["buckets"])
+        assert buckets >= 3
+        assert after_accumulation == 0, "no collective (nor readiness tracking) before the last backward"
+        assert armed == 0
+        launches = [i for i, (kind, _) in enumerate(events) if kind == "launch"]
+        readies = [i for i, (kind, _) in enumerate(events) if kind == "ready"]
+        assert [events[i][1] for i in launches] == list(range(buckets)), "launched in bucket order"
+        assert len(readies) == r["params"]
+        # Every bucket but the last (which fills with the backward's final gradient) is launched
+        # before backward ends, i.e. before the last gradient is ready.
+        assert launches[-2] < readies[-1]
+        assert after_backward == len(events), "all launches happened inside the backward"
