@@ -14,6 +14,13 @@ from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
 from lightning_pipe.pipeline.simulate import SimulationResult, simulate
 from lightning_pipe.pipeline.validate import validate_schedule
 from lightning_pipe.strategy import PipeTPStrategy
+from lightning_pipe.tensor_parallel.cross_entropy import cross_entropy, gather_vocab
+from lightning_pipe.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from lightning_pipe.tensor_parallel.plan import ShardStyle
 
 __version__ = "0.1.0"
 
@@ -21,6 +28,7 @@ __all__ = [
     "Action",
     "ActionType",
     "CheckpointMode",
+    "ColumnParallelLinear",
     "MeshAxis",
     "ParallelLayout",
     "ParallelMesh",
@@ -29,13 +37,18 @@ __all__ = [
     "PipelineExecutor",
     "PipelineSchedule",
     "RankCoordinates",
+    "RowParallelLinear",
     "ScheduleError",
     "ScheduleKind",
+    "ShardStyle",
     "SimulationResult",
     "StepResult",
+    "VocabParallelEmbedding",
     "apply_layers",
     "build_schedule",
     "compute_balance",
+    "cross_entropy",
+    "gather_vocab",
     "init_mesh",
     "render_schedule",
     "signature",

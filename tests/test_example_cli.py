@@ -56,7 +56,7 @@ def test_cli_help_lists_strategy_options(capsys: pytest.CaptureFixture[str]) -> 
     ):
         assert f"--trainer.strategy.{option}" in out
     # Options of the DDP wrapper, which pipe_tp never builds, must not be offered.
-    assert "find_unused_parameters" not in out and "bucket_cap_mb" not in out
+    assert "find_unused_parameters" not in out and "static_graph" not in out
 
 
 def test_example_gpt_learns_on_two_processes(tmp_path: Path) -> None:

@@ -16,8 +16,9 @@ unchanged.
 
 from __future__ import annotations
 
+import os
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -49,6 +50,8 @@ from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
 from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
 from lightning_pipe.strategy import logging as pipe_logging
 from lightning_pipe.strategy.outputs import concat_outputs, default_pipeline_input, forward_returns
+from lightning_pipe.tensor_parallel.layers import gather_shards, tensor_parallel_dim
+from lightning_pipe.tensor_parallel.plan import ShardStyle, apply_plan, resolve_plan
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 _SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
@@ -78,6 +81,9 @@ class PipeTPStrategy(DDPStrategy):
             and micro-batch where it first appeared.
         bucket_cap_mb: size of the gradient buckets of the data-parallel reducer, whose
             all-reduces overlap the last backward of each optimizer step.
+        tensor_parallel_plan: module-name pattern -> style (see
+            :mod:`lightning_pipe.tensor_parallel.plan`); overrides the module's
+            ``tensor_parallel_plan()`` hook. Needed when ``tensor_parallel_size > 1``.
         start_method: ``"popen"`` (Lightning re-launches the script; torchrun and SLURM start
             the processes themselves) or ``"spawn"``/``"fork"``/``"forkserver"``.
     """
@@ -97,6 +103,7 @@ class PipeTPStrategy(DDPStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         check_finite: bool = False,
         bucket_cap_mb: float = 25.0,
+        tensor_parallel_plan: dict[str, str] | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -143,6 +150,7 @@ class PipeTPStrategy(DDPStrategy):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
         self.bucket_cap_mb = bucket_cap_mb
+        self.tensor_parallel_plan = tensor_parallel_plan
         self._reducer: GradientReducer | None = None
         self._tied: list[tuple[torch.nn.Parameter, dist.ProcessGroup, bool]] = []
         self._mesh: ParallelMesh | None = None
@@ -183,10 +191,6 @@ class PipeTPStrategy(DDPStrategy):
         layout = ParallelLayout.resolve(
             self.world_size, self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size
         )
-        if layout.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={layout.tensor_parallel_size} is not supported yet; use 1."
-            )
         self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
 
     @property
@@ -241,6 +245,9 @@ class PipeTPStrategy(DDPStrategy):
         pp = mesh.layout.pipeline_parallel_size
         layers = module.configure_pipeline()  # type: ignore[operator]
         plan = make_plan(module, layers, pp, self.partition)
+        if mesh.layout.tensor_parallel_size > 1:
+            self._shard_tensor_parallel(module, plan)
+            layers = module.configure_pipeline()  # type: ignore[operator]  # now with sharded layers
         own = [layers[i] for i in plan.layer_range(self.pp_rank)]
         self._plan, self._layers = plan, list(layers)
         owned = {id(p): p for layer in own for p in layer.parameters() if p.requires_grad}
@@ -271,6 +278,35 @@ class PipeTPStrategy(DDPStrategy):
             f"pipe_tp: layout {mesh.layout} (world {mesh.layout.world_size}), schedule "
             f"{self.schedule.value}, micro-batches {self.num_microbatches or f'auto (2 x {pp})'}, "
             f"checkpoint {self.checkpoint.value}\n{plan.describe(layers)}"
+        )
+
+    def _shard_tensor_parallel(self, module: LightningModule, plan: PipelinePlan) -> None:
+        """Replace this stage's layers named by the tensor-parallel plan with sharded ones."""
+        tp = self.mesh.layout.tensor_parallel_size
+        tp_plan = self.tensor_parallel_plan
+        if tp_plan is None and callable(getattr(module, "tensor_parallel_plan", None)):
+            tp_plan = module.tensor_parallel_plan()  # type: ignore[operator]
+        if not tp_plan:
+            raise MisconfigurationException(
+                f"tensor_parallel_size={tp} needs a tensor-parallel plan: define "
+                "`def tensor_parallel_plan(self) -> dict[str, str]` on the LightningModule (e.g. "
+                '{"layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"}) or pass '
+                "PipeTPStrategy(tensor_parallel_plan=...)."
+            )
+        resolved = resolve_plan(module, tp_plan, tp)
+        if self.checkpoint is not CheckpointMode.NEVER and ShardStyle.DROPOUT in resolved.values():
+            raise MisconfigurationException(
+                f'checkpoint="{self.checkpoint.value}" cannot replay the per-rank random stream of '
+                'tensor-parallel "dropout" layers; use checkpoint="never" or drop the "dropout" entries.'
+            )
+        own = [plan.layer_names[i] for i in plan.layer_range(self.pp_rank)]
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        apply_plan(
+            module,
+            resolved,
+            self.mesh.group(MeshAxis.TENSOR),
+            seed,
+            include=lambda name: any(name == n or name.startswith(n + ".") for n in own),
         )
 
     def _tied_groups(
@@ -329,9 +365,14 @@ class PipeTPStrategy(DDPStrategy):
         not_counted = {id(p) for p, _, counts in self._tied if not counts}
         device = self.root_device
         local = torch.zeros((), dtype=torch.float32, device=device)
+        # Replicated parameters (not sharded across the tensor group) are counted on tp_rank 0.
+        replicas_counted = self.mesh.coordinates.tp_rank == 0
         for p in self._owned_params:
-            if p.grad is not None and id(p) not in not_counted:
-                local += p.grad.detach().float().pow(2).sum()
+            if p.grad is None or id(p) in not_counted:
+                continue
+            if tensor_parallel_dim(p) is None and not replicas_counted:
+                continue
+            local += p.grad.detach().float().pow(2).sum()
         with self._collective("summing the gradient norm over the model's ranks"):
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
         total = local.sqrt()
@@ -506,17 +547,47 @@ class PipeTPStrategy(DDPStrategy):
         return box[0]
 
     # ------------------------------------------------------------------ checkpoints
+    def _unshard(self, value: Any, param: torch.Tensor | None) -> Any:
+        """The full tensor for a value shaped like a tensor-parallel shard of ``param``."""
+        dim = tensor_parallel_dim(param) if param is not None else None
+        if dim is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:  # type: ignore[union-attr]
+            return value
+        return gather_shards(value.detach(), dim, self.mesh.group(MeshAxis.TENSOR))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a whole-model checkpoint, slicing full tensors for tensor-parallel shards."""
+        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
+        params = dict(self.module.named_parameters())
+        state = {k: _slice_for(v, params.get(k), tp, c.tp_rank) for k, v in checkpoint["state_dict"].items()}
+        self.module.load_state_dict(state, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            state = {
+                index: {k: _slice_for(v, params[index], tp, c.tp_rank) for k, v in entry.items()}
+                for index, entry in saved["state"].items()
+            }
+            optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+            _optimizer_to_device(optimizer, self.root_device)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model's state on global rank 0, each tensor from the stage that owns it."""
         assert self._plan is not None
         full = self.module.state_dict()
         c = self.mesh.coordinates
+        params = dict(self.module.named_parameters())
+        stage_keys = sorted(k for k in full if self._plan.stage_of_key(k) == self.pp_rank)
+        with self._collective("gathering tensor-parallel shards for a checkpoint"):
+            # Every tensor rank of this stage gathers the same keys in the same order.
+            own = {k: self._unshard(full[k], params.get(k)) for k in stage_keys}
         mine = {}
         if c.dp_rank == 0 and c.tp_rank == 0:
-            mine = {
-                k: v.detach().cpu() for k, v in full.items() if self._plan.stage_of_key(k) == self.pp_rank
-            }
+            mine = {k: v.detach().cpu() for k, v in own.items()}
         gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
         dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
         if self.global_rank != 0:
@@ -531,11 +602,13 @@ class PipeTPStrategy(DDPStrategy):
         """The optimizer's state on global rank 0, each parameter's entry from its owner stage."""
         state = optimizer.state_dict()
         c = self.mesh.coordinates
-        mine = state["state"] if c.dp_rank == 0 and c.tp_rank == 0 else {}
-        mine = {
-            k: {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in v.items()}
-            for k, v in mine.items()
-        }
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        with self._collective("gathering tensor-parallel optimizer state for a checkpoint"):
+            full_state = {
+                index: {k: self._unshard(v, params[index]) for k, v in entry.items()}
+                for index, entry in sorted(state["state"].items())
+            }
+        mine = {k: _to_cpu(v) for k, v in full_state.items()} if c.dp_rank == 0 and c.tp_rank == 0 else {}
         gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
         dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
         if self.global_rank != 0:
@@ -544,6 +617,14 @@ class PipeTPStrategy(DDPStrategy):
         for part in gathered:
             merged_state.update(part or {})
         return {"state": merged_state, "param_groups": state["param_groups"]}
+
+
+def _slice_for(value: Any, param: torch.Tensor | None, tp: int, tp_rank: int) -> Any:
+    """This tensor rank's slice of a full tensor saved for a sharded ``param`` (else unchanged)."""
+    dim = tensor_parallel_dim(param) if param is not None else None
+    if dim is None or not isinstance(value, torch.Tensor) or value.shape == param.shape:  # type: ignore[union-attr]
+        return value
+    return value.chunk(tp, dim)[tp_rank].clone()
 
 
 def _to_cpu(value: Any) -> Any:

@@ -1,0 +1,141 @@
+"""Megatron-style sharded layers, built by slicing a full layer's weights.
+
+Each layer keeps only its rank's slice of the weight and marks every sharded parameter with the
+dim it was split along (``param.tensor_parallel_dim``), which is how gradient clipping counts
+replicated parameters once and checkpoints reassemble full tensors. Slicing a full, seeded layer
+(rather than initialising shards independently) is what makes a sharded model start from exactly
+the weights of its single-device twin.
+
+* :class:`ColumnParallelLinear`: output features split (weight rows); input replicated, entering
+  through ``f``; output sharded, or gathered with ``gather_output=True``.
+* :class:`RowParallelLinear`: input features split (weight columns); input already sharded (or
+  scattered with ``input_is_parallel=False``); partial outputs summed by ``g``; the bias, which is
+  replicated, is added once after the sum.
+* :class:`VocabParallelEmbedding`: vocabulary rows split; ids outside this rank's range are looked
+  up as row 0 and zeroed, then ``g`` sums the ranks' rows, exactly one of which is non-zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_pipe.tensor_parallel.regions import (
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    scatter_to_region,
+)
+
+
+def shard_range(size: int, group: dist.ProcessGroup, what: str) -> tuple[int, int]:
+    """``[start, end)`` of this rank's equal slice of ``size``, or a clear error if it does not divide."""
+    tp = dist.get_world_size(group)
+    if size % tp != 0:
+        raise ValueError(
+            f"{what} is {size}, which tensor_parallel_size={tp} does not divide: each tensor rank "
+            f"needs an equal slice. Choose a tensor size that divides {size}, or resize the layer."
+        )
+    part = size // tp
+    rank = dist.get_rank(group)
+    return rank * part, (rank + 1) * part
+
+
+def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
+    param.tensor_parallel_dim = dim  # type: ignore[attr-defined]
+    return param
+
+
+def tensor_parallel_dim(param: torch.Tensor) -> int | None:
+    """The dim ``param`` is sharded along across the tensor group, or ``None`` if replicated."""
+    return getattr(param, "tensor_parallel_dim", None)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear`` with its output features split across ``group``."""
+
+    def __init__(
+        self, linear: nn.Linear, group: dist.ProcessGroup, gather_output: bool = False, name: str = ""
+    ) -> None:
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        start, end = shard_range(
+            linear.out_features, group, f"The output features of {name or 'a colwise Linear'}"
+        )
+        self.in_features, self.out_features = linear.in_features, end - start
+        self.weight = _mark(nn.Parameter(linear.weight.detach()[start:end].clone()), 0)
+        self.bias = (
+            _mark(nn.Parameter(linear.bias.detach()[start:end].clone()), 0)
+            if linear.bias is not None
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_region(x, self.group), self.weight, self.bias)
+        return gather_from_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        local = f"in_features={self.in_features}, out_features={self.out_features} (local)"
+        return f"{local}, gather_output={self.gather_output}"
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear`` with its input features split across ``group``."""
+
+    def __init__(
+        self, linear: nn.Linear, group: dist.ProcessGroup, input_is_parallel: bool = True, name: str = ""
+    ) -> None:
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        start, end = shard_range(
+            linear.in_features, group, f"The input features of {name or 'a rowwise Linear'}"
+        )
+        self.in_features, self.out_features = end - start, linear.out_features
+        self.weight = _mark(nn.Parameter(linear.weight.detach()[:, start:end].clone()), 1)
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.group)
+        y = reduce_from_region(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (local), out_features={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` with its vocabulary (rows) split across ``group``."""
+
+    def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup, name: str = "") -> None:
+        super().__init__()
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError(
+                f"{name or 'The embedding'} uses padding_idx, max_norm or sparse gradients, which the "
+                "vocab-parallel embedding does not support; remove them or leave this layer unsharded."
+            )
+        self.group = group
+        self.start, self.end = shard_range(
+            embedding.num_embeddings, group, f"The vocabulary of {name or 'an Embedding'}"
+        )
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.weight = _mark(nn.Parameter(embedding.weight.detach()[self.start : self.end].clone()), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
+        rows = F.embedding(local, self.weight)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_region(rows, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.end}) on this rank"
+
+
+def gather_shards(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's slice along ``dim`` (for checkpoints and tests)."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,199 @@
+"""Shard a plain model with a plan: module-name patterns mapped to sharding styles.
+
+The format is Hugging Face transformers' ``base_model_tp_plan``: keys are dotted module names
+relative to the model in which ``*`` stands for one name component (``"layers.*.attn.qkv"``), values
+are styles. A plan is checked completely against the whole model before anything is replaced, so
+a typo or a size that does not divide fails at setup with the module's name:
+
+=================  ==========================================  =========================
+style              replaces                                     with
+=================  ==========================================  =========================
+``colwise``        ``nn.Linear`` (output stays sharded)         :class:`ColumnParallelLinear`
+``colwise_gather`` ``nn.Linear`` (output gathered)              :class:`ColumnParallelLinear`
+``colwise_logits`` ``nn.Linear`` output head: vocab-sharded     :class:`ColumnParallelLinear`,
+                   logits for :func:`cross_entropy`             tagged output
+``rowwise``        ``nn.Linear`` (input already sharded)        :class:`RowParallelLinear`
+``rowwise_split``  ``nn.Linear`` (input replicated, split)      :class:`RowParallelLinear`
+``vocab``          ``nn.Embedding``                             :class:`VocabParallelEmbedding`
+``dropout``        ``nn.Dropout`` inside a sharded region       :class:`RegionDropout`
+=================  ==========================================  =========================
+
+Attention after its projections are split: a column split of a fused QKV projection keeps whole
+heads only if its output features are ordered head-major (``[q0 k0 v0 | q1 k1 v1 | ...]``), and the
+attention code must read its local number of heads from the projection's (local) output size,
+``qkv.out_features // (3 * head_dim)``, instead of a stored head count.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe.tensor_parallel.cross_entropy import tag_vocab_parallel
+from lightning_pipe.tensor_parallel.dropout import RegionDropout
+from lightning_pipe.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+class ShardStyle(enum.Enum):
+    COLWISE = "colwise"
+    COLWISE_GATHER = "colwise_gather"
+    COLWISE_LOGITS = "colwise_logits"
+    ROWWISE = "rowwise"
+    ROWWISE_SPLIT = "rowwise_split"
+    VOCAB = "vocab"
+    DROPOUT = "dropout"
+
+    @classmethod
+    def parse(cls, value: str, pattern: str) -> ShardStyle:
+        for style in cls:
+            if value == style.value:
+                return style
+        valid = ", ".join(repr(s.value) for s in cls)
+        raise ValueError(f"Unknown tensor-parallel style {value!r} for {pattern!r}: expected one of {valid}.")
+
+
+_EXPECTED: dict[ShardStyle, type[nn.Module]] = {
+    ShardStyle.COLWISE: nn.Linear,
+    ShardStyle.COLWISE_GATHER: nn.Linear,
+    ShardStyle.COLWISE_LOGITS: nn.Linear,
+    ShardStyle.ROWWISE: nn.Linear,
+    ShardStyle.ROWWISE_SPLIT: nn.Linear,
+    ShardStyle.VOCAB: nn.Embedding,
+    ShardStyle.DROPOUT: nn.Dropout,
+}
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    return re.compile(
+        "".join("[^.]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", pattern))
+    )
+
+
+class _LogitsHead(ColumnParallelLinear):
+    """A column-parallel output head whose vocab-sharded logits are tagged for the parallel loss."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tag_vocab_parallel(
+            super().forward(x), self.group, dist.get_rank(self.group) * self.out_features
+        )
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dict[str, ShardStyle]:
+    """Match ``plan`` against ``model``: module name -> style, after checking everything.
+
+    Raises ``ValueError``/``TypeError`` naming the pattern or module for: an unknown style, a pattern
+    that matches nothing, a style on the wrong module type, a dimension ``tp_size`` does not
+    divide, and an attention module with fewer heads than tensor ranks.
+    """
+    modules = dict(model.named_modules())
+    resolved: dict[str, ShardStyle] = {}
+    for pattern, value in plan.items():
+        style = ShardStyle.parse(value, pattern)
+        regex = _regex(pattern)
+        names = [name for name in modules if name and regex.fullmatch(name)]
+        if not names:
+            leaves = [n for n, m in modules.items() if n and not list(m.children())][:8]
+            raise ValueError(
+                f"The tensor-parallel plan entry {pattern!r} matches no module of {type(model).__name__}. "
+                f"Patterns are module names relative to the LightningModule, '*' standing for one name "
+                f"component; some module names are {leaves}."
+            )
+        for name in names:
+            module = modules[name]
+            expected = _EXPECTED[style]
+            if not isinstance(module, expected):
+                raise TypeError(
+                    f"Style {style.value!r} applies to {expected.__name__} layers, but {name!r} (from "
+                    f"{pattern!r}) is a {type(module).__name__}."
+                )
+            _check_divisible(name, module, style, tp_size)
+            _check_heads(name, modules, style, tp_size)
+            resolved[name] = style
+    return resolved
+
+
+def _check_divisible(name: str, module: nn.Module, style: ShardStyle, tp: int) -> None:
+    sizes = {
+        ShardStyle.COLWISE: ("output features", getattr(module, "out_features", 0)),
+        ShardStyle.COLWISE_GATHER: ("output features", getattr(module, "out_features", 0)),
+        ShardStyle.COLWISE_LOGITS: ("output features (vocabulary)", getattr(module, "out_features", 0)),
+        ShardStyle.ROWWISE: ("input features", getattr(module, "in_features", 0)),
+        ShardStyle.ROWWISE_SPLIT: ("input features", getattr(module, "in_features", 0)),
+        ShardStyle.VOCAB: ("vocabulary size (num_embeddings)", getattr(module, "num_embeddings", 0)),
+    }
+    if style in sizes:
+        what, size = sizes[style]
+        if size % tp != 0:
+            raise ValueError(
+                f"The {what} of {name!r} is {size}, which tensor_parallel_size={tp} does not divide. "
+                f"Choose a tensor-parallel size that divides {size}, or resize the layer."
+            )
+
+
+def _check_heads(name: str, modules: Mapping[str, nn.Module], style: ShardStyle, tp: int) -> None:
+    parent = modules.get(name.rpartition(".")[0])
+    heads = getattr(parent, "num_heads", None) or getattr(parent, "n_heads", None)
+    if style in (ShardStyle.COLWISE, ShardStyle.ROWWISE) and isinstance(heads, int):
+        if heads < tp or heads % tp != 0:
+            raise ValueError(
+                f"{name.rpartition('.')[0]!r} has {heads} attention heads, which cannot be split evenly "
+                f"over tensor_parallel_size={tp} ranks (each rank needs whole heads). Use a tensor size "
+                f"that divides {heads}."
+            )
+
+
+def apply_plan(
+    model: nn.Module,
+    resolved: Mapping[str, ShardStyle],
+    group: dist.ProcessGroup,
+    seed: int,
+    include: Callable[[str], bool] = lambda name: True,
+) -> list[str]:
+    """Replace the resolved modules for which ``include(name)`` holds; return their names.
+
+    Sharding slices the full modules' weights, so the sharded model starts where the full one is.
+    """
+    replaced = []
+    tp_rank = dist.get_rank(group)
+    # Parameters shared by several replaced modules (a tied embedding and head on one stage) must
+    # stay shared after slicing: old parameter id -> its new shard.
+    shards: dict[int, nn.Parameter] = {}
+    for name, style in resolved.items():
+        if not include(name):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module: Any = getattr(parent, child)
+        new: nn.Module
+        if style is ShardStyle.VOCAB:
+            new = VocabParallelEmbedding(module, group, name)
+        elif style is ShardStyle.DROPOUT:
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            new = RegionDropout(module.p, seed, tp_rank, device)
+        elif style is ShardStyle.COLWISE_LOGITS:
+            new = _LogitsHead(module, group, name=name)
+        elif style in (ShardStyle.COLWISE, ShardStyle.COLWISE_GATHER):
+            new = ColumnParallelLinear(
+                module, group, gather_output=style is ShardStyle.COLWISE_GATHER, name=name
+            )
+        else:
+            new = RowParallelLinear(module, group, input_is_parallel=style is ShardStyle.ROWWISE, name=name)
+        for attr in ("weight", "bias"):
+            old, fresh = getattr(module, attr, None), getattr(new, attr, None)
+            if isinstance(old, nn.Parameter) and isinstance(fresh, nn.Parameter):
+                shared = shards.setdefault(id(old), fresh)
+                if shared is not fresh and shared.shape == fresh.shape:
+                    setattr(new, attr, shared)
+        parent._modules[child] = new
+        replaced.append(name)
+    return replaced

@@ -1,0 +1,129 @@
+"""Trainer.fit with tensor parallelism (tp=2, and pp=2 x tp=2) on a tiny GPT ends with the weights
+(gathered into a whole-model state dict) and losses of one device; with dropout it runs and is
+reproducible; and bad plans fail at setup with the module's name."""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_pipe import PipeTPStrategy
+from lightning_pipe.tensor_parallel.plan import resolve_plan
+from tests.distributed import run_distributed
+from tests.gpt_models import TinyGPT, token_data
+
+TOL = 1e-5
+DATA = token_data(32)
+
+
+def _fit(model: TinyGPT, strategy: Any, devices: int, reference: bool) -> L.Trainer:
+    sampler = DistributedSampler(DATA, num_replicas=1, rank=0, seed=0) if reference else None
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root, gradient_clip_val=0.5,
+        )  # fmt: skip
+        trainer.fit(model, DataLoader(DATA, batch_size=8, sampler=sampler))
+    return trainer
+
+
+def tp_worker(pp: int, tp: int, dropout: float, runs: int) -> list[dict[str, Any]]:
+    out = []
+    for _ in range(runs):
+        model = TinyGPT(dropout=dropout)
+        strategy = PipeTPStrategy(
+            pipeline_parallel_size=pp,
+            tensor_parallel_size=tp,
+            num_microbatches=2,
+            timeout=timedelta(seconds=60),
+        )
+        trainer = _fit(model, strategy, pp * tp, reference=False)
+        state = strategy.lightning_module_state_dict()  # whole model, gathered onto rank 0
+        kinds = sorted({type(m).__name__ for m in model.modules() if "Parallel" in type(m).__name__})
+        out.append({
+            "state": state,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "sharded": kinds,
+        })  # fmt: skip
+    return out
+
+
+def _reference(dropout: float = 0.0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    model = TinyGPT(dropout=dropout)
+    trainer = _fit(model, "auto", 1, reference=True)
+    return model.state_dict(), {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(1, 2), (2, 2)], ids=["tp2", "pp2xtp2"])
+def test_tensor_parallel_fit_matches_one_device(pp: int, tp: int) -> None:
+    got = run_distributed(tp_worker, pp * tp, pp, tp, 0.0, 1, timeout=300, init_group=False)
+    ref_state, ref_metrics = _reference()
+    rank0 = got[0][0]
+    assert "ColumnParallelLinear" in rank0["sharded"] and "VocabParallelEmbedding" in rank0["sharded"]
+    assert rank0["state"].keys() == ref_state.keys()
+    for key, expected in ref_state.items():
+        torch.testing.assert_close(rank0["state"][key], expected, atol=TOL, rtol=0, msg=key)
+    for rank, runs in enumerate(got):
+        for key, value in ref_metrics.items():
+            assert runs[0]["metrics"][key] == pytest.approx(value, abs=TOL), f"rank {rank}: {key}"
+
+
+def test_tensor_parallel_dropout_runs_and_is_reproducible() -> None:
+    got = run_distributed(tp_worker, 2, 1, 2, 0.1, 2, timeout=300, init_group=False)
+    first, second = got[0]
+    for key, value in first["state"].items():
+        assert torch.isfinite(value).all(), key
+        torch.testing.assert_close(second["state"][key], value, atol=0, rtol=0, msg=key)
+    # Dropout really acted: the weights differ from the run without it.
+    no_dropout, _ = _reference()
+    assert not torch.allclose(first["state"]["layers.1.mlp.0.weight"], no_dropout["layers.1.mlp.0.weight"])
+
+
+@pytest.mark.parametrize(
+    ("plan", "tp", "error", "pattern"),
+    [
+        (
+            {"layers.*.atn.qkv": "colwise"},
+            2,
+            ValueError,
+            r"'layers\.\*\.atn\.qkv' matches no module of TinyGPT",
+        ),
+        (
+            {"layers.*.ln1": "colwise"},
+            2,
+            TypeError,
+            r"Style 'colwise' applies to Linear layers, but 'layers.1.ln1'",
+        ),
+        (
+            {"layers.*.mlp.0": "diagonal"},
+            2,
+            ValueError,
+            r"Unknown tensor-parallel style 'diagonal'.*'rowwise'",
+        ),
+        (
+            {"layers.0.tokens": "vocab"},
+            3,
+            ValueError,
+            r"vocabulary size \(num_embeddings\) of 'layers.0.tokens' is 16",
+        ),
+        ({"layers.*.attn.qkv": "colwise"}, 8, ValueError, r"'layers.1.attn' has 4 attention heads.*8 ranks"),
+    ],
+    ids=["no-match", "wrong-type", "unknown-style", "not-divisible", "too-few-heads"],
+)
+def test_bad_plans_are_refused_naming_the_module(
+    plan: dict[str, str], tp: int, error: type[Exception], pattern: str
+) -> None:
+    with pytest.raises(error, match=pattern):
+        resolve_plan(TinyGPT(), plan, tp)
+
+
+def test_sharded_modules_report_local_sizes() -> None:
+    assert isinstance(TinyGPT().layers[1].attn.qkv, nn.Linear)  # unsharded until the strategy runs
