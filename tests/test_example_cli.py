@@ -59,13 +59,21 @@ def test_cli_help_lists_strategy_options(capsys: pytest.CaptureFixture[str]) -> 
     assert "find_unused_parameters" not in out and "static_graph" not in out
 
 
-def test_example_gpt_learns_on_two_processes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--trainer.strategy.pipeline_parallel_size=2"],
+        ["--trainer.strategy.pipeline_parallel_size=1", "--trainer.strategy.tensor_parallel_size=2"],
+    ],
+    ids=["pp2", "tp2"],
+)
+def test_example_gpt_learns_on_two_processes(tmp_path: Path, layout: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [
         sys.executable, "examples/gpt/train.py", "fit",
         "--config", "examples/gpt/configs/pipe_tp.yaml",
         "--trainer.devices=2",
-        "--trainer.strategy.pipeline_parallel_size=2",
+        *layout,
         "--trainer.strategy.num_microbatches=4",
         "--trainer.max_steps=60",
         "--trainer.val_check_interval=30",

@@ -7,7 +7,9 @@ returns, so the strategy can cut it into stages; the same module trains unchange
 Attention is written so that its projections can later be split across tensor-parallel ranks:
 the fused QKV projection orders its output features head-major (``[q_h, k_h, v_h]`` for head 0,
 then head 1, ...), so a contiguous column split keeps whole heads, and the number of local heads
-is read from the projection's output size rather than stored.
+is read from the projection's output size rather than stored. ``tensor_parallel_plan`` shards it the
+Megatron way: vocab-parallel embedding and loss, column-parallel QKV and first MLP layer,
+row-parallel output projections.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ import torch.nn.functional as F
 import torchmetrics
 from char_data import VOCAB_SIZE
 from torch import nn
+
+from lightning_pipe import cross_entropy, gather_vocab
+
+# The model's vocabulary is the alphabet padded to a multiple of 8, so that tensor-parallel sizes
+# 2, 4 and 8 divide it (the padding classes are never targets and learn to stay unlikely).
+MODEL_VOCAB = -(-VOCAB_SIZE // 8) * 8
 
 
 class Embedding(nn.Module):
@@ -86,16 +94,27 @@ class CharGPT(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.layers = nn.ModuleList(
-            [Embedding(VOCAB_SIZE, d_model, max_len)]
+            [Embedding(MODEL_VOCAB, d_model, max_len)]
             + [Block(d_model, n_heads) for _ in range(n_layers)]
-            + [Head(d_model, VOCAB_SIZE)]
+            + [Head(d_model, MODEL_VOCAB)]
         )
         self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(
-            num_classes=VOCAB_SIZE, average="micro"
+            num_classes=MODEL_VOCAB, average="micro"
         )
 
     def configure_pipeline(self) -> list[nn.Module]:
         return list(self.layers)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        last = len(self.layers) - 1
+        return {
+            "layers.0.tokens": "vocab",
+            "layers.*.attn.qkv": "colwise",
+            "layers.*.attn.proj": "rowwise",
+            "layers.*.mlp.0": "colwise",
+            "layers.*.mlp.2": "rowwise",
+            f"layers.{last}.out": "colwise_logits",
+        }
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = ids
@@ -103,20 +122,19 @@ class CharGPT(L.LightningModule):
             x = layer(x)
         return x
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, targets = batch
-        loss = self._loss(self(ids), targets)
+        # lightning_pipe.cross_entropy: vocab-parallel on sharded logits, F.cross_entropy otherwise.
+        loss = cross_entropy(self(ids), targets)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         ids, targets = batch
         logits = self(ids)
-        self.log("val_loss", self._loss(logits, targets), prog_bar=True)
-        self.val_accuracy.update(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        self.log("val_loss", cross_entropy(logits, targets), prog_bar=True)
+        full = gather_vocab(logits)  # the accuracy needs every class's logit
+        self.val_accuracy.update(full.reshape(-1, full.shape[-1]), targets.reshape(-1))
         self.log("val_acc", self.val_accuracy, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
