@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_pipe.options import parse_option
 from lightning_pipe.pipeline.actions import Action, ActionType, PipelineSchedule, comm_batches
 from lightning_pipe.pipeline.p2p import ActivationMeta, P2PTransport, RecvRequest, SendRequest
 
@@ -41,13 +42,7 @@ class CheckpointMode(enum.Enum):
 
     @classmethod
     def parse(cls, value: CheckpointMode | str) -> CheckpointMode:
-        if isinstance(value, CheckpointMode):
-            return value
-        for mode in cls:
-            if value == mode.value:
-                return mode
-        valid = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"Unknown checkpoint mode {value!r}: expected one of {valid}.")
+        return parse_option(cls, value, "checkpoint mode")
 
 
 def apply_layers(layers: Sequence[nn.Module], x: Any, stage_index: int = 0) -> Activation:

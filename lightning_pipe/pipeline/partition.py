@@ -18,6 +18,8 @@ from functools import cache
 
 from torch import nn
 
+from lightning_pipe.options import parse_option
+
 
 class PartitionMethod(enum.Enum):
     """How :func:`compute_balance` chooses the balance when none is given."""
@@ -38,16 +40,8 @@ def check_partition(partition: Partition) -> None:
 
 
 def _parse_method(value: PartitionMethod | str) -> PartitionMethod:
-    if isinstance(value, PartitionMethod):
-        return value
-    for method in PartitionMethod:
-        if value == method.value:
-            return method
-    valid = ", ".join(repr(m.value) for m in PartitionMethod)
-    raise ValueError(
-        f"Unknown partition {value!r}: expected one of {valid}, or a list of layer counts per stage "
-        "such as [3, 5]."
-    )
+    hint = ", or a list of layer counts per stage such as [3, 5]"
+    return parse_option(PartitionMethod, value, "partition", hint=hint)
 
 
 def _check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:

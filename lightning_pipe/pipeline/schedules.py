@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 
+from lightning_pipe.options import parse_option
 from lightning_pipe.pipeline.actions import Action, ActionType, B, F, PipelineSchedule
 
 
@@ -30,13 +31,7 @@ class ScheduleKind(enum.Enum):
     @classmethod
     def parse(cls, value: ScheduleKind | str) -> ScheduleKind:
         """Accept the enum or its user-facing name, with an error that lists the valid names."""
-        if isinstance(value, ScheduleKind):
-            return value
-        for kind in cls:
-            if isinstance(value, str) and value.lower() == kind.value:
-                return kind
-        valid = ", ".join(repr(k.value) for k in cls)
-        raise ValueError(f"Unknown pipeline schedule {value!r}: expected one of {valid}.")
+        return parse_option(cls, value, "pipeline schedule")
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.options import parse_option
 from lightning_pipe.tensor_parallel.cross_entropy import tag_vocab_parallel
 from lightning_pipe.tensor_parallel.dropout import RegionDropout
 from lightning_pipe.tensor_parallel.layers import (
@@ -55,11 +56,7 @@ class ShardStyle(enum.Enum):
 
     @classmethod
     def parse(cls, value: str, pattern: str) -> ShardStyle:
-        for style in cls:
-            if value == style.value:
-                return style
-        valid = ", ".join(repr(s.value) for s in cls)
-        raise ValueError(f"Unknown tensor-parallel style {value!r} for {pattern!r}: expected one of {valid}.")
+        return parse_option(cls, value, "tensor-parallel style", context=f" for {pattern!r}")
 
 
 _EXPECTED: dict[ShardStyle, type[nn.Module]] = {
