@@ -17,6 +17,7 @@ unchanged.
 from __future__ import annotations
 
 import os
+import time
 import types
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -48,12 +49,19 @@ from lightning_pipe.pipeline.microbatch import batch_size, microbatch_sizes, sig
 from lightning_pipe.pipeline.partition import check_partition
 from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
 from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
+from lightning_pipe.pipeline.timeline import (
+    TimelineRecorder,
+    gather_timeline,
+    plot_timeline,
+    write_chrome_trace,
+)
 from lightning_pipe.strategy import logging as pipe_logging
 from lightning_pipe.strategy.outputs import concat_outputs, default_pipeline_input, forward_returns
 from lightning_pipe.tensor_parallel.layers import gather_shards, tensor_parallel_dim
 from lightning_pipe.tensor_parallel.plan import ShardStyle, apply_plan, resolve_plan
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+_TIMELINE_STEPS = (1, 9)  # skip step 0 (first-step allocations), record the next eight
 _SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
 
 
@@ -81,6 +89,9 @@ class PipeTPStrategy(DDPStrategy):
             and micro-batch where it first appeared.
         bucket_cap_mb: size of the gradient buckets of the data-parallel reducer, whose
             all-reduces overlap the last backward of each optimizer step.
+        timeline: record the executed schedule of training steps 1-8 on every rank and write it,
+            at the end of ``fit``, to this path: ``.png`` for a plot (needs matplotlib), anything
+            else for a Chrome trace (open in Perfetto). Also read from ``LIGHTNING_PIPE_TIMELINE``.
         tensor_parallel_plan: module-name pattern -> style (see
             :mod:`lightning_pipe.tensor_parallel.plan`); overrides the module's
             ``tensor_parallel_plan()`` hook. Needed when ``tensor_parallel_size > 1``.
@@ -104,6 +115,7 @@ class PipeTPStrategy(DDPStrategy):
         check_finite: bool = False,
         bucket_cap_mb: float = 25.0,
         tensor_parallel_plan: dict[str, str] | None = None,
+        timeline: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -151,6 +163,8 @@ class PipeTPStrategy(DDPStrategy):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
         self.bucket_cap_mb = bucket_cap_mb
         self.tensor_parallel_plan = tensor_parallel_plan
+        self.timeline = timeline or os.environ.get("LIGHTNING_PIPE_TIMELINE") or None
+        self._recorder: TimelineRecorder | None = None
         self._reducer: GradientReducer | None = None
         self._tied: list[tuple[torch.nn.Parameter, dist.ProcessGroup, bool]] = []
         self._mesh: ParallelMesh | None = None
@@ -431,6 +445,7 @@ class PipeTPStrategy(DDPStrategy):
         assert self._executor is not None
         # Only the last backward of an optimizer step communicates, overlapped with that backward.
         self._executor.before_last_backward = self._reducer.arm if final and self._reducer else None
+        self._executor.recorder = self._timeline_recorder(trainer.global_step)
         with self.precision_plugin.train_step_context():
             loss = self._run_step("training_step", args, training=True)
         if final:
@@ -445,6 +460,53 @@ class PipeTPStrategy(DDPStrategy):
         call._call_callback_hooks(trainer, "on_after_backward")
         call._call_lightning_module_hook(trainer, "on_after_backward")
         return loss
+
+    def _timeline_recorder(self, step: int) -> TimelineRecorder | None:
+        """The recorder for training step ``step`` if it is in the recorded window (steps 1-8)."""
+        if self.timeline is None or not _TIMELINE_STEPS[0] <= step < _TIMELINE_STEPS[1]:
+            return None
+        if self._recorder is None:
+            self._recorder = TimelineRecorder(self.global_rank)
+            self._recorder.start()  # collective: one time origin for all ranks
+        return self._recorder
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        recorder = self._executor.recorder if self._executor is not None else None
+        if recorder is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # The closure (this step's whole pipeline) runs inside optimizer.step: time what follows it.
+        closure_end: list[float] = []
+
+        def timed_closure() -> Any:
+            result = closure()
+            closure_end.append(time.perf_counter())
+            return result
+
+        output = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
+        if closure_end:
+            recorder.add_span("optimizer step", closure_end[-1], time.perf_counter())  # type: ignore[attr-defined]
+        return output
+
+    @override
+    def on_train_end(self) -> None:
+        """Write the recorded timeline (a collective: every rank gathers to rank 0)."""
+        super().on_train_end()
+        if self._recorder is None:
+            return
+        events = gather_timeline(self._recorder)
+        self._recorder = None
+        if self.global_rank == 0 and self.timeline is not None:
+            if self.timeline.endswith(".png"):
+                stats = plot_timeline(
+                    events, self.timeline, title=f"pipe_tp {self.mesh.layout}, {self.schedule.value}"
+                )
+                rank_zero_info(
+                    f"pipe_tp: timeline plot written to {self.timeline} (bubble {stats.bubble_fraction:.1%})"
+                )
+            else:
+                write_chrome_trace(events, self.timeline)
+                rank_zero_info(f"pipe_tp: Chrome trace written to {self.timeline} (open it in Perfetto)")
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
