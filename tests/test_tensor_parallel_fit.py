@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
+from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.plan import resolve_plan
 from tests.distributed import run_distributed
 from tests.gpt_models import TinyGPT, token_data
@@ -23,19 +24,21 @@ TOL = 1e-5
 DATA = token_data(32)
 
 
-def _fit(model: TinyGPT, strategy: Any, devices: int, reference: bool) -> L.Trainer:
+def _fit(
+    model: TinyGPT, strategy: Any, devices: int, reference: bool, batch: int = 8, accumulate: int = 1
+) -> L.Trainer:
     sampler = DistributedSampler(DATA, num_replicas=1, rank=0, seed=0) if reference else None
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root, gradient_clip_val=0.5,
+            default_root_dir=root, gradient_clip_val=0.5, accumulate_grad_batches=accumulate,
         )  # fmt: skip
-        trainer.fit(model, DataLoader(DATA, batch_size=8, sampler=sampler))
+        trainer.fit(model, DataLoader(DATA, batch_size=batch, sampler=sampler))
     return trainer
 
 
-def tp_worker(pp: int, tp: int, dropout: float, runs: int) -> list[dict[str, Any]]:
+def tp_worker(pp: int, tp: int, dropout: float, runs: int, dp: int = 1) -> list[dict[str, Any]]:
     out = []
     for _ in range(runs):
         model = TinyGPT(dropout=dropout)
@@ -43,22 +46,31 @@ def tp_worker(pp: int, tp: int, dropout: float, runs: int) -> list[dict[str, Any
             pipeline_parallel_size=pp,
             tensor_parallel_size=tp,
             num_microbatches=2,
-            timeout=timedelta(seconds=60),
+            timeout=timedelta(seconds=90),
         )
-        trainer = _fit(model, strategy, pp * tp, reference=False)
+        trainer = _fit(
+            model, strategy, pp * tp * dp, reference=False, batch=8 // dp, accumulate=2 if dp > 1 else 1
+        )
         state = strategy.lightning_module_state_dict()  # whole model, gathered onto rank 0
         kinds = sorted({type(m).__name__ for m in model.modules() if "Parallel" in type(m).__name__})
+        replicated = {
+            n: p.detach().clone()
+            for n, p in model.named_parameters()
+            if strategy._plan.stage_of_key(n) == strategy.pp_rank and tensor_parallel_dim(p) is None
+        }
         out.append({
             "state": state,
+            "replicated": replicated,
+            "coords": strategy.mesh.coordinates,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "sharded": kinds,
         })  # fmt: skip
     return out
 
 
-def _reference(dropout: float = 0.0) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def _reference(dropout: float = 0.0, accumulate: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     model = TinyGPT(dropout=dropout)
-    trainer = _fit(model, "auto", 1, reference=True)
+    trainer = _fit(model, "auto", 1, reference=True, accumulate=accumulate)
     return model.state_dict(), {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
@@ -74,6 +86,31 @@ def test_tensor_parallel_fit_matches_one_device(pp: int, tp: int) -> None:
     for rank, runs in enumerate(got):
         for key, value in ref_metrics.items():
             assert runs[0]["metrics"][key] == pytest.approx(value, abs=TOL), f"rank {rank}: {key}"
+    _assert_replicas_identical(got)
+
+
+def _assert_replicas_identical(got: list[list[dict[str, Any]]]) -> None:
+    """LayerNorms and row-parallel biases must hold the same values on every tensor rank."""
+    by_stage: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = {}
+    for runs in got:
+        c = runs[0]["coords"]
+        by_stage.setdefault((c.dp_rank, c.pp_rank), []).append(runs[0]["replicated"])
+    for copies in by_stage.values():
+        assert copies[0], "each stage has replicated parameters"
+        for other in copies[1:]:
+            for name, value in copies[0].items():
+                torch.testing.assert_close(other[name], value, atol=0, rtol=0, msg=name)
+
+
+def test_dp2_pp2_tp2_on_eight_processes_matches_one_device() -> None:
+    """All three axes at once, with accumulate_grad_batches=2: each replica sees half of every batch
+    of 8; one device sees the whole batches."""
+    got = run_distributed(tp_worker, 8, 2, 2, 0.0, 1, 2, timeout=400, init_group=False)
+    ref_state, _ = _reference(accumulate=2)
+    state = got[0][0]["state"]
+    for key, expected in ref_state.items():
+        torch.testing.assert_close(state[key], expected, atol=TOL, rtol=0, msg=key)
+    _assert_replicas_identical(got)
 
 
 def test_tensor_parallel_dropout_runs_and_is_reproducible() -> None:
