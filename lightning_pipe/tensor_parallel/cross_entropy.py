@@ -37,7 +37,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, vocab_start: int
     ) -> torch.Tensor:
-        logits = logits.float()
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the softmax sums in fp32; float64 stays float64
         peak = logits.max(dim=-1).values
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - peak.unsqueeze(-1)
