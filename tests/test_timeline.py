@@ -1,0 +1,227 @@
+"""Timelines: recorded (2 gloo ranks) and planned (simulator) runs export to Chrome trace and PNG.
+
+The Chrome trace must be valid JSON with one track per rank and one complete event per action;
+the PNG must be a PNG; a recorded timeline must be causally consistent across processes (a
+micro-batch's forward on stage 1 starts after stage 0 finished it); the CLI writes both files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_pipe.pipeline.executor import PipelineExecutor
+from lightning_pipe.pipeline.microbatch import signature
+from lightning_pipe.pipeline.partition import compute_balance, split_layers
+from lightning_pipe.pipeline.schedules import build_schedule
+from lightning_pipe.pipeline.simulate import simulate
+from lightning_pipe.pipeline.timeline import (
+    SPAN,
+    TimelineEvent,
+    TimelineRecorder,
+    events_from_simulation,
+    gather_timeline,
+    plot_timeline,
+    timeline_stats,
+    write_chrome_trace,
+)
+from lightning_pipe.schedule import main as schedule_cli
+from tests.distributed import run_distributed
+from tests.models import make_batch, tuple_net
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+M, STEPS = 4, 2
+
+
+def _load_trace(path: Path) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    doc = json.loads(path.read_text())
+    complete = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    return complete, names
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 5_000  # a drawn figure, not an empty canvas
+
+
+def test_planned_timeline_exports(tmp_path: Path) -> None:
+    schedule = build_schedule("1f1b", 4, 8)
+    result = simulate(schedule, 1.0, 2.0)
+    events = events_from_simulation(result, unit=1e-3)
+    assert len(events) == sum(len(a) for a in schedule.actions) == 160
+
+    trace = write_chrome_trace(events, tmp_path / "plan.json")
+    complete, names = _load_trace(trace)
+    assert len(complete) == 160
+    assert {e["tid"] for e in complete} == {0, 1, 2, 3}  # exactly one track per rank
+    assert {e["pid"] for e in complete} == {0}
+    assert names == {r: f"rank {r}" for r in range(4)}
+    # Rank 3 runs F0 from 3 ms to 4 ms, then B0 for 2 ms (timestamps in microseconds).
+    f0 = next(e for e in complete if e["tid"] == 3 and e["name"] == "F0")
+    b0 = next(e for e in complete if e["tid"] == 3 and e["name"] == "B0")
+    assert f0["ts"] == pytest.approx(3000.0) and f0["dur"] == pytest.approx(1000.0)
+    assert b0["ts"] == pytest.approx(4000.0) and b0["dur"] == pytest.approx(2000.0)
+    assert f0["args"] == {"rank": 3, "stage": 3, "microbatch": 0}
+    assert sum(e["name"].startswith("F") for e in complete if e["tid"] == 0) == 8
+    assert {e["name"] for e in complete if e["cat"] == "comm"} == {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+
+    stats = plot_timeline(events, tmp_path / "plan.png", title="1f1b planned")
+    _assert_png(tmp_path / "plan.png")
+    assert stats.makespan == pytest.approx(0.033)
+    assert stats.bubble_fraction == pytest.approx(result.bubble_fraction)
+
+
+def test_recorder_spans_and_stats() -> None:
+    recorder = TimelineRecorder(rank=5, t0=100.0)
+    schedule = build_schedule("gpipe", 2, 1)
+    forward = schedule.actions[0][0]
+    recorder(forward, 100.0, 100.5)
+    recorder.add_span("optimizer step", 100.5, 101.0)
+    with recorder.span("sleep"):
+        pass
+    assert [e.name for e in recorder.events] == ["F0", "optimizer step", "sleep"]
+    first, opt = recorder.events[0], recorder.events[1]
+    assert (first.rank, first.kind, first.stage, first.microbatch) == (5, "F", 0, 0)
+    assert (first.start, first.end) == (0.0, 0.5)
+    assert opt.kind == SPAN and not opt.is_compute and not opt.is_comm
+    stats = timeline_stats(recorder.events[:2])
+    assert stats.makespan == pytest.approx(1.0)
+    assert stats.busy == {5: 0.5}
+    assert stats.bubble_fraction == pytest.approx(0.5)
+    # Without a process group, gathering returns the local events.
+    assert gather_timeline(recorder) == sorted(recorder.events, key=lambda e: e.start)
+
+
+def test_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"lightning-pipe\[plot\]"):
+        plot_timeline([TimelineEvent(0, "F0", "F", 0.0, 1.0, 0, 0)], tmp_path / "x.png")
+
+
+def recorded_worker(kinds: list[str]) -> dict[str, list[TimelineEvent]]:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    layers = list(tuple_net(seed=0))
+    stage = split_layers(layers, compute_balance(layers, p, "uniform"))[rank]
+    params = [q for layer in stage for q in layer.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    executor = PipelineExecutor({rank: stage}, p, list(range(p)), torch.device("cpu"))
+    recorder = TimelineRecorder()
+    executor.recorder = recorder
+    out = {}
+    for kind in kinds:
+        schedule = build_schedule(kind, p, M)
+        recorder.start()
+        for step in range(STEPS):
+            mbs = [make_batch(3, 5, seed=10 * step + i) for i in range(M)]
+            opt.zero_grad()
+            executor.run(
+                schedule,
+                rank,
+                inputs=[x for x, _ in mbs],
+                head=lambda out, i, mbs=mbs: F.mse_loss(out, mbs[i][1]),
+                signatures=[signature(x) for x, _ in mbs],
+            )
+            with recorder.span("optimizer step"):
+                opt.step()
+        out[kind] = gather_timeline(recorder)
+    return out
+
+
+KINDS = ["1f1b", "gpipe"]
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, list[TimelineEvent]]:
+    results = run_distributed(recorded_worker, 2, KINDS, timeout=60)
+    assert results[1] == {kind: [] for kind in KINDS}  # gathered on rank 0 only
+    return results[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_recorded_timeline_two_ranks(
+    recorded: dict[str, list[TimelineEvent]], kind: str, tmp_path: Path
+) -> None:
+    events = recorded[kind]
+    schedule = build_schedule(kind, 2, M)
+    for rank in range(2):
+        mine = [e for e in events if e.rank == rank]
+        assert len(mine) == STEPS * (len(schedule.actions[rank]) + 1)
+        assert sum(e.kind == SPAN for e in mine) == STEPS
+        assert sum(e.is_compute for e in mine) == STEPS * 2 * M
+        assert all(e.end >= e.start for e in mine)
+        # One rank's actions do not overlap (a comm batch shares one span).
+        spans = sorted({(e.start, e.end) for e in mine})
+        assert all(a[1] <= b[0] + 1e-9 for a, b in itertools.pairwise(spans))
+
+    def compute(rank: int, name: str) -> list[TimelineEvent]:
+        return [e for e in events if e.rank == rank and e.name == name]
+
+    # Causality across processes (the clocks share one origin): forward flows 0 -> 1 and
+    # backward 1 -> 0 in every step; 100 us of slack for the origin's estimation error.
+    slack = 1e-4
+    for i in range(M):
+        for f0, f1 in zip(compute(0, f"F{i}"), compute(1, f"F{i}"), strict=True):
+            assert f1.start >= f0.end - slack
+        for b1, b0 in zip(compute(1, f"B{i}"), compute(0, f"B{i}"), strict=True):
+            assert b0.start >= b1.end - slack
+
+    complete, names = _load_trace(write_chrome_trace(events, tmp_path / "run.json"))
+    assert len(complete) == len(events)
+    assert {e["tid"] for e in complete} == {0, 1} and set(names) == {0, 1}
+    assert sum(e["name"] == "optimizer step" for e in complete) == 2 * STEPS
+
+    stats = plot_timeline(events, tmp_path / "run.png", title=f"{kind} recorded")
+    _assert_png(tmp_path / "run.png")
+    assert 0.0 < stats.bubble_fraction < 1.0
+    assert set(stats.busy) == {0, 1}
+
+
+def test_cli_writes_png_and_trace(tmp_path: Path) -> None:
+    png, trace = tmp_path / "s.png", tmp_path / "s.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_pipe.schedule",
+        "--schedule",
+        "1f1b",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--forward-time",
+        "1",
+        "--backward-time",
+        "2",
+        "--png",
+        str(png),
+        "--trace",
+        str(trace),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.startswith("1f1b: 4 stages, 8 micro-batches, bubble 27.3%")
+    assert "rank 3 | .  .  .  F0 B0 B0 F1 B1 B1" in out
+    assert "makespan   33 ms" in out
+    assert "stage 0: 4  stage 1: 3  stage 2: 2  stage 3: 1" in out
+    complete, names = _load_trace(trace)
+    assert len(complete) == 160 and set(names) == {0, 1, 2, 3}
+    _assert_png(png)
+
+
+def test_cli_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        schedule_cli(["--stages", "0"])
+    assert exit_info.value.code == 2
+    assert "num_stages must be an integer >= 1" in capsys.readouterr().err
