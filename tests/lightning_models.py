@@ -30,6 +30,7 @@ class Regressor(L.LightningModule):
         )  # fmt: skip
         self.lr, self.step_lr = lr, step_lr
         self.train_mae = torchmetrics.MeanAbsoluteError()
+        self.train_mse = torchmetrics.MeanSquaredError()
         self.val_mae = torchmetrics.MeanAbsoluteError()
         self.test_mae = torchmetrics.MeanAbsoluteError()
 
@@ -46,6 +47,8 @@ class Regressor(L.LightningModule):
         self.train_mae(pred, y)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=True)
         self.log("train_mae", self.train_mae, on_step=False, on_epoch=True)
+        self.train_mse(pred, y)
+        self.log("train_mse", self.train_mse)  # on_step: the batch's value, not the last micro-batch's
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -89,6 +89,56 @@ def capturing(trainer: Any, capture: LogCapture | None) -> Iterator[None]:
         connector._current_fx = current_fx
 
 
+@contextmanager
+def batch_level_metrics(module: torch.nn.Module, active: bool) -> Iterator[None]:
+    """Make each torchmetrics ``Metric``'s step value that of the whole batch, not the last micro-batch.
+
+    Logging a Metric with ``on_step=True`` reports ``metric._forward_cache``, the value ``forward``
+    computed on its last input: under micro-batching, the last micro-batch. While active, every
+    ``forward`` also updates a fresh copy of the metric; afterwards the copy's value over all the
+    batch's micro-batches becomes the forward cache, which is what one device computes.
+    """
+    if not active:
+        yield
+        return
+    patched: list[tuple[Metric, Metric, list[bool]]] = []
+    for metric in module.modules():
+        if not isinstance(metric, Metric):
+            continue
+        group, metric.process_group = metric.process_group, None  # a ProcessGroup cannot be copied
+        try:
+            batch_copy = metric.clone()
+        finally:
+            metric.process_group = group
+        batch_copy.reset()
+        # This batch's value, from this replica's data only: no collective in its compute().
+        batch_copy.sync_on_compute = False
+        batch_copy._to_sync = False
+        called = [False]
+        original = metric.forward
+
+        def forward(
+            *args: Any,
+            _orig: Any = original,
+            _copy: Metric = batch_copy,
+            _called: list[bool] = called,
+            **kwargs: Any,
+        ) -> Any:
+            _copy.update(*args, **kwargs)
+            _called[0] = True
+            return _orig(*args, **kwargs)
+
+        metric.forward = forward  # type: ignore[method-assign]
+        patched.append((metric, batch_copy, called))
+    try:
+        yield
+    finally:
+        for metric, batch_copy, called in patched:
+            del metric.forward
+            if called[0]:
+                metric._forward_cache = batch_copy.compute()
+
+
 def metric_states(module: torch.nn.Module, records: list[LogRecord]) -> dict[str, Any]:
     """The state of every Metric logged in ``records``, moved to CPU for sending."""
     states: dict[str, Any] = {}

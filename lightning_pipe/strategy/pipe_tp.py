@@ -566,7 +566,10 @@ class PipeTPStrategy(DDPStrategy):
             return loss
 
         assert self._executor is not None
-        with pipe_logging.capturing(trainer, capture):
+        with (
+            pipe_logging.capturing(trainer, capture),
+            pipe_logging.batch_level_metrics(module, self.is_last_stage),
+        ):
             result = self._executor.run(
                 self._schedule_for(m, training),
                 self.pp_rank,
