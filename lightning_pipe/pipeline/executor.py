@@ -298,7 +298,11 @@ class PipelineExecutor:
             _check_finite(out, f"the output of pipeline stage {s} for micro-batch {i}")
         if s == self.num_stages - 1:
             value = self._head(out, i)  # type: ignore[misc]
-            self._result.outputs[i] = value
+            # Keep the graph only in the stash (until this micro-batch's backward): a loss kept
+            # with its graph in the result would hold every micro-batch's activations to the end.
+            self._result.outputs[i] = (
+                value.detach() if training and isinstance(value, torch.Tensor) else value
+            )
             if self.check_finite and isinstance(value, torch.Tensor):
                 _check_finite(value, f"the loss of micro-batch {i}")
             if training:

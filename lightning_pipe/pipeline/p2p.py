@@ -206,6 +206,9 @@ class P2PTransport:
 
     def exchange(self, sends: Sequence[SendRequest], recvs: Sequence[RecvRequest]) -> None:
         """Post ``sends`` and perform ``recvs`` (blocking until every receive has arrived)."""
+        # Release sends that have completed: holding every sent tensor until the end of the step
+        # would keep O(num_microbatches) activations alive whatever the schedule.
+        self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
         ops: list[dist.P2POp] = []
         labels: list[str] = []
         keep: list[torch.Tensor] = []
