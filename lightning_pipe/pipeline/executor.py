@@ -176,7 +176,7 @@ class PipelineExecutor:
         self._output_meta: dict[tuple[int, int], ActivationMeta] = {}
         self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], Activation]] = {}
-        self._stash_bytes: dict[tuple[int, int], int] = {}
+        self._stash_bytes: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
         self._result = StepResult()
 
     def run(
@@ -332,8 +332,10 @@ class PipelineExecutor:
                 saved = {
                     (t.data_ptr(), t.nbytes): t.nbytes for t in _as_tuple(x) if isinstance(t, torch.Tensor)
                 }
-            self._stash_bytes[(s, i)] = sum(saved.values())
-            live = sum(self._stash_bytes.values())
+            self._stash_bytes[(s, i)] = saved
+            # A tensor saved by several live micro-batches (a weight kept for the input gradient)
+            # exists once: count distinct tensors over all of them.
+            live = sum({k: v for d in self._stash_bytes.values() for k, v in d.items()}.values())
             self._result.peak_activation_bytes = max(self._result.peak_activation_bytes, live)
 
     def _backward(self, s: int, i: int) -> None:

@@ -1,0 +1,154 @@
+"""How close the engine gets to a schedule's ideal step time, with stages of known cost.
+
+Four ranks (gloo, one process each), one :class:`FixedTimeLayer` per stage taking exactly ``t_f``
+forward and ``t_b`` backward. With equal stages both GPipe and 1F1B take, on paper,
+``(m + p - 1) * (t_f + t_b)`` per step; efficiency is the measured step time over that (1.0 is
+ideal, lower is impossible). Step time: median over back-to-back steps after warm-up of the first
+rank's ``executor.run`` (that rank starts each step first and finishes it last).
+
+Run: ``python benchmarks/schedule_efficiency.py`` (table) or ``--json`` (one JSON object);
+``--timeline DIR`` also writes each configuration's recorded timeline as PNG and Chrome trace.
+Target: efficiency <= 1.02 at m = 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _launch import emit_json, launch, median, print_table, warn_if_busy
+from _stages import FixedTimeLayer, square_loss
+
+from lightning_pipe.pipeline.executor import PipelineExecutor
+from lightning_pipe.pipeline.microbatch import signature
+from lightning_pipe.pipeline.schedules import build_schedule
+from lightning_pipe.pipeline.timeline import TimelineRecorder, gather_timeline
+
+TARGET = 1.02
+
+
+def worker(kinds: list[str], ms: list[int], tf: float, tb: float, warmup: int, steps: int) -> dict[str, Any]:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = [FixedTimeLayer(tf, tb)]
+    executor = PipelineExecutor({rank: stage}, p, list(range(p)), torch.device("cpu"))
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        for m in ms:
+            schedule = build_schedule(kind, p, m)
+            inputs = [torch.randn(4, 64) for _ in range(m)]
+            sigs = [signature(x) for x in inputs]
+
+            def step(
+                inputs: list[torch.Tensor] = inputs, sigs: list[Any] = sigs, sch: Any = schedule
+            ) -> None:
+                executor.run(
+                    sch,
+                    rank,
+                    inputs=inputs if rank == 0 else None,
+                    head=square_loss,
+                    signatures=sigs,
+                )
+
+            dist.barrier()
+            durations = []
+            for k in range(warmup + steps):
+                start = time.perf_counter()
+                step()
+                if k >= warmup:
+                    durations.append(time.perf_counter() - start)
+            # One more step, recorded, for the timeline and the actual compute times.
+            recorder = TimelineRecorder()
+            executor.recorder = recorder
+            recorder.start()
+            step()
+            executor.recorder = None
+            events = gather_timeline(recorder)
+            out[f"{kind}/{m}"] = {"durations": durations, "events": events}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    parser.add_argument("--forward-ms", type=float, default=10.0)
+    parser.add_argument("--backward-ms", type=float, default=20.0)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--timeline", type=Path, help="write recorded timelines (PNG, trace) here")
+    args = parser.parse_args()
+    warn_if_busy()
+    tf, tb, p = args.forward_ms / 1e3, args.backward_ms / 1e3, args.stages
+    results = launch(worker, p, args.schedules, args.microbatches, tf, tb, args.warmup, args.steps)
+
+    rows, efficiency, step_ms, compute_ms = [], {}, {}, {}
+    for kind in args.schedules:
+        for m in args.microbatches:
+            key = f"{kind}/{m}"
+            measured = median(results[0][key]["durations"])
+            ideal = (m + p - 1) * (tf + tb)
+            events = results[0][key]["events"]
+            fwd = [e.duration for e in events if e.kind == "F"]
+            bwd = [e.duration for e in events if e.kind == "B"]
+            actual_ideal = (m + p - 1) * (median(fwd) + median(bwd))
+            efficiency[key] = measured / ideal
+            step_ms[key] = measured * 1e3
+            compute_ms[key] = {"forward": median(fwd) * 1e3, "backward": median(bwd) * 1e3}
+            rows.append(
+                [
+                    kind,
+                    m,
+                    ideal * 1e3,
+                    measured * 1e3,
+                    measured / ideal,
+                    measured / actual_ideal,
+                    (p - 1) / (m + p - 1),
+                ]
+            )
+            if args.timeline is not None:
+                from lightning_pipe.pipeline.timeline import plot_timeline, write_chrome_trace
+
+                write_chrome_trace(events, args.timeline / f"{kind}_m{m}.json")
+                plot_timeline(
+                    events, args.timeline / f"{kind}_m{m}.png", title=f"{kind} recorded, p={p}, m={m}"
+                )
+
+    at16 = [v for k, v in efficiency.items() if k.endswith("/16")]
+    met = all(v <= TARGET for v in at16) if at16 else None
+    if args.json:
+        emit_json(
+            {
+                "benchmark": "schedule_efficiency",
+                "stages": p,
+                "forward_ms": args.forward_ms,
+                "backward_ms": args.backward_ms,
+                "efficiency": efficiency,
+                "step_ms": step_ms,
+                "measured_compute_ms": compute_ms,
+                "target": TARGET,
+                "target_met_at_m16": met,
+            }
+        )
+        return
+    print(
+        f"p={p} ranks (gloo), t_f={args.forward_ms} ms, t_b={args.backward_ms} ms, "
+        f"median of {args.steps} steps"
+    )
+    print_table(
+        ["schedule", "m", "ideal ms", "step ms", "efficiency", "vs actual F/B", "bubble (theory)"],
+        rows,
+    )
+    if met is not None:
+        print(f"target: efficiency <= {TARGET} at m=16: {'met' if met else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
