@@ -101,42 +101,40 @@ def batch_level_metrics(module: torch.nn.Module, active: bool) -> Iterator[None]
     if not active:
         yield
         return
-    patched: list[tuple[Metric, Metric, list[bool]]] = []
+    copies: dict[int, Metric] = {}  # made on a metric's first forward of the step, not for every metric
+    patched: list[Metric] = []
+
+    def batch_copy(metric: Metric) -> Metric:
+        if id(metric) not in copies:
+            group, metric.process_group = metric.process_group, None  # a ProcessGroup cannot be copied
+            try:
+                copy = metric.clone()
+            finally:
+                metric.process_group = group
+            copy.reset()
+            # This batch's value, from this replica's data only: no collective in its compute().
+            copy.sync_on_compute = False
+            copy._to_sync = False
+            copies[id(metric)] = copy
+        return copies[id(metric)]
+
     for metric in module.modules():
         if not isinstance(metric, Metric):
             continue
-        group, metric.process_group = metric.process_group, None  # a ProcessGroup cannot be copied
-        try:
-            batch_copy = metric.clone()
-        finally:
-            metric.process_group = group
-        batch_copy.reset()
-        # This batch's value, from this replica's data only: no collective in its compute().
-        batch_copy.sync_on_compute = False
-        batch_copy._to_sync = False
-        called = [False]
-        original = metric.forward
 
-        def forward(
-            *args: Any,
-            _orig: Any = original,
-            _copy: Metric = batch_copy,
-            _called: list[bool] = called,
-            **kwargs: Any,
-        ) -> Any:
-            _copy.update(*args, **kwargs)
-            _called[0] = True
+        def forward(*args: Any, _metric: Metric = metric, _orig: Any = metric.forward, **kwargs: Any) -> Any:
+            batch_copy(_metric).update(*args, **kwargs)
             return _orig(*args, **kwargs)
 
         metric.forward = forward  # type: ignore[method-assign]
-        patched.append((metric, batch_copy, called))
+        patched.append(metric)
     try:
         yield
     finally:
-        for metric, batch_copy, called in patched:
+        for metric in patched:
             del metric.forward
-            if called[0]:
-                metric._forward_cache = batch_copy.compute()
+            if id(metric) in copies:
+                metric._forward_cache = copies[id(metric)].compute()
 
 
 def metric_states(module: torch.nn.Module, records: list[LogRecord]) -> dict[str, Any]:
