@@ -59,7 +59,9 @@ def _child(
         torch.save({"ok": True, "result": result}, out)
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, out)
-        raise SystemExit(1) from None
+        # Exit at once, as a crashed job does: a graceful destroy_process_group could wait on
+        # peers that are themselves still waiting, which is not what these tests measure.
+        os._exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

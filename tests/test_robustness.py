@@ -135,7 +135,7 @@ class GrowsOnSecondStep(nn.Module):
 def shape_change_worker() -> None:
     rank = dist.get_rank()
     layers: list[nn.Module] = [nn.Linear(4, 4), GrowsOnSecondStep()] if rank == 0 else [nn.Linear(4, 1)]
-    executor = PipelineExecutor({rank: layers}, 2, [0, 1], CPU, timeout=timedelta(seconds=20))
+    executor = PipelineExecutor({rank: layers}, 2, [0, 1], CPU, timeout=timedelta(seconds=90))
     schedule = build_schedule("gpipe", 2, 2)
     inputs = [torch.ones(2, 4), torch.ones(2, 4)]
     for _ in range(2):
@@ -156,7 +156,7 @@ def test_an_output_that_changes_shape_mid_run_is_reported_with_both_shapes() -> 
             r"it was \[\(\(2, 4\), torch.float32\)\] and is now \[\(\(2, 8\), torch.float32\)\]",
             1: r"with peer rank 0 .*rank 0 has stopped",
         },
-        within=15,  # the dead peer is noticed at once, long before the 20 s deadline
+        within=45,  # the dead peer is noticed at once, long before the 90 s deadline
     )
 
 
@@ -185,7 +185,7 @@ class Boom(Regressor):
 def user_exception_worker() -> None:
     model = Boom()
     strategy = PipeTPStrategy(
-        pipeline_parallel_size=3, partition=[2, 2, 3], num_microbatches=2, timeout=timedelta(seconds=20)
+        pipeline_parallel_size=3, partition=[2, 2, 3], num_microbatches=2, timeout=timedelta(seconds=90)
     )
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
@@ -207,5 +207,5 @@ def test_user_exception_on_the_middle_stage_stops_every_rank() -> None:
             0: r"with peer rank 1 .*rank 1 has stopped",
             2: r"with peer rank 1 .*rank 1 has stopped",
         },
-        within=40,
+        within=60,  # the dead peer is noticed at once, long before the 90 s deadline
     )
