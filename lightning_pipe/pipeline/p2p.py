@@ -159,7 +159,6 @@ class P2PTransport:
         self._recv_headers: dict[Hashable, ActivationMeta] = {}
         self._pending: list[tuple[dist.Work, str, int, object]] = []
         self.headers_sent = 0
-        self.messages_sent = 0
 
     def _wait(self, work: dist.Work, label: str, peer: int) -> None:
         """Wait for ``work``; turn a timeout or a dead peer into an error that says who and what."""
@@ -224,7 +223,6 @@ class P2PTransport:
                 keep.append(tensor)
                 ops.append(dist.P2POp(dist.isend, tensor, send.peer, self.group))
                 labels.append(send.label)
-                self.messages_sent += 1
 
         # Receives per channel, in order; each round posts up to the first unknown header.
         queues: dict[int, list[RecvRequest]] = {}

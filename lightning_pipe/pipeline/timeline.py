@@ -28,7 +28,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -280,11 +280,6 @@ def write_chrome_trace(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(chrome_trace(events, name)))
     return out
-
-
-def events_to_dicts(events: Sequence[TimelineEvent]) -> list[dict[str, Any]]:
-    """Plain dictionaries (e.g. for JSON), one per event."""
-    return [asdict(e) for e in events]
 
 
 # ---------------------------------------------------------------------- PNG
