@@ -1,9 +1,15 @@
 """lightning_pipe: pipeline, tensor and data parallelism for PyTorch Lightning.
 
-The public API is listed here once. The engine (mesh, schedules, partitioning, executor) is plain
-torch and usable without a Trainer.
+The public API is listed here once. The engine (mesh, schedules, partitioning, executor,
+checkpoint format) is plain torch and usable without a Trainer.
 """
 
+from lightning_pipe.checkpoint import (
+    CheckpointError,
+    ShardedCheckpoint,
+    consolidate_checkpoint,
+    is_sharded_checkpoint,
+)
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, RankCoordinates, init_mesh
 from lightning_pipe.pipeline.actions import Action, ActionType, PipelineSchedule, ScheduleError
 from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor, StepResult, apply_layers
@@ -27,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Action",
     "ActionType",
+    "CheckpointError",
     "CheckpointMode",
     "ColumnParallelLinear",
     "MeshAxis",
@@ -41,15 +48,18 @@ __all__ = [
     "ScheduleError",
     "ScheduleKind",
     "ShardStyle",
+    "ShardedCheckpoint",
     "SimulationResult",
     "StepResult",
     "VocabParallelEmbedding",
     "apply_layers",
     "build_schedule",
     "compute_balance",
+    "consolidate_checkpoint",
     "cross_entropy",
     "gather_vocab",
     "init_mesh",
+    "is_sharded_checkpoint",
     "render_schedule",
     "signature",
     "simulate",

@@ -2,8 +2,9 @@
 
 One fit with ModelCheckpoint(monitor="val_loss", save_top_k=2), EarlyStopping, LearningRateMonitor
 and a CSV logger, then trainer.validate / test / predict on the trained model; every number is
-compared with the same sequence on one device, and the best checkpoint (written by rank 0 with
-every stage's weights) must hold the single device's best weights.
+compared with the same sequence on one device. ModelCheckpoint must keep and delete the same
+checkpoints (sharded directories here, files there), and the best one, consolidated, must hold the
+single device's best weights.
 """
 
 from __future__ import annotations
@@ -21,11 +22,27 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipeTPStrategy
+from lightning_pipe.checkpoint import consolidate_checkpoint, is_sharded_checkpoint
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, dataset, loader
 
 TOL = 1e-5
 TRAIN, VAL, TEST = dataset(40, seed=1), dataset(16, seed=2), dataset(12, seed=3)
+
+
+def _load_state(path: str) -> dict[str, torch.Tensor]:
+    """The state dict of a checkpoint: a single-device file, or a pipe_tp sharded directory."""
+    if os.path.isdir(path):
+        return consolidate_checkpoint(path)["state_dict"]
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+def _listing(directory: str) -> list[tuple[str, str]]:
+    """Checkpoint names and kinds: pipe_tp's are complete sharded directories, one device's files."""
+    return [
+        (name, "sharded" if is_sharded_checkpoint(os.path.join(directory, name)) else "file")
+        for name in sorted(os.listdir(directory))
+    ]
 
 
 def _session(strategy: Any, devices: int, reference: bool) -> dict[str, Any]:
@@ -46,13 +63,13 @@ def _session(strategy: Any, devices: int, reference: bool) -> dict[str, Any]:
         trainer.fit(model, loader(TRAIN, 8, reference), loader(VAL, 8, reference))
         best = None
         if trainer.is_global_zero:
-            best = torch.load(checkpoint.best_model_path, weights_only=True)["state_dict"]
+            best = _load_state(checkpoint.best_model_path)
         out = {
             "epochs": trainer.current_epoch,
             "stopped_epoch": stopper.stopped_epoch,
             "best_score": float(checkpoint.best_model_score),
             "kept": sorted(os.path.basename(p) for p in checkpoint.best_k_models),
-            "files": sorted(os.listdir(os.path.join(root, "ckpt"))) if trainer.is_global_zero else None,
+            "files": _listing(os.path.join(root, "ckpt")) if trainer.is_global_zero else None,
             "best_state": best,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "validate": trainer.validate(model, loader(VAL, 8, reference), verbose=False),
@@ -98,7 +115,10 @@ def test_callbacks_see_single_device_metrics(sessions: tuple[list[dict[str, Any]
     assert 0 < ref["stopped_epoch"] < 5
     # Three epochs saved three checkpoints; save_top_k=2 must have deleted the worst one.
     assert ref["epochs"] >= 3
-    assert got[0]["files"] == ref["files"] and len(ref["files"]) == 2
+    # ... and kept the same two, as complete sharded directories (no temporary ones left behind).
+    assert [name for name, _ in got[0]["files"]] == [name for name, _ in ref["files"]]
+    assert [kind for _, kind in got[0]["files"]] == ["sharded", "sharded"]
+    assert [kind for _, kind in ref["files"]] == ["file", "file"]
 
 
 def test_best_checkpoint_holds_every_stage(sessions: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:

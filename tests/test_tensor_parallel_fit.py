@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
+from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.plan import resolve_plan
 from tests.distributed import run_distributed
@@ -50,7 +51,7 @@ def tp_worker(pp: int, tp: int, dropout: float, runs: int, dp: int = 1) -> list[
         trainer = _fit(
             model, strategy, pp * tp * dp, reference=False, batch=8 // dp, accumulate=2 if dp > 1 else 1
         )
-        state = strategy.lightning_module_state_dict()  # whole model, gathered onto rank 0
+        state = gather_model_state(model, strategy._plan, strategy.mesh)  # whole model, on rank 0
         kinds = sorted({type(m).__name__ for m in model.modules() if "Parallel" in type(m).__name__})
         replicated = {
             n: p.detach().clone()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -28,11 +28,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -40,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_pipe.checkpoint.full import to_cpu
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
@@ -56,8 +56,9 @@ from lightning_pipe.pipeline.timeline import (
     write_chrome_trace,
 )
 from lightning_pipe.strategy import logging as pipe_logging
+from lightning_pipe.strategy.checkpoints import CheckpointHooks
 from lightning_pipe.strategy.outputs import concat_outputs, default_pipeline_input, forward_returns
-from lightning_pipe.tensor_parallel.layers import gather_shards, tensor_parallel_dim
+from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.plan import ShardStyle, apply_plan, resolve_plan
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -65,7 +66,7 @@ _TIMELINE_STEPS = (1, 9)  # skip step 0 (first-step allocations), record the nex
 _SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
 
 
-class PipeTPStrategy(DDPStrategy):
+class PipeTPStrategy(CheckpointHooks):
     """Pipeline (GPipe / 1F1B) x tensor x data parallelism for Lightning.
 
     Args:
@@ -95,6 +96,11 @@ class PipeTPStrategy(DDPStrategy):
         tensor_parallel_plan: module-name pattern -> style (see
             :mod:`lightning_pipe.tensor_parallel.plan`); overrides the module's
             ``tensor_parallel_plan()`` hook. Needed when ``tensor_parallel_size > 1``.
+        save_distributed_checkpoint: ``True`` (default): a checkpoint is a directory in which every
+            rank of the first replica writes its own stage's and tensor shard's state, keyed by the
+            unsharded module's names, so any layout can load it and
+            ``python -m lightning_pipe.consolidate`` turns it into one file. ``False``: rank 0
+            gathers the whole model and writes one ordinary Lightning checkpoint file.
         start_method: ``"popen"`` (Lightning re-launches the script; torchrun and SLURM start
             the processes themselves) or ``"spawn"``/``"fork"``/``"forkserver"``.
     """
@@ -116,6 +122,7 @@ class PipeTPStrategy(DDPStrategy):
         bucket_cap_mb: float = 25.0,
         tensor_parallel_plan: dict[str, str] | None = None,
         timeline: str | None = None,
+        save_distributed_checkpoint: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -163,6 +170,7 @@ class PipeTPStrategy(DDPStrategy):
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
         self.bucket_cap_mb = bucket_cap_mb
         self.tensor_parallel_plan = tensor_parallel_plan
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self.timeline = timeline or os.environ.get("LIGHTNING_PIPE_TIMELINE") or None
         self._recorder: TimelineRecorder | None = None
         self._reducer: GradientReducer | None = None
@@ -590,7 +598,7 @@ class PipeTPStrategy(DDPStrategy):
                     float(o.detach().double()) * n / total for o, n in zip(outputs, sizes, strict=True)
                 )
             elif step_name == "predict_step":
-                payload["predictions"] = _to_cpu(concat_outputs(outputs))
+                payload["predictions"] = to_cpu(concat_outputs(outputs))
         payload = self._from_last_stage(payload)
         pipe_logging.load_metric_states(module, payload["metrics"], self.root_device)
         pipe_logging.replay(trainer, module, payload["records"], self.reduce, self.root_device)
@@ -610,96 +618,6 @@ class PipeTPStrategy(DDPStrategy):
         with self._collective(f"receiving the step's results from the last stage (rank {src})"):
             dist.broadcast_object_list(box, src=src, group=self.mesh.group(MeshAxis.PIPELINE), device=device)
         return box[0]
-
-    # ------------------------------------------------------------------ checkpoints
-    def _unshard(self, value: Any, param: torch.Tensor | None) -> Any:
-        """The full tensor for a value shaped like a tensor-parallel shard of ``param``."""
-        dim = tensor_parallel_dim(param) if param is not None else None
-        if dim is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:  # type: ignore[union-attr]
-            return value
-        return gather_shards(value.detach(), dim, self.mesh.group(MeshAxis.TENSOR))
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a whole-model checkpoint, slicing full tensors for tensor-parallel shards."""
-        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
-        params = dict(self.module.named_parameters())
-        state = {k: _slice_for(v, params.get(k), tp, c.tp_rank) for k, v in checkpoint["state_dict"].items()}
-        self.module.load_state_dict(state, strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
-        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            state = {
-                index: {k: _slice_for(v, params[index], tp, c.tp_rank) for k, v in entry.items()}
-                for index, entry in saved["state"].items()
-            }
-            optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
-            _optimizer_to_device(optimizer, self.root_device)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state on global rank 0, each tensor from the stage that owns it."""
-        assert self._plan is not None
-        full = self.module.state_dict()
-        c = self.mesh.coordinates
-        params = dict(self.module.named_parameters())
-        stage_keys = sorted(k for k in full if self._plan.stage_of_key(k) == self.pp_rank)
-        with self._collective("gathering tensor-parallel shards for a checkpoint"):
-            # Every tensor rank of this stage gathers the same keys in the same order.
-            own = {k: self._unshard(full[k], params.get(k)) for k in stage_keys}
-        mine = {}
-        if c.dp_rank == 0 and c.tp_rank == 0:
-            mine = {k: v.detach().cpu() for k, v in own.items()}
-        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
-        dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
-        if self.global_rank != 0:
-            return {}
-        merged = dict(full)
-        for part in gathered:
-            merged.update(part or {})
-        return merged
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer's state on global rank 0, each parameter's entry from its owner stage."""
-        state = optimizer.state_dict()
-        c = self.mesh.coordinates
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        with self._collective("gathering tensor-parallel optimizer state for a checkpoint"):
-            full_state = {
-                index: {k: self._unshard(v, params[index]) for k, v in entry.items()}
-                for index, entry in sorted(state["state"].items())
-            }
-        mine = {k: _to_cpu(v) for k, v in full_state.items()} if c.dp_rank == 0 and c.tp_rank == 0 else {}
-        gathered: list[Any] = [None] * self.world_size if self.global_rank == 0 else []
-        dist.gather_object(mine, gathered if self.global_rank == 0 else None, dst=0)
-        if self.global_rank != 0:
-            return {}
-        merged_state: dict[Any, Any] = {}
-        for part in gathered:
-            merged_state.update(part or {})
-        return {"state": merged_state, "param_groups": state["param_groups"]}
-
-
-def _slice_for(value: Any, param: torch.Tensor | None, tp: int, tp_rank: int) -> Any:
-    """This tensor rank's slice of a full tensor saved for a sharded ``param`` (else unchanged)."""
-    dim = tensor_parallel_dim(param) if param is not None else None
-    if dim is None or not isinstance(value, torch.Tensor) or value.shape == param.shape:  # type: ignore[union-attr]
-        return value
-    return value.chunk(tp, dim)[tp_rank].clone()
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return type(value)({k: _to_cpu(v) for k, v in value.items()})
-    if isinstance(value, tuple | list):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def _min_world(pp: int | str, tp: int, dp: int | str) -> int:

@@ -1,0 +1,81 @@
+"""Turn a sharded checkpoint directory into one ordinary Lightning checkpoint file.
+
+The result is what ``strategy="auto"`` on one device would have saved: ``state_dict`` holds every
+key of the unsharded LightningModule (so ``load_state_dict(..., strict=True)`` and
+``LightningModule.load_from_checkpoint`` work), ``optimizer_states`` are numbered by parameter
+position as ``torch.optim`` numbers them, and the loops, callbacks, schedulers and hyper-parameters
+are unchanged, so a single-device ``Trainer.fit(ckpt_path=...)`` resumes from it. It runs offline,
+in one process, without torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+
+# Keys a Lightning checkpoint saved with weights_only=True does not have.
+_TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers", "callbacks")
+
+
+def consolidate_checkpoint(
+    path: str | Path, output: str | Path | None = None, weights_only: bool = False
+) -> dict[str, Any]:
+    """Read the sharded checkpoint at ``path``; return the single-file checkpoint dictionary and,
+    given ``output``, write it there (to a temporary name first, then renamed into place).
+
+    ``weights_only=True`` leaves out the optimizer, scheduler and callback states (for inference).
+    """
+    reader = ShardedCheckpoint(path)
+    checkpoint = reader.lightning_state()
+    checkpoint["state_dict"] = {key: reader.model_value(key).clone() for key in reader.metadata.model}
+    if weights_only:
+        for key in _TRAINING_STATE_KEYS:
+            checkpoint.pop(key, None)
+    else:
+        optimizer_states = []
+        for index, saved in enumerate(checkpoint.get("optimizer_states", [])):
+            names = saved["param_names"]
+            records = reader.metadata.optimizers[index] if index < len(reader.metadata.optimizers) else {}
+            state = {
+                position: {k: _copy(reader.optimizer_value(index, name, k)) for k in records[name]}
+                for position, name in enumerate(names)
+                if name in records
+            }
+            optimizer_states.append({"state": state, "param_groups": saved["param_groups"]})
+        if "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = optimizer_states
+    if output is not None:
+        save_atomically(checkpoint, output)
+    return checkpoint
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def save_atomically(obj: Any, path: str | Path) -> None:
+    """``torch.save`` to ``.NAME.tmp`` beside ``path``, then rename: a crash leaves the old file.
+
+    A sharded checkpoint directory already at ``path`` (a run that switched formats) is moved to
+    ``.NAME.old`` first and removed once the file is in place.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp"
+    old = path.parent / f".{path.name}.old"
+    try:
+        torch.save(obj, tmp)
+        if path.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

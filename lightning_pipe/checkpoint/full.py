@@ -1,0 +1,81 @@
+"""The whole model's (and optimizer's) state on global rank 0, for single-file checkpoints.
+
+Used with ``PipeTPStrategy(save_distributed_checkpoint=False)`` and by tests: each stage's tensor
+ranks all-gather their shards into full tensors, then the first replica's tensor-rank-0 ranks send
+their stage's entries to rank 0 with one ``gather_object``. Rank 0 briefly holds the whole model,
+which is what the sharded format avoids; the result is an ordinary Lightning checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe.checkpoint.state import writes_key
+from lightning_pipe.mesh import MeshAxis, ParallelMesh
+from lightning_pipe.pipeline.plan import PipelinePlan
+from lightning_pipe.tensor_parallel.layers import gather_shards, tensor_parallel_dim
+
+
+def unshard(value: Any, param: torch.Tensor | None, group: dist.ProcessGroup) -> Any:
+    """Collective over ``group``: the full tensor for a value shaped like a shard of ``param``."""
+    dim = tensor_parallel_dim(param) if param is not None else None
+    if dim is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:  # type: ignore[union-attr]
+        return value
+    return gather_shards(value.detach(), dim, group)
+
+
+def to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)({k: to_cpu(v) for k, v in value.items()})
+    if isinstance(value, tuple | list):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def _gather_to_rank0(part: dict[Any, Any], mesh: ParallelMesh, into: dict[Any, Any]) -> dict[Any, Any]:
+    c = mesh.coordinates
+    mine = to_cpu(part) if c.dp_rank == 0 and c.tp_rank == 0 else {}
+    gathered: list[Any] = [None] * mesh.layout.world_size if mesh.rank == 0 else []
+    dist.gather_object(mine, gathered if mesh.rank == 0 else None, dst=0)
+    if mesh.rank != 0:
+        return {}
+    for piece in gathered:
+        into.update(piece or {})
+    return into
+
+
+def gather_model_state(module: nn.Module, plan: PipelinePlan, mesh: ParallelMesh) -> dict[str, Any]:
+    """Collective: the unsharded module's state dict on global rank 0 (``{}`` elsewhere)."""
+    pp_rank = mesh.coordinates.pp_rank
+    current = module.state_dict(keep_vars=True)
+    group = mesh.group(MeshAxis.TENSOR)
+    # Every tensor rank of a stage gathers the same keys in the same order.
+    own = {
+        k: unshard(v, v if isinstance(v, torch.Tensor) else None, group)
+        for k, v in current.items()
+        if writes_key(plan, k, pp_rank)
+    }
+    return _gather_to_rank0(
+        own, mesh, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in current.items()}
+    )
+
+
+def gather_optimizer_state(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> dict[str, Any]:
+    """Collective: ``optimizer.state_dict()`` with every stage's full entries on global rank 0."""
+    state = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    group = mesh.group(MeshAxis.TENSOR)
+    full = {
+        index: {k: unshard(v, params[index], group) for k, v in entry.items()}
+        for index, entry in sorted(state["state"].items())
+    }
+    merged = _gather_to_rank0(full, mesh, {})
+    if mesh.rank != 0:
+        return {}
+    return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}

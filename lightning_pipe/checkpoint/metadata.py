@@ -1,0 +1,168 @@
+"""The on-disk layout of a sharded checkpoint, described by one JSON metadata file.
+
+A sharded checkpoint is a directory (named like a file, ``epoch=3-step=120.ckpt``, so that
+``ModelCheckpoint`` keeps, ranks and deletes it as it would a file)::
+
+    epoch=3-step=120.ckpt/
+        pipe_tp_metadata.json     layout, and where every tensor of every shard lives
+        lightning_state.pt        everything else Lightning saves (loops, callbacks, schedulers...)
+        shard-pp0-tp0.pt          stage 0's tensors as tensor rank 0 holds them
+        shard-pp0-tp1.pt          ...
+
+Each ``shard-*.pt`` is written by one rank of the first data-parallel replica and holds the model
+and optimizer tensors of its pipeline stage, its own slice of each tensor-parallel parameter and
+(on tensor rank 0 only) the replicated ones. Tensors are keyed by the names of the *unsharded*
+LightningModule: state-dict keys for the model, parameter names for the optimizer. Each
+:class:`TensorRecord` says which files hold a value and along which dim to concatenate them, so a
+reader needs no knowledge of the layout that wrote it: that is what lets a checkpoint move between
+layouts and be consolidated offline.
+
+The metadata file is written last, so a directory without it is an incomplete save, never mistaken
+for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "lightning_pipe.sharded_checkpoint"
+VERSION = 1
+METADATA_FILE = "pipe_tp_metadata.json"
+LIGHTNING_STATE_FILE = "lightning_state.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved, read or loaded into this model, and why."""
+
+
+def shard_file_name(pp_rank: int, tp_rank: int) -> str:
+    return f"shard-pp{pp_rank}-tp{tp_rank}.pt"
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one saved value lives.
+
+    ``files`` lists the shard files holding it: one file for a replicated value, one per tensor
+    rank (in tensor-rank order) for a value split along ``tp_dim``. ``shape`` is the full
+    (unsharded) shape and ``dtype`` the dtype name; both are ``None`` for a non-tensor value such
+    as an optimizer's integer step count.
+    """
+
+    files: tuple[str, ...]
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    tp_dim: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "files": list(self.files),
+            "shape": None if self.shape is None else list(self.shape),
+            "dtype": self.dtype,
+            "tp_dim": self.tp_dim,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TensorRecord:
+        shape = data.get("shape")
+        return cls(
+            files=tuple(data["files"]),
+            shape=None if shape is None else tuple(shape),
+            dtype=data.get("dtype"),
+            tp_dim=data.get("tp_dim"),
+        )
+
+
+OptimizerRecords = dict[str, dict[str, TensorRecord]]
+"""Parameter name -> optimizer state key (``exp_avg``, ``momentum_buffer``, ``step``...) -> record."""
+
+
+@dataclass
+class CheckpointMetadata:
+    """Contents of ``pipe_tp_metadata.json``."""
+
+    layout: dict[str, int]
+    """``data_parallel_size``, ``pipeline_parallel_size``, ``tensor_parallel_size`` of the saver."""
+    layer_names: list[str]
+    balance: list[int]
+    model: dict[str, TensorRecord] = field(default_factory=dict)
+    """State-dict key -> record, in the module's state-dict order."""
+    optimizers: list[OptimizerRecords] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "layout": self.layout,
+            "layer_names": self.layer_names,
+            "balance": self.balance,
+            "lightning_state": LIGHTNING_STATE_FILE,
+            "model": {key: record.to_json() for key, record in self.model.items()},
+            "optimizers": [
+                {name: {k: r.to_json() for k, r in entries.items()} for name, entries in optimizer.items()}
+                for optimizer in self.optimizers
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: Path) -> CheckpointMetadata:
+        if data.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{where} is not a lightning_pipe checkpoint metadata file (format {data.get('format')!r})."
+            )
+        if data.get("version") != VERSION:
+            raise CheckpointError(
+                f"{where} has checkpoint format version {data.get('version')!r}; this lightning_pipe "
+                f"reads version {VERSION}. Load it with the lightning_pipe release that wrote it and "
+                "consolidate it (python -m lightning_pipe.consolidate) into a single-file checkpoint."
+            )
+        try:
+            return cls(
+                layout={k: int(v) for k, v in data["layout"].items()},
+                layer_names=list(data["layer_names"]),
+                balance=[int(b) for b in data["balance"]],
+                model={key: TensorRecord.from_json(r) for key, r in data["model"].items()},
+                optimizers=[
+                    {
+                        name: {k: TensorRecord.from_json(r) for k, r in entries.items()}
+                        for name, entries in opt.items()
+                    }
+                    for opt in data["optimizers"]
+                ],
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{where} is damaged: {type(err).__name__}: {err}") from err
+
+    def files(self) -> set[str]:
+        """Every shard file the metadata refers to."""
+        records = [
+            *self.model.values(),
+            *(r for opt in self.optimizers for e in opt.values() for r in e.values()),
+        ]
+        return {f for record in records for f in record.files}
+
+    def write(self, directory: Path) -> None:
+        (directory / METADATA_FILE).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def read(cls, directory: Path) -> CheckpointMetadata:
+        path = directory / METADATA_FILE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{directory} is a directory without {METADATA_FILE}, so it is not a complete lightning_pipe "
+                "checkpoint (the metadata is written last: a save that stopped part-way leaves none). "
+                "Pass a checkpoint directory that ModelCheckpoint or trainer.save_checkpoint completed."
+            ) from None
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{path} is damaged (not valid JSON: {err}).") from err
+        return cls.from_json(data, path)
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a directory holding a sharded checkpoint's metadata file."""
+    return (Path(path) / METADATA_FILE).is_file()

@@ -1,0 +1,273 @@
+"""Which model and optimizer state each rank saves, and how a rank re-cuts saved state on load.
+
+Saving: a rank writes the state-dict keys of its pipeline stage (the module's keys outside every
+pipeline layer go with stage 0), its own slice of each tensor-parallel parameter and, on tensor
+rank 0 only, the replicated ones; only the first data-parallel replica writes. The optimizer state
+of a parameter is written by the stage that writes the parameter itself (for a tied parameter,
+the stage of its first name), keyed by parameter name rather than by position.
+
+Loading: a rank takes the keys its stage holds in the *current* layout, asks the reader for each
+full value and cuts the slice its tensor rank needs. The same cutting serves plain single-file
+checkpoints, which hold full tensors already. Every mismatch (a missing or unexpected key, a shape,
+an optimizer whose parameters differ) is reported before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.checkpoint.metadata import CheckpointError, TensorRecord
+from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+from lightning_pipe.pipeline.plan import PipelinePlan
+from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
+
+_SHOWN = 8  # names listed in an error before "and N more"
+
+
+def holds_key(plan: PipelinePlan, key: str, pp_rank: int) -> bool:
+    """Whether stage ``pp_rank`` uses the state-dict entry ``key`` (keys outside layers: all do)."""
+    stage = plan.stage_of_key(key)
+    return stage is None or stage == pp_rank
+
+
+def writes_key(plan: PipelinePlan, key: str, pp_rank: int) -> bool:
+    """Whether stage ``pp_rank`` saves ``key``: its owner, or stage 0 for keys outside layers."""
+    stage = plan.stage_of_key(key)
+    return stage == pp_rank if stage is not None else pp_rank == 0
+
+
+def full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
+    """The unsharded shape of a (possibly tensor-parallel) parameter."""
+    shape = list(param.shape)
+    dim = tensor_parallel_dim(param)
+    if dim is not None:
+        shape[dim] *= tp
+    return tuple(shape)
+
+
+def shard_of(value: Any, param: torch.Tensor | None, tp: int, tp_rank: int) -> Any:
+    """This tensor rank's copy of a saved full ``value`` of (or shaped like) ``param``.
+
+    Always a fresh tensor: values read from a memory-mapped shard file must not stay backed by it.
+    """
+    if not isinstance(value, torch.Tensor):
+        return value
+    dim = tensor_parallel_dim(param) if param is not None else None
+    # A value not shaped like its parameter (Adam's 0-dim ``step``) is the same on every tensor rank.
+    if dim is None or param is None or value.dim() != param.dim() or value.shape == param.shape:
+        return value.detach().clone()
+    return value.chunk(tp, dim)[tp_rank].clone()
+
+
+def _record(
+    value: Any, param: torch.Tensor | None, tp: int, tp_rank: int, file: str
+) -> tuple[TensorRecord, int]:
+    if not isinstance(value, torch.Tensor):
+        return TensorRecord(files=(file,)), 0
+    dim = tensor_parallel_dim(param) if param is not None else None
+    sharded = dim is not None and param is not None and value.shape == param.shape
+    shape = list(value.shape)
+    if sharded:
+        shape[dim] *= tp  # type: ignore[index]
+    return (
+        TensorRecord(files=(file,), shape=tuple(shape), dtype=str(value.dtype).removeprefix("torch."),
+                     tp_dim=dim if sharded else None),
+        tp_rank if sharded else 0,
+    )  # fmt: skip
+
+
+def _is_sharded(value: Any, param: torch.Tensor) -> bool:
+    return (
+        tensor_parallel_dim(param) is not None
+        and isinstance(value, torch.Tensor)
+        and value.shape == param.shape
+    )
+
+
+# ---------------------------------------------------------------------------------------- saving
+def model_shard(module: nn.Module, plan: PipelinePlan, pp_rank: int, tp_rank: int) -> dict[str, Any]:
+    """The model state this rank saves: its stage's keys, split ones always, replicated on tp 0."""
+    out = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if not writes_key(plan, key, pp_rank):
+            continue
+        if tp_rank != 0 and not (isinstance(value, torch.Tensor) and tensor_parallel_dim(value) is not None):
+            continue
+        out[key] = value.detach() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def model_records(
+    values: Mapping[str, Any], module: nn.Module, tp: int, tp_rank: int, file: str
+) -> dict[str, tuple[TensorRecord, int]]:
+    params = module.state_dict(keep_vars=True)
+    return {key: _record(value, params.get(key), tp, tp_rank, file) for key, value in values.items()}
+
+
+def parameter_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
+    """The module's name for each parameter of ``optimizer``, in ``state_dict()`` index order."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    unknown = [tuple(p.shape) for p in params if id(p) not in names]
+    if unknown:
+        raise CheckpointError(
+            f"The optimizer holds {len(unknown)} tensors that are not parameters of the LightningModule "
+            f"(shapes {unknown[:_SHOWN]}); pipe_tp checkpoints name optimizer state by module parameter "
+            "name. Build the optimizer from self.parameters() (or subsets of it) in configure_optimizers."
+        )
+    return [names[id(p)] for p in params]
+
+
+def optimizer_shard(
+    optimizer: torch.optim.Optimizer, module: nn.Module, plan: PipelinePlan, pp_rank: int, tp_rank: int
+) -> dict[str, Any]:
+    """This rank's part of the optimizer state, keyed by parameter name, with the param groups."""
+    saved = optimizer.state_dict()
+    names = parameter_names(optimizer, module)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict[str, dict[str, Any]] = {}
+    for index, entry in saved["state"].items():
+        name, param = names[index], params[index]
+        if not writes_key(plan, name, pp_rank):
+            continue
+        kept = {k: v for k, v in entry.items() if tp_rank == 0 or _is_sharded(v, param)}
+        if kept:
+            state[name] = kept
+    return {"state": state, "param_groups": saved["param_groups"], "param_names": names}
+
+
+def optimizer_records(
+    state: Mapping[str, Mapping[str, Any]], module: nn.Module, tp: int, tp_rank: int, file: str
+) -> dict[str, dict[str, tuple[TensorRecord, int]]]:
+    params = dict(module.named_parameters())
+    return {
+        name: {k: _record(v, params[name], tp, tp_rank, file) for k, v in entry.items()}
+        for name, entry in state.items()
+    }
+
+
+# --------------------------------------------------------------------------------------- loading
+def check_keys(saved: Iterable[str], expected: Iterable[str], where: str) -> None:
+    """Raise naming the missing and unexpected keys, if any."""
+    saved_set, expected_list = set(saved), list(expected)
+    missing = [k for k in expected_list if k not in saved_set]
+    unexpected = sorted(saved_set - set(expected_list))
+    if not missing and not unexpected:
+        return
+
+    def shown(keys: list[str]) -> str:
+        more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+        return f"{keys[:_SHOWN]}{more}"
+
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {shown(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the model: {shown(unexpected)}")
+    raise CheckpointError(
+        f"{where} does not match the model's state-dict keys; " + "; ".join(parts) + ". Load it into the "
+        "module that saved it, or set `self.strict_loading = False` on the LightningModule to load the "
+        "keys they share."
+    )
+
+
+def check_shapes(
+    saved: Mapping[str, tuple[int, ...] | None], current: Mapping[str, Any], tp: int, where: str
+) -> None:
+    """Every saved full shape equals the full shape of the model's entry of that key."""
+    wrong = []
+    for key, value in current.items():
+        shape = saved.get(key)
+        if shape is not None and isinstance(value, torch.Tensor) and tuple(shape) != full_shape(value, tp):
+            wrong.append(f"{key}: saved {list(shape)}, model {list(full_shape(value, tp))}")
+    if wrong:
+        raise CheckpointError(
+            f"{where} has tensors of other shapes than the model: {wrong[:_SHOWN]}"
+            + (f" and {len(wrong) - _SHOWN} more" if len(wrong) > _SHOWN else "")
+            + ". It was saved from another model configuration: build the model it was saved from."
+        )
+
+
+def load_model_shard(
+    reader: ShardedCheckpoint, module: nn.Module, plan: PipelinePlan, pp_rank: int, tp: int, tp_rank: int,
+    strict: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The state-dict entries stage ``pp_rank`` holds, read from ``reader`` and cut for ``tp_rank``."""
+    current = module.state_dict(keep_vars=True)
+    saved = reader.metadata.model
+    if strict:
+        check_keys(saved, current, f"The checkpoint {reader.path}")
+    check_shapes({k: r.shape for k, r in saved.items()}, current, tp, f"The checkpoint {reader.path}")
+    return {
+        key: shard_of(
+            reader.model_value(key), value if isinstance(value, torch.Tensor) else None, tp, tp_rank
+        )
+        for key, value in current.items()
+        if key in saved and holds_key(plan, key, pp_rank)
+    }
+
+
+def load_optimizer_shard(
+    reader: ShardedCheckpoint,
+    index: int,
+    saved: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    owned: set[int],
+    tp: int,
+    tp_rank: int,
+) -> dict[str, Any]:
+    """Optimizer ``index``'s state for the parameters in ``owned`` (ids), as an ordinary
+    ``optimizer.state_dict()`` numbered for this optimizer, each value cut for ``tp_rank``."""
+    names = parameter_names(optimizer, module)
+    saved_names: list[str] = list(saved["param_names"])
+    saved_groups = saved["param_groups"]
+    where = f"Optimizer {index} in the checkpoint {reader.path}"
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{where} has {len(saved_groups)} parameter groups, the model's optimizer has "
+            f"{len(optimizer.param_groups)}: configure_optimizers must build the same optimizer."
+        )
+    groups, position = [], 0
+    for g, (mine, theirs) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+        current = names[position : position + len(mine["params"])]
+        check_keys([saved_names[i] for i in theirs["params"]], current, f"{where} (parameter group {g})")
+        group = copy.deepcopy({k: v for k, v in theirs.items() if k != "params"})
+        group["params"] = list(range(position, position + len(current)))
+        groups.append(group)
+        position += len(current)
+    records = reader.metadata.optimizers[index] if index < len(reader.metadata.optimizers) else {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, (name, param) in enumerate(zip(names, params, strict=True)):
+        if id(param) in owned and name in records:
+            state[i] = {k: reader.optimizer_value(index, name, k) for k in records[name]}
+    return {"state": slice_optimizer_state(state, params, owned, tp, tp_rank), "param_groups": groups}
+
+
+def slice_optimizer_state(
+    state: Mapping[int, Mapping[str, Any]], params: list[torch.Tensor], owned: set[int], tp: int, tp_rank: int
+) -> dict[int, dict[str, Any]]:
+    """Index-keyed optimizer state restricted to ``owned`` parameters and cut for ``tp_rank``;
+    a parameter-shaped value that fits neither the full nor the local shape is an error."""
+    out: dict[int, dict[str, Any]] = {}
+    for i, entry in state.items():
+        param = params[i]
+        if id(param) not in owned:
+            continue
+        out[i] = {}
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim() == param.dim() and v.numel() > 1:
+                if tuple(v.shape) not in (tuple(param.shape), full_shape(param, tp)):
+                    raise CheckpointError(
+                        f"The optimizer state {k!r} of parameter {i} has shape {list(v.shape)}, which fits "
+                        f"neither the parameter ({list(full_shape(param, tp))}) nor its shard "
+                        f"({list(param.shape)}): the checkpoint belongs to another model."
+                    )
+            out[i][k] = shard_of(v, param, tp, tp_rank)
+    return out

@@ -1,0 +1,165 @@
+"""Write a sharded checkpoint: every writing rank saves its own file, nobody gathers the model.
+
+The protocol keeps the previous checkpoint safe and never leaves a rank hanging:
+
+1. Global rank 0 creates a fresh temporary directory ``.NAME.tmp`` beside ``NAME``.
+2. Each writing rank saves its shard there; rank 0 also saves the Lightning state. A rank whose
+   write fails does not raise yet: all ranks exchange their outcome (and their small tensor
+   records) in one ``all_gather_object``, so every rank raises the same error together instead of
+   one rank raising while the others wait in a collective until the timeout.
+3. Rank 0 checks that every file is visible to it (a rank writing to a directory that is not on a
+   shared filesystem would otherwise produce a checkpoint missing shards), writes the metadata last,
+   then swaps the directory into place: ``NAME`` -> ``.NAME.old``, ``.NAME.tmp`` -> ``NAME``, then
+   removes ``.NAME.old``. A crash at any point leaves either the previous checkpoint under ``NAME``,
+   or (between the two renames) intact under ``.NAME.old``; never a half-written ``NAME``.
+4. The outcome of step 3 is exchanged again, so that all ranks return or raise together.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.checkpoint.collective import describe_failures, error_text, exchange
+from lightning_pipe.checkpoint.metadata import (
+    LIGHTNING_STATE_FILE,
+    CheckpointError,
+    CheckpointMetadata,
+    OptimizerRecords,
+    TensorRecord,
+)
+
+
+@dataclass
+class RankShard:
+    """What one writing rank saves: its file's payload and where each value of it belongs.
+
+    ``parts`` holds, for each record, this rank's position among the record's files (its tensor
+    rank for a split value, 0 otherwise), so that rank 0 can merge the records of all ranks into
+    one file list per value.
+    """
+
+    file_name: str
+    payload: dict[str, Any]
+    model: dict[str, tuple[TensorRecord, int]] = field(default_factory=dict)
+    optimizers: list[dict[str, dict[str, tuple[TensorRecord, int]]]] = field(default_factory=list)
+
+
+def _raise_if_failed(outcomes: list[tuple[str | None, Any]], path: Path, what: str) -> None:
+    failures = describe_failures([error for error, _ in outcomes])
+    if failures is not None:
+        raise CheckpointError(
+            f"Saving the checkpoint {path} failed while {what} ({failures}). Any previous "
+            f"checkpoint at {path} is untouched."
+        )
+
+
+def _merge(
+    parts: list[dict[str, tuple[TensorRecord, int]]], order: list[str] | None = None
+) -> dict[str, TensorRecord]:
+    """One record per key from every rank's partial records: the files sorted by part."""
+    found: dict[str, list[tuple[int, TensorRecord]]] = {}
+    for records in parts:
+        for key, (record, part) in records.items():
+            found.setdefault(key, []).append((part, record))
+    keys = [k for k in order if k in found] if order is not None else sorted(found)
+    keys += sorted(set(found) - set(keys))
+    merged = {}
+    for key in keys:
+        pieces = sorted(found[key], key=lambda item: item[0])
+        first = pieces[0][1]
+        merged[key] = TensorRecord(
+            files=tuple(f for _, r in pieces for f in r.files),
+            shape=first.shape,
+            dtype=first.dtype,
+            tp_dim=first.tp_dim,
+        )
+    return merged
+
+
+def write_sharded_checkpoint(
+    path: str | Path,
+    shard: RankShard | None,
+    lightning_state: dict[str, Any] | None,
+    metadata: CheckpointMetadata | None,
+    key_order: list[str] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Collective: save this rank's ``shard`` (``None`` on ranks that write nothing) into ``path``.
+
+    Rank 0 of ``group`` passes the ``lightning_state`` and the ``metadata`` header (layout and
+    plan; its records are filled in here from every rank's shard).
+    """
+    path = Path(path)
+    rank = dist.get_rank(group)
+    tmp = path.parent / f".{path.name}.tmp"
+    old = path.parent / f".{path.name}.old"
+
+    error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as err:
+            error = f"could not create {tmp}: {err}"
+    _raise_if_failed(exchange(error, None, group), path, "creating the temporary directory")
+
+    error = None
+    try:
+        if shard is not None:
+            torch.save(shard.payload, tmp / shard.file_name)
+        if rank == 0:
+            torch.save(lightning_state, tmp / LIGHTNING_STATE_FILE)
+    except Exception as err:  # reported to every rank below, then raised on all of them
+        error = error_text(err)
+    records = None if shard is None else (shard.model, shard.optimizers)
+    outcomes = exchange(error, records, group)
+    if any(e for e, _ in outcomes) and rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _raise_if_failed(outcomes, path, "writing the shards")
+
+    error = None
+    if rank == 0:
+        assert metadata is not None
+        try:
+            written = [r for _, r in outcomes if r is not None]
+            metadata.model = _merge([model for model, _ in written], key_order)
+            count = max((len(opts) for _, opts in written), default=0)
+            metadata.optimizers = [
+                _merge_optimizer([opts[i] for _, opts in written if i < len(opts)]) for i in range(count)
+            ]
+            missing = sorted(f for f in metadata.files() if not (tmp / f).is_file())
+            if missing:
+                raise CheckpointError(
+                    f"the files {missing} written by other ranks are not visible to rank 0 in {tmp}: the "
+                    "checkpoint directory must be on a filesystem that every node shares"
+                )
+            metadata.write(tmp)  # last: its presence marks a complete checkpoint
+            if path.exists() or path.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+                path.rename(old)
+            tmp.rename(path)
+            if old.is_dir():
+                shutil.rmtree(old)
+            elif old.exists():
+                old.unlink()
+        except Exception as err:
+            error = error_text(err)
+            shutil.rmtree(tmp, ignore_errors=True)
+    _raise_if_failed(exchange(error, None, group), path, "committing the checkpoint")
+
+
+def _merge_optimizer(parts: list[dict[str, dict[str, tuple[TensorRecord, int]]]]) -> OptimizerRecords:
+    flat = [
+        {f"{name}\0{k}": v for name, entries in part.items() for k, v in entries.items()} for part in parts
+    ]
+    merged: OptimizerRecords = {}
+    for key, record in _merge(flat).items():
+        name, state_key = key.split("\0")
+        merged.setdefault(name, {})[state_key] = record
+    return merged

@@ -1,0 +1,234 @@
+"""Checkpoint saving and loading for ``PipeTPStrategy``: Lightning's hooks over the plain-torch
+:mod:`lightning_pipe.checkpoint` package.
+
+Lightning asks the strategy for the model's and each optimizer's state (``dump_checkpoint``), then
+to write the checkpoint; on resume it asks it to read one and then to load the model and optimizer
+state. With the default sharded format the first two return this rank's part only, keyed by the
+unsharded module's names, and the write is a collective in which every rank of the first replica
+writes its own file. Loading happens after setup (``restore_checkpoint_after_setup``), when the
+model is already split and sharded, so each rank reads only its stage's entries and cuts its own
+tensor-parallel slice, whatever layout saved them. A plain single-file checkpoint (from one device
+or from ``consolidate``) takes the same path: its full tensors are cut the same way.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
+from lightning_pipe.checkpoint.collective import fail_together
+from lightning_pipe.checkpoint.consolidate import save_atomically
+from lightning_pipe.checkpoint.full import gather_model_state, gather_optimizer_state
+from lightning_pipe.checkpoint.metadata import CheckpointError, CheckpointMetadata, shard_file_name
+from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+from lightning_pipe.checkpoint.state import (
+    check_keys,
+    check_shapes,
+    holds_key,
+    load_model_shard,
+    load_optimizer_shard,
+    model_records,
+    model_shard,
+    optimizer_records,
+    optimizer_shard,
+    shard_of,
+    slice_optimizer_state,
+)
+from lightning_pipe.checkpoint.writer import RankShard, write_sharded_checkpoint
+from lightning_pipe.mesh import ParallelMesh
+from lightning_pipe.pipeline.plan import PipelinePlan
+
+_SHARDED = "pipe_tp_sharded_checkpoint"  # marks a checkpoint dict read from a sharded directory
+
+
+class CheckpointHooks(DDPStrategy):
+    """The checkpoint half of ``PipeTPStrategy`` (which provides the mesh, plan and module)."""
+
+    save_distributed_checkpoint: bool = True
+    _plan: PipelinePlan | None
+    _owned_params: list[torch.nn.Parameter]
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        raise NotImplementedError
+
+    @property
+    def module(self) -> LightningModule:
+        raise NotImplementedError
+
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Load after the model is split and sharded: each rank then reads only its stage's keys and
+        # cuts its own tensor-parallel slices, whatever layout saved the checkpoint.
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model (sharded format), or the whole model on rank 0."""
+        assert self._plan is not None
+        if not self.save_distributed_checkpoint:
+            with self._collective("gathering the whole model for a single-file checkpoint"):
+                return gather_model_state(self.module, self._plan, self.mesh)
+        c = self.mesh.coordinates
+        return model_shard(self.module, self._plan, c.pp_rank, c.tp_rank)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's part of the optimizer state by parameter name (sharded format), or the
+        whole optimizer state on rank 0."""
+        assert self._plan is not None
+        if not self.save_distributed_checkpoint:
+            with self._collective("gathering the optimizer state for a single-file checkpoint"):
+                return gather_optimizer_state(optimizer, self.mesh)
+        c = self.mesh.coordinates
+        return optimizer_shard(optimizer, self.module, self._plan, c.pp_rank, c.tp_rank)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Sharded: every rank of the first replica writes its own file into the directory
+        ``filepath`` (see :mod:`lightning_pipe.checkpoint.writer`). Single-file: rank 0 writes."""
+        if storage_options is not None:
+            raise TypeError(
+                "PipeTPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy "
+                "writes checkpoints itself rather than through a CheckpointIO plugin."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        if not self.save_distributed_checkpoint:
+            if self.is_global_zero:
+                save_atomically(checkpoint, path)
+            return
+        assert self._plan is not None
+        c, layout = self.mesh.coordinates, self.mesh.layout
+        tp = layout.tensor_parallel_size
+        model = checkpoint.pop("state_dict")
+        optimizers = checkpoint.pop("optimizer_states", None)
+        file = shard_file_name(c.pp_rank, c.tp_rank)
+        shard = None
+        if c.dp_rank == 0:
+            shard = RankShard(
+                file,
+                {"model": model, "optimizers": [o["state"] for o in optimizers or []]},
+                model_records(model, self.module, tp, c.tp_rank, file),
+                [optimizer_records(o["state"], self.module, tp, c.tp_rank, file) for o in optimizers or []],
+            )
+        if optimizers is not None:
+            checkpoint["optimizer_states"] = [
+                {k: v for k, v in o.items() if k != "state"} for o in optimizers
+            ]
+        header = CheckpointMetadata(
+            layout={
+                "data_parallel_size": layout.data_parallel_size,
+                "pipeline_parallel_size": layout.pipeline_parallel_size,
+                "tensor_parallel_size": tp,
+            },
+            layer_names=list(self._plan.layer_names),
+            balance=list(self._plan.balance),
+        )
+        with self._collective(f"saving the checkpoint {path}"):
+            write_sharded_checkpoint(
+                path,
+                shard,
+                checkpoint if self.is_global_zero else None,
+                header if self.is_global_zero else None,
+                key_order=list(self.module.state_dict().keys()),
+            )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded directory (from any layout): the Lightning state plus this rank's model and
+        optimizer entries, already cut for this layout. A file: an ordinary Lightning checkpoint."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        with fail_together(f"Loading the checkpoint {path}"):
+            if not path.is_dir():
+                return super().load_checkpoint(path, weights_only=weights_only)
+            return self._load_sharded(path, weights_only)
+
+    def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        assert self._plan is not None
+        reader = ShardedCheckpoint(path)
+        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
+        checkpoint = reader.lightning_state(weights_only)
+        strict = self.module.strict_loading
+        checkpoint["state_dict"] = load_model_shard(
+            reader, self.module, self._plan, c.pp_rank, tp, c.tp_rank, strict
+        )
+        checkpoint[_SHARDED] = {"keys": list(reader.metadata.model), "layout": reader.metadata.layout}
+        saved_optimizers = checkpoint.get("optimizer_states")
+        if saved_optimizers is not None and self.optimizers:
+            owned = {id(p) for p in self._owned_params}
+            _check_optimizer_count(len(saved_optimizers), len(self.optimizers))
+            checkpoint["optimizer_states"] = [
+                load_optimizer_shard(reader, i, saved, opt, self.module, owned, tp, c.tp_rank)
+                for i, (saved, opt) in enumerate(zip(saved_optimizers, self.optimizers, strict=True))
+            ]
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load this stage's entries, cutting full tensors (a plain checkpoint) to this rank's slice."""
+        assert self._plan is not None
+        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
+        current = self.module.state_dict(keep_vars=True)
+        saved = checkpoint["state_dict"]
+        sharded = checkpoint.get(_SHARDED)
+        with fail_together("Loading the model weights"):
+            if strict:
+                check_keys(sharded["keys"] if sharded else saved, current, "The checkpoint")
+            if not sharded:  # a plain checkpoint holds full tensors (a sharded one was checked on read)
+                shapes = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}
+                check_shapes(shapes, current, tp, "The checkpoint")
+            state = {
+                k: shard_of(
+                    v, current.get(k) if isinstance(current.get(k), torch.Tensor) else None, tp, c.tp_rank
+                )
+                for k, v in saved.items()
+                if k in current and holds_key(self._plan, k, c.pp_rank)
+            }
+            self.module.load_state_dict(state, strict=False)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load this stage's optimizer entries, cutting full tensors to this rank's slice."""
+        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
+        owned = {id(p) for p in self._owned_params}
+        with fail_together("Loading the optimizer state"):
+            _check_optimizer_count(len(checkpoint["optimizer_states"]), len(self.optimizers))
+            for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                state = slice_optimizer_state(saved["state"], params, owned, tp, c.tp_rank)
+                optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+                _optimizer_to_device(optimizer, self.root_device)
+
+
+def _check_optimizer_count(saved: int, current: int) -> None:
+    if saved != current:
+        raise CheckpointError(
+            f"The checkpoint holds {saved} optimizer states but configure_optimizers returned {current} "
+            "optimizers. Resume with the configure_optimizers that saved it, or load the weights only "
+            "(LightningModule.load_state_dict on the consolidated checkpoint)."
+        )

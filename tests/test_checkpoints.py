@@ -1,0 +1,399 @@
+"""Checkpoints under pipe_tp: exact resume, moving between layouts, consolidation, plain in.
+
+Every comparison is with numbers, after several optimizer steps with momentum (so a lost or
+mis-cut optimizer state changes the weights), gradient accumulation and a per-step LR scheduler:
+
+* Epoch-boundary resume on the same layout (pp=2 x tp=2 on a tiny GPT; dp=2 x pp=2 with Adam on a
+  regressor) gives the uninterrupted run's losses and final weights (within 1e-6).
+* The pp=2 x tp=2 checkpoint resumed at pp=4 x tp=1, at one device under pipe_tp, and
+  (consolidated) on one device with ``strategy="auto"`` gives the same next losses and weights
+  (within 1e-5: the layouts sum in different orders).
+* The consolidated file (function and ``python -m lightning_pipe.consolidate``) loads into the plain
+  module with ``strict=True`` and holds the weights the sharded run had.
+* A plain single-device checkpoint starts pp=2 x tp=2 training that continues like one device.
+* A mid-epoch resume at pp=2 behaves as plain Lightning's does on one device with the same loader.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_pipe import PipeTPStrategy
+from lightning_pipe.checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+from lightning_pipe.checkpoint.full import gather_model_state
+from tests.distributed import run_distributed
+from tests.gpt_models import TinyGPT, token_data
+from tests.lightning_models import Regressor, dataset
+
+EXACT, ACROSS = 1e-6, 1e-5
+GPT_DATA = token_data(32)
+REG_DATA = dataset(40, seed=1)
+TIMEOUT = timedelta(seconds=90)
+
+
+class ScheduledGPT(TinyGPT):
+    """TinyGPT with SGD + momentum and a per-step LR scheduler."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class AdamRegressor(Regressor):
+    """Regressor with Adam (whose state holds a scalar step next to the moment tensors)."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Losses(L.Callback):
+    """Every training batch's loss, with the global step it ran at."""
+
+    def __init__(self) -> None:
+        self.values: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.values.append((trainer.global_step, float(outputs["loss"])))
+
+
+@dataclass
+class Run:
+    losses: list[tuple[int, float]]
+    state: dict[str, torch.Tensor]  # the whole model's weights at the end (on rank 0; {} elsewhere)
+    global_step: int
+
+
+def _fit(
+    model: L.LightningModule,
+    data: TensorDataset,
+    strategy: Any,
+    devices: int,
+    root: str,
+    max_epochs: int = -1,
+    max_steps: int = -1,
+    ckpt_path: str | None = None,
+    save_to: str | None = None,
+    batch: int = 8,
+) -> Run:
+    """One fit; pipe_tp gets Lightning's injected DistributedSampler, one device the same explicitly."""
+    losses = Losses()
+    callbacks: list[Any] = [losses]
+    if save_to is not None:  # an epoch-end checkpoint, as a run stopped at an epoch boundary leaves
+        callbacks.append(ModelCheckpoint(dirpath=os.path.dirname(save_to), filename=Path(save_to).stem))
+    single = not isinstance(strategy, PipeTPStrategy)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=0) if single else None
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=max_epochs, max_steps=max_steps,
+        accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=save_to is not None, callbacks=callbacks,
+        default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data, batch_size=batch, sampler=sampler), ckpt_path=ckpt_path)
+    if single:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:
+        state = gather_model_state(model, strategy._plan, strategy.mesh)
+    return Run(losses.values, state, trainer.global_step)
+
+
+def _pipe(pp: int, tp: int = 1, dp: int | str = "auto", **kwargs: Any) -> PipeTPStrategy:
+    return PipeTPStrategy(
+        pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=dp, num_microbatches=2,
+        timeout=TIMEOUT, **kwargs,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ workers
+def gpt_pp2_tp2_worker(root: str, plain: str) -> dict[str, Run]:
+    ckpt = os.path.join(root, "sharded", "epoch-boundary.ckpt")
+    return {
+        "uninterrupted": _fit(ScheduledGPT(), GPT_DATA, _pipe(2, 2), 4, root, max_epochs=4),
+        "interrupted": _fit(ScheduledGPT(), GPT_DATA, _pipe(2, 2), 4, root, max_epochs=2, save_to=ckpt),
+        "resumed": _fit(ScheduledGPT(), GPT_DATA, _pipe(2, 2), 4, root, max_epochs=4, ckpt_path=ckpt),
+        "from_plain": _fit(ScheduledGPT(), GPT_DATA, _pipe(2, 2), 4, root, max_epochs=4, ckpt_path=plain),
+    }
+
+
+def gpt_resume_worker(ckpt: str, pp: int, devices: int) -> Run:
+    root = os.path.dirname(ckpt)
+    return _fit(ScheduledGPT(), GPT_DATA, _pipe(pp), devices, root, max_epochs=4, ckpt_path=ckpt)
+
+
+def regressor_dp2_pp2_worker(root: str) -> dict[str, Run]:
+    ckpt = os.path.join(root, "dp", "epoch-boundary.ckpt")
+
+    def fit(**kwargs: Any) -> Run:
+        return _fit(AdamRegressor(), REG_DATA, _pipe(2, dp=2), 4, root, batch=4, **kwargs)
+
+    return {
+        "uninterrupted": fit(max_epochs=4),
+        "interrupted": fit(max_epochs=2, save_to=ckpt),
+        "resumed": fit(max_epochs=4, ckpt_path=ckpt),
+    }
+
+
+def _mid_epoch(strategy_factory: Any, devices: int, root: str) -> Run:
+    """Stop after 2 optimizer steps (batch 4 of the 5 in epoch 0), save, resume for 2 epochs."""
+    trainer = L.Trainer(
+        strategy=strategy_factory(), accelerator="cpu", devices=devices, max_steps=2,
+        accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
+    )  # fmt: skip
+    single = not isinstance(trainer.strategy, PipeTPStrategy)
+    sampler = DistributedSampler(REG_DATA, num_replicas=1, rank=0, seed=0) if single else None
+    trainer.fit(Regressor(), DataLoader(REG_DATA, batch_size=8, sampler=sampler))
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    assert trainer.global_step == 2 and progress.current.completed == 4 and not progress.is_last_batch
+    path = os.path.join(root, "mid-epoch.ckpt")
+    trainer.save_checkpoint(path)
+    return _fit(Regressor(), REG_DATA, strategy_factory(), devices, root, max_epochs=2, ckpt_path=path)
+
+
+def mid_epoch_worker(root: str) -> Run:
+    return _mid_epoch(lambda: _pipe(2), 2, root)
+
+
+# ------------------------------------------------------------------------------ fixtures
+@dataclass
+class GPTRuns:
+    root: str
+    pipe: dict[str, Run]
+    plain_resumed: Run  # one device, from its own epoch-2 checkpoint
+    consolidated_resumed: Run  # one device, from the consolidated pp2 x tp2 checkpoint
+    pp4: Run
+    pipe_one_device: Run
+
+    @property
+    def sharded(self) -> str:
+        return os.path.join(self.root, "sharded", "epoch-boundary.ckpt")
+
+
+@pytest.fixture(scope="module")
+def gpt() -> Iterator[GPTRuns]:
+    with tempfile.TemporaryDirectory() as root:
+        plain = os.path.join(root, "plain", "epoch-boundary.ckpt")
+        _fit(ScheduledGPT(), GPT_DATA, "auto", 1, root, max_epochs=2, save_to=plain)
+        plain_resumed = _fit(ScheduledGPT(), GPT_DATA, "auto", 1, root, max_epochs=4, ckpt_path=plain)
+        pipe = run_distributed(gpt_pp2_tp2_worker, 4, root, plain, timeout=400, init_group=False)[0]
+        sharded = os.path.join(root, "sharded", "epoch-boundary.ckpt")
+        consolidated = os.path.join(root, "consolidated.ckpt")
+        consolidate_checkpoint(sharded, consolidated)
+        consolidated_resumed = _fit(
+            ScheduledGPT(), GPT_DATA, "auto", 1, root, max_epochs=4, ckpt_path=consolidated
+        )
+        pp4 = run_distributed(gpt_resume_worker, 4, sharded, 4, 4, timeout=300, init_group=False)[0]
+        one = run_distributed(gpt_resume_worker, 1, sharded, 1, 1, timeout=300, init_group=False)[0]
+        yield GPTRuns(root, pipe, plain_resumed, consolidated_resumed, pp4, one)
+
+
+def _assert_same(got: Run, expected: Run, tol: float) -> None:
+    assert [s for s, _ in got.losses] == [s for s, _ in expected.losses]
+    for (step, loss), (_, ref) in zip(got.losses, expected.losses, strict=True):
+        assert loss == pytest.approx(ref, abs=tol), f"loss at global step {step}"
+    assert got.state.keys() == expected.state.keys()
+    for key, value in expected.state.items():
+        torch.testing.assert_close(got.state[key], value, atol=tol, rtol=0, msg=key)
+
+
+# ------------------------------------------------------------------------------ tests
+def test_epoch_boundary_resume_is_exact_pp2_tp2(gpt: GPTRuns) -> None:
+    runs = gpt.pipe
+    assert runs["interrupted"].global_step == 4 and runs["uninterrupted"].global_step == 8
+    # The resumed run continues where the interrupted one stopped: the uninterrupted run's second half.
+    second_half = Run(runs["uninterrupted"].losses[8:], runs["uninterrupted"].state, 8)
+    _assert_same(runs["resumed"], second_half, EXACT)
+    # A fresh start would see the same first batch at the initial weights: 1000x the tolerance away.
+    fresh = runs["uninterrupted"].losses[0][1]
+    assert abs(runs["resumed"].losses[0][1] - fresh) > 1e-3
+
+
+def test_checkpoint_is_a_sharded_directory_with_layout_metadata(gpt: GPTRuns) -> None:
+    import json
+
+    assert is_sharded_checkpoint(gpt.sharded)
+    files = sorted(os.listdir(gpt.sharded))
+    assert files == [
+        "lightning_state.pt", "pipe_tp_metadata.json",
+        "shard-pp0-tp0.pt", "shard-pp0-tp1.pt", "shard-pp1-tp0.pt", "shard-pp1-tp1.pt",
+    ]  # fmt: skip
+    meta = json.loads((Path(gpt.sharded) / "pipe_tp_metadata.json").read_text())
+    assert meta["layout"] == {"data_parallel_size": 1, "pipeline_parallel_size": 2, "tensor_parallel_size": 2}
+    # A column-parallel weight of stage 1 is split across both tensor ranks' files along dim 0...
+    qkv = meta["model"]["layers.2.attn.qkv.weight"]
+    assert qkv["files"] == ["shard-pp1-tp0.pt", "shard-pp1-tp1.pt"] and qkv["tp_dim"] == 0
+    assert qkv["shape"] == [48, 16]
+    # ... a replicated one lives once, and the momentum of a row-parallel weight is split along dim 1.
+    assert meta["model"]["layers.1.ln1.weight"]["files"] == ["shard-pp0-tp0.pt"]
+    momentum = meta["optimizers"][0]["layers.1.attn.proj.weight"]["momentum_buffer"]
+    assert momentum["files"] == ["shard-pp0-tp0.pt", "shard-pp0-tp1.pt"] and momentum["tp_dim"] == 1
+    # No rank wrote the whole model: each shard file is a fraction of the consolidated checkpoint.
+    whole = os.path.getsize(os.path.join(gpt.root, "consolidated.ckpt"))
+    for name in files:
+        if name.startswith("shard-"):
+            assert os.path.getsize(os.path.join(gpt.sharded, name)) < 0.6 * whole, name
+    # No temporary directory is left beside it.
+    assert sorted(os.listdir(os.path.dirname(gpt.sharded))) == ["epoch-boundary.ckpt"]
+
+
+def test_reshard_pp2_tp2_to_pp4_and_one_device(gpt: GPTRuns) -> None:
+    reference = gpt.consolidated_resumed  # strategy="auto" on one device, from the consolidated file
+    assert reference.global_step == 8 and len(reference.losses) == 8
+    _assert_same(gpt.pp4, reference, ACROSS)
+    _assert_same(gpt.pipe_one_device, reference, ACROSS)
+    _assert_same(gpt.pipe["resumed"], reference, ACROSS)
+
+
+def test_consolidated_checkpoint_loads_strictly_into_the_plain_module(gpt: GPTRuns) -> None:
+    saved = torch.load(os.path.join(gpt.root, "consolidated.ckpt"), weights_only=True)
+    model = ScheduledGPT()
+    model.load_state_dict(saved["state_dict"], strict=True)
+    for key, value in gpt.pipe["interrupted"].state.items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=0, rtol=0, msg=key)
+    assert saved["global_step"] == 4 and saved["epoch"] == 1  # saved at the end of epoch 1
+    assert len(saved["optimizer_states"][0]["state"]) == len(list(model.parameters()))
+    assert "param_names" not in saved["optimizer_states"][0]
+    # The command-line tool writes the same tensors.
+    out = os.path.join(gpt.root, "cli.ckpt")
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_pipe.consolidate", gpt.sharded, out, "--weights-only"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "saved with dp=1 x pp=2 x tp=2" in done.stdout
+    cli = torch.load(out, weights_only=True)
+    assert "optimizer_states" not in cli
+    for key, value in saved["state_dict"].items():
+        assert torch.equal(cli["state_dict"][key], value), key
+
+
+def test_plain_checkpoint_starts_pipe_tp_training(gpt: GPTRuns) -> None:
+    _assert_same(gpt.pipe["from_plain"], gpt.plain_resumed, ACROSS)
+
+
+def test_epoch_boundary_resume_is_exact_dp2_pp2_adam() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        runs = run_distributed(regressor_dp2_pp2_worker, 4, root, timeout=400, init_group=False)
+    uninterrupted, interrupted, resumed = runs[0]["uninterrupted"], runs[0]["interrupted"], runs[0]["resumed"]
+    half = len(interrupted.losses)
+    assert half == 10 and len(uninterrupted.losses) == 20  # 20 samples per replica, batch 4, 2 epochs
+    _assert_same(resumed, Run(uninterrupted.losses[half:], uninterrupted.state, 0), EXACT)
+    # The other replica (its own half of the data) also continues exactly where it stopped.
+    other = runs[2]
+    assert other["resumed"].losses != resumed.losses
+    _assert_same(other["resumed"], Run(other["uninterrupted"].losses[half:], {}, 0), EXACT)
+
+
+def test_mid_epoch_resume_matches_lightning_on_one_device() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        got = run_distributed(mid_epoch_worker, 2, root, timeout=300, init_group=False)[0]
+    with tempfile.TemporaryDirectory() as root:
+        expected = _mid_epoch(lambda: "auto", 1, root)
+    assert expected.losses, "the resumed single-device run trained nothing"
+    _assert_same(got, expected, ACROSS)
+
+
+# ------------------------------------------------------------------------------ bad checkpoints
+class WiderRegressor(Regressor):
+    """The Regressor with one hidden layer wider: the same keys, other shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[2] = torch.nn.Linear(16, 17)
+        self.layers[4] = torch.nn.Linear(17, 16)
+
+
+class DeeperRegressor(Regressor):
+    """The Regressor with one more layer: two keys the checkpoint lacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers.append(torch.nn.Linear(self.layers[6].out_features, self.layers[6].out_features))
+
+
+def _fit_error(model: L.LightningModule, ckpt: str, root: str) -> tuple[str, str]:
+    """The exception fitting ``model`` from ``ckpt`` at pp=2 raises on this rank."""
+    trainer = L.Trainer(
+        strategy=_pipe(2), accelerator="cpu", devices=2, max_epochs=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=root,
+    )  # fmt: skip
+    try:
+        trainer.fit(model, DataLoader(REG_DATA, batch_size=8), ckpt_path=ckpt)
+    except Exception as err:
+        return type(err).__name__, str(err)
+    return "no error", ""
+
+
+def bad_checkpoints_worker(root: str) -> dict[str, tuple[str, str]]:
+    good = os.path.join(root, "good.ckpt")
+    trainer = L.Trainer(
+        strategy=_pipe(2), accelerator="cpu", devices=2, max_steps=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(Regressor(), DataLoader(REG_DATA, batch_size=8))
+    trainer.save_checkpoint(good)
+    if trainer.is_global_zero:
+        truncated, incomplete = os.path.join(root, "truncated.ckpt"), os.path.join(root, "incomplete.ckpt")
+        shutil.copytree(good, truncated)
+        shutil.copytree(good, incomplete)
+        # Only pp_rank 1 reads the stage-1 file: rank 0 must fail with it, not wait for it.
+        with open(os.path.join(truncated, "shard-pp1-tp0.pt"), "r+b") as f:
+            f.truncate(100)
+        os.remove(os.path.join(incomplete, "shard-pp0-tp0.pt"))
+        saved = consolidate_checkpoint(good)
+        saved["state_dict"].update(WiderRegressor().state_dict())
+        torch.save(saved, os.path.join(root, "wide-plain.ckpt"))
+    trainer.strategy.barrier()
+    return {
+        "shapes": _fit_error(WiderRegressor(), good, root),
+        "keys": _fit_error(DeeperRegressor(), good, root),
+        "truncated": _fit_error(Regressor(), os.path.join(root, "truncated.ckpt"), root),
+        "incomplete": _fit_error(Regressor(), os.path.join(root, "incomplete.ckpt"), root),
+        "plain shapes": _fit_error(Regressor(), os.path.join(root, "wide-plain.ckpt"), root),
+        "good": _fit_error(Regressor(), good, root),
+    }
+
+
+def test_mismatched_or_damaged_checkpoints_fail_on_every_rank_with_the_cause() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        ranks = run_distributed(bad_checkpoints_worker, 2, root, timeout=300, init_group=False)
+    for case, (kind, message) in ranks[0].items():
+        # Every rank raises the same error (a rank that read nothing wrong included), at once.
+        assert ranks[1][case] == (kind, message), case
+    assert ranks[0]["good"] == ("no error", "")
+    kind, message = ranks[0]["shapes"]
+    assert kind == "CheckpointError"
+    assert (
+        "layers.2.weight: saved [16, 16], model [17, 16]" in message
+        and "another model configuration" in message
+    )
+    kind, message = ranks[0]["keys"]
+    assert kind == "CheckpointError"
+    assert "missing from the checkpoint: ['layers.7.weight', 'layers.7.bias']" in message, message
+    kind, message = ranks[0]["truncated"]
+    assert kind == "CheckpointError"
+    assert "failed on rank 1:" in message and "shard-pp1-tp0.pt cannot be read" in message
+    assert "damaged" in message
+    kind, message = ranks[0]["incomplete"]
+    assert kind == "CheckpointError" and "is incomplete" in message and "shard-pp0-tp0.pt" in message
+    kind, message = ranks[0]["plain shapes"]
+    assert kind == "CheckpointError" and "layers.4.weight: saved [16, 17], model [16, 16]" in message
