@@ -39,6 +39,7 @@ from lightning_pipe.checkpoint.full import gather_model_state
 from tests.distributed import run_distributed
 from tests.gpt_models import TinyGPT, token_data
 from tests.lightning_models import Regressor, dataset
+from tests.test_data_parallel import TOKENS, TiedLM
 
 EXACT, ACROSS = 1e-6, 1e-5
 GPT_DATA = token_data(32)
@@ -397,3 +398,39 @@ def test_mismatched_or_damaged_checkpoints_fail_on_every_rank_with_the_cause() -
     assert kind == "CheckpointError" and "is incomplete" in message and "shard-pp0-tp0.pt" in message
     kind, message = ranks[0]["plain shapes"]
     assert kind == "CheckpointError" and "layers.4.weight: saved [16, 17], model [16, 16]" in message
+
+
+# ------------------------------------------------------------------------------ tied weights
+def tied_worker(root: str) -> dict[str, Run]:
+    """Embedding (stage 0) tied to the head (stage 1): both stages hold a copy and its AdamW state."""
+    ckpt = os.path.join(root, "tied", "epoch-boundary.ckpt")
+
+    def fit(**kwargs: Any) -> Run:
+        return _fit(TiedLM(), TOKENS, _pipe(2), 2, root, **kwargs)
+
+    return {
+        "uninterrupted": fit(max_epochs=4),
+        "interrupted": fit(max_epochs=2, save_to=ckpt),
+        "resumed": fit(max_epochs=4, ckpt_path=ckpt),
+    }
+
+
+def test_tied_weights_resume_exactly_and_on_one_device() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        runs = run_distributed(tied_worker, 2, root, timeout=300, init_group=False)[0]
+        ckpt = os.path.join(root, "tied", "epoch-boundary.ckpt")
+        consolidated = consolidate_checkpoint(ckpt)
+        one = run_distributed(tied_one_device_worker, 1, ckpt, timeout=300, init_group=False)[0]
+    half = len(runs["interrupted"].losses)
+    assert half == 8 and len(runs["uninterrupted"].losses) == 16
+    second_half = Run(runs["uninterrupted"].losses[half:], runs["uninterrupted"].state, 0)
+    _assert_same(runs["resumed"], second_half, EXACT)
+    _assert_same(one, second_half, ACROSS)
+    # The tied weight is saved under both of its names, as the plain module's state_dict has it.
+    model = TiedLM()
+    model.load_state_dict(consolidated["state_dict"], strict=True)
+    assert torch.equal(consolidated["state_dict"]["embed.weight"], consolidated["state_dict"]["head.weight"])
+
+
+def tied_one_device_worker(ckpt: str) -> Run:
+    return _fit(TiedLM(), TOKENS, _pipe(1), 1, os.path.dirname(ckpt), max_epochs=4, ckpt_path=ckpt)

@@ -76,6 +76,13 @@ def _session(strategy: Any, devices: int, reference: bool) -> dict[str, Any]:
             "test": trainer.test(model, DataLoader(TEST, batch_size=6), verbose=False),
             "predict": trainer.predict(model, DataLoader(TEST, batch_size=5)),
         }
+        # Spoil the weights, then validate from the best checkpoint (a sharded directory under pipe_tp).
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        val = loader(VAL, 8, reference)
+        out["validate_spoiled"] = trainer.validate(model, val, verbose=False)
+        out["validate_best"] = trainer.validate(model, val, ckpt_path="best", verbose=False)
     return out
 
 
@@ -119,6 +126,18 @@ def test_callbacks_see_single_device_metrics(sessions: tuple[list[dict[str, Any]
     assert [name for name, _ in got[0]["files"]] == [name for name, _ in ref["files"]]
     assert [kind for _, kind in got[0]["files"]] == ["sharded", "sharded"]
     assert [kind for _, kind in ref["files"]] == ["file", "file"]
+
+
+def test_validate_from_the_best_checkpoint(sessions: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
+    got, ref = sessions
+    # The best epoch's weights, reloaded over spoiled ones, score what ModelCheckpoint recorded...
+    assert ref["validate_spoiled"][0]["val_loss"] != pytest.approx(ref["best_score"], abs=1e-2)
+    assert ref["validate_best"][0]["val_loss"] == pytest.approx(ref["best_score"], abs=TOL)
+    for r in got:  # ... and so they do under pipe_tp, read back from the sharded directory.
+        assert r["validate_spoiled"][0]["val_loss"] == pytest.approx(
+            ref["validate_spoiled"][0]["val_loss"], abs=TOL
+        )
+        assert r["validate_best"][0]["val_loss"] == pytest.approx(ref["best_score"], abs=TOL)
 
 
 def test_best_checkpoint_holds_every_stage(sessions: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
