@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from lightning_pipe.checkpoint.consolidate import consolidate_checkpoint
-from lightning_pipe.checkpoint.metadata import CheckpointError, CheckpointMetadata
+from lightning_pipe.checkpoint.metadata import CheckpointError
+from lightning_pipe.checkpoint.reader import ShardedCheckpoint
 from lightning_pipe.mesh import ParallelLayout
 
 
@@ -26,13 +26,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave out the optimizer, LR-scheduler and callback states (smaller; for inference)",
     )
+    parser.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="read the Lightning state with torch.load(weights_only=False), for hyper-parameters or "
+        "callback states that hold arbitrary objects; this can run code stored in the checkpoint, so "
+        "use it only for checkpoints you trust",
+    )
     args = parser.parse_args(argv)
     try:
-        checkpoint = consolidate_checkpoint(args.checkpoint, args.output, weights_only=args.weights_only)
+        # The layout first: OUTPUT may be the checkpoint directory itself, which consolidating replaces.
+        layout = ParallelLayout(**ShardedCheckpoint(args.checkpoint).metadata.layout)
+        checkpoint = consolidate_checkpoint(
+            args.checkpoint, args.output, weights_only=args.weights_only, trust_pickle=args.trust_pickle
+        )
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    layout = ParallelLayout(**CheckpointMetadata.read(Path(args.checkpoint)).layout)
     tensors = sum(v.numel() for v in checkpoint["state_dict"].values() if hasattr(v, "numel"))
     print(
         f"{args.output}: {len(checkpoint['state_dict'])} state-dict entries ({tensors:,} elements), "

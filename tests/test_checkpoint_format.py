@@ -70,7 +70,7 @@ LAYOUT = {"data_parallel_size": 1, "pipeline_parallel_size": 1, "tensor_parallel
 SPLIT_DIMS: dict[str, int | None] = {"0.weight": 0, "0.bias": 0, "1.weight": 1, "1.bias": None}
 KEY_ORDER = ["1.bias", "0.weight", "1.weight", "0.bias"]  # deliberately not sorted
 MAIN_SEED, FIRST_SEED = 0, 1
-FAILED_SAVES = ("bad_shard", "bad_state", "invisible", "no_dir")
+FAILED_SAVES = ("bad_shard", "bad_state", "invisible", "no_dir", "user_dir")
 OPTIM_PARAM_GROUPS = [{"lr": 0.1, "momentum": 0.9, "params": [0, 1]}]
 
 
@@ -200,7 +200,22 @@ def save_scenarios(root_name: str) -> dict[str, Failure | None]:
         was_file.write_bytes(b"an old single-file checkpoint")
     save(was_file, model_shard_of_rank(model_values(MAIN_SEED), rank), lightning_state(MAIN_SEED))
 
+    # ModelCheckpoint(save_last="link") leaves a symlink: the save replaces the link, not its target.
+    save(root / "target.ckpt", model_shard_of_rank(model_values(10), rank), lightning_state(10))
+    if first:
+        (root / "link.ckpt").symlink_to("target.ckpt", target_is_directory=True)
+        (root / "empty.ckpt").mkdir()
+    save(root / "link.ckpt", model_shard_of_rank(model_values(11), rank), lightning_state(11))
+    save(root / "empty.ckpt", model_shard_of_rank(model_values(12), rank), lightning_state(12))
+
     outcomes: dict[str, Failure | None] = {}
+    # The path is a user's own directory: refused before anything is written, its files untouched.
+    if first:
+        (root / "data").mkdir()
+        (root / "data" / "keep.txt").write_text("precious")
+    outcomes["user_dir"] = attempt(
+        lambda: save(root / "data", model_shard_of_rank(model_values(9), rank), lightning_state(9)), root
+    )
     # Rank 1's shard cannot be pickled.
     shard = model_shard_of_rank(model_values(5), rank)
     if rank == 1:
@@ -311,8 +326,25 @@ def test_second_save_replaces_the_directory_and_leaves_no_temporaries(saved: tup
     assert {p.name for p in (root / "ckpt").iterdir()} == expected_files  # no shard-pp1-* of the first
     assert "2.extra" not in ShardedCheckpoint(root / "ckpt").metadata.model
     assert sorted(p.name for p in root.iterdir()) == sorted(
-        ["a_file", "ckpt", "custom.ckpt", "optim.ckpt", "was_file.ckpt"]
-    )
+        ["a_file", "ckpt", "custom.ckpt", "data", "empty.ckpt", "link.ckpt", "optim.ckpt", "target.ckpt",
+         "was_file.ckpt"]
+    )  # fmt: skip
+
+
+def test_save_over_a_symlink_replaces_the_link_not_its_target(saved: tuple[Path, Any]) -> None:
+    root = saved[0]
+    assert not (root / "link.ckpt").is_symlink() and (root / "link.ckpt").is_dir()
+    assert_same(read_all(root / "link.ckpt"), model_values(11))
+    assert_same(read_all(root / "target.ckpt"), model_values(10))
+    assert_same(read_all(root / "empty.ckpt"), model_values(12))
+
+
+def test_save_onto_a_users_directory_is_refused_and_leaves_it_alone(saved: tuple[Path, Any]) -> None:
+    data = saved[0] / "data"
+    assert [p.name for p in data.iterdir()] == ["keep.txt"]
+    assert (data / "keep.txt").read_text() == "precious"
+    _, message, _ = saved[1][1]["user_dir"]  # type: ignore[misc]
+    assert "Choose another checkpoint path" in message, message
 
 
 def test_save_over_a_single_file_checkpoint_replaces_it(saved: tuple[Path, Any]) -> None:
@@ -326,6 +358,7 @@ FAILURES = {
     "bad_state": (0, "while writing the shards", "pickle"),
     "invisible": (0, "while committing the checkpoint", "shard-pp0-tp9.pt"),
     "no_dir": (0, "while creating the temporary directory", "could not create"),
+    "user_dir": (0, "while checking the checkpoint path", "is a directory that is not a lightning_pipe"),
 }
 
 

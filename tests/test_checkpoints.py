@@ -12,6 +12,9 @@ mis-cut optimizer state changes the weights), gradient accumulation and a per-st
   module with ``strict=True`` and holds the weights the sharded run had.
 * A plain single-device checkpoint starts pp=2 x tp=2 training that continues like one device.
 * A mid-epoch resume at pp=2 behaves as plain Lightning's does on one device with the same loader.
+* Tied weights (embedding on stage 0, head on stage 1) resume exactly and on one device; a name
+  outside the layer list for a layer (``self.head = self.layers[-1]``) is saved trained.
+* Mismatched or damaged checkpoints fail on every rank with the cause.
 """
 
 from __future__ import annotations
@@ -343,6 +346,39 @@ def _fit_error(model: L.LightningModule, ckpt: str, root: str) -> tuple[str, str
     return "no error", ""
 
 
+def _save_errors(trainer: L.Trainer, root: str) -> dict[str, tuple[str, str]]:
+    """Saves that must fail on every rank at once (a rank left waiting would hang until the timeout)."""
+
+    def attempt(path: str) -> tuple[str, str]:
+        try:
+            trainer.save_checkpoint(path)
+        except Exception as err:
+            return type(err).__name__, str(err)
+        return "no error", ""
+
+    out = {}
+    if trainer.is_global_zero:
+        os.makedirs(os.path.join(root, "data"))
+        Path(root, "data", "keep.txt").write_text("precious")
+        Path(root, "a_file").write_text("not a directory")
+    trainer.strategy.barrier()
+    out["save onto data"] = attempt(os.path.join(root, "data"))
+    # Only rank 1's optimizer holds a tensor the module does not own: only rank 1 raises, in
+    # optimizer_state, before the write begins.
+    params = trainer.optimizers[0].param_groups[0]["params"]
+    if trainer.global_rank == 1:
+        params.append(torch.nn.Parameter(torch.zeros(2)))
+    out["foreign optimizer tensor"] = attempt(os.path.join(root, "foreign.ckpt"))
+    if trainer.global_rank == 1:
+        params.pop()
+    # Single-file mode: only rank 0 writes, and fails (the parent is a file); both ranks raise.
+    trainer.strategy.save_distributed_checkpoint = False  # type: ignore[attr-defined]
+    out["single file"] = attempt(os.path.join(root, "a_file", "single.ckpt"))
+    trainer.strategy.save_distributed_checkpoint = True  # type: ignore[attr-defined]
+    out["data kept"] = ("kept", str(sorted(os.listdir(os.path.join(root, "data")))))
+    return out
+
+
 def bad_checkpoints_worker(root: str) -> dict[str, tuple[str, str]]:
     good = os.path.join(root, "good.ckpt")
     trainer = L.Trainer(
@@ -364,7 +400,9 @@ def bad_checkpoints_worker(root: str) -> dict[str, tuple[str, str]]:
         saved["state_dict"].update(WiderRegressor().state_dict())
         torch.save(saved, os.path.join(root, "wide-plain.ckpt"))
     trainer.strategy.barrier()
+    saving = _save_errors(trainer, root)
     return {
+        **saving,
         "shapes": _fit_error(WiderRegressor(), good, root),
         "keys": _fit_error(DeeperRegressor(), good, root),
         "truncated": _fit_error(Regressor(), os.path.join(root, "truncated.ckpt"), root),
@@ -398,6 +436,16 @@ def test_mismatched_or_damaged_checkpoints_fail_on_every_rank_with_the_cause() -
     assert kind == "CheckpointError" and "is incomplete" in message and "shard-pp0-tp0.pt" in message
     kind, message = ranks[0]["plain shapes"]
     assert kind == "CheckpointError" and "layers.4.weight: saved [16, 17], model [16, 16]" in message
+    # Saving: a user's directory is refused and kept; one rank's failure is every rank's error.
+    kind, message = ranks[0]["save onto data"]
+    assert kind == "CheckpointError" and "while checking the checkpoint path" in message, message
+    assert "is a directory that is not a lightning_pipe checkpoint" in message
+    assert ranks[0]["data kept"] == ("kept", "['keep.txt']")
+    kind, message = ranks[0]["foreign optimizer tensor"]
+    assert kind == "CheckpointError" and "Saving the optimizer state failed on rank 1:" in message, message
+    assert "not parameters of the LightningModule" in message and "rank 0:" not in message
+    kind, message = ranks[0]["single file"]
+    assert kind == "CheckpointError" and "failed on rank 0:" in message and "rank 1:" not in message, message
 
 
 # ------------------------------------------------------------------------------ tied weights
@@ -408,18 +456,30 @@ def tied_worker(root: str) -> dict[str, Run]:
     def fit(**kwargs: Any) -> Run:
         return _fit(TiedLM(), TOKENS, _pipe(2), 2, root, **kwargs)
 
+    alias = os.path.join(root, "alias", "epoch-boundary.ckpt")
     return {
         "uninterrupted": fit(max_epochs=4),
         "interrupted": fit(max_epochs=2, save_to=ckpt),
         "resumed": fit(max_epochs=4, ckpt_path=ckpt),
+        "alias": _fit(AliasedHeadRegressor(), REG_DATA, _pipe(2), 2, root, max_epochs=1, save_to=alias),
     }
 
 
-def test_tied_weights_resume_exactly_and_on_one_device() -> None:
+class AliasedHeadRegressor(Regressor):
+    """``head`` is a second name for the last pipeline layer, outside the layer list: only stage 1
+    trains it, so stage 1's copy is the one to save (stage 0 holds the untrained initial values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = self.layers[-1]
+
+
+def test_tied_and_aliased_weights_resume_exactly_and_on_one_device() -> None:
     with tempfile.TemporaryDirectory() as root:
         runs = run_distributed(tied_worker, 2, root, timeout=300, init_group=False)[0]
         ckpt = os.path.join(root, "tied", "epoch-boundary.ckpt")
         consolidated = consolidate_checkpoint(ckpt)
+        aliased = consolidate_checkpoint(os.path.join(root, "alias", "epoch-boundary.ckpt"))
         one = run_distributed(tied_one_device_worker, 1, ckpt, timeout=300, init_group=False)[0]
     half = len(runs["interrupted"].losses)
     assert half == 8 and len(runs["uninterrupted"].losses) == 16
@@ -430,6 +490,11 @@ def test_tied_weights_resume_exactly_and_on_one_device() -> None:
     model = TiedLM()
     model.load_state_dict(consolidated["state_dict"], strict=True)
     assert torch.equal(consolidated["state_dict"]["embed.weight"], consolidated["state_dict"]["head.weight"])
+    # An alias of a pipeline layer is saved from the stage that trained it.
+    trained = runs["alias"].state["layers.6.weight"]
+    assert not torch.equal(trained, AliasedHeadRegressor().head.weight)
+    saved = aliased["state_dict"]
+    assert torch.equal(saved["head.weight"], trained) and torch.equal(saved["layers.6.weight"], trained)
 
 
 def tied_one_device_worker(ckpt: str) -> Run:

@@ -10,30 +10,34 @@ in one process, without torch.distributed.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+from lightning_pipe.checkpoint.replace import check_replaceable, discard, remove_path, replace_path
 
 # Keys a Lightning checkpoint saved with weights_only=True does not have.
 _TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers", "callbacks")
 
 
 def consolidate_checkpoint(
-    path: str | Path, output: str | Path | None = None, weights_only: bool = False
+    path: str | Path, output: str | Path | None = None, weights_only: bool = False, trust_pickle: bool = False
 ) -> dict[str, Any]:
     """Read the sharded checkpoint at ``path``; return the single-file checkpoint dictionary and,
     given ``output``, write it there (to a temporary name first, then renamed into place).
 
     ``weights_only=True`` leaves out the optimizer, scheduler and callback states (for inference).
+    ``trust_pickle=True`` reads the Lightning state with ``torch.load(weights_only=False)``, which
+    hyper-parameters or callback states holding arbitrary objects need; it can run code stored in
+    the file, so use it only for checkpoints you trust. Shard files are always read safely.
     """
+    if output is not None:
+        check_replaceable(Path(output))  # before the (long) read, not after it
     reader = ShardedCheckpoint(path)
-    checkpoint = reader.lightning_state()
-    checkpoint["state_dict"] = {key: reader.model_value(key).clone() for key in reader.metadata.model}
+    checkpoint = reader.lightning_state(weights_only=not trust_pickle)
+    checkpoint["state_dict"] = {key: _copy(reader.model_value(key)) for key in reader.metadata.model}
     if weights_only:
         for key in _TRAINING_STATE_KEYS:
             checkpoint.pop(key, None)
@@ -60,22 +64,16 @@ def _copy(value: Any) -> Any:
 
 
 def save_atomically(obj: Any, path: str | Path) -> None:
-    """``torch.save`` to ``.NAME.tmp`` beside ``path``, then rename: a crash leaves the old file.
-
-    A sharded checkpoint directory already at ``path`` (a run that switched formats) is moved to
-    ``.NAME.old`` first and removed once the file is in place.
-    """
+    """``torch.save`` to ``.NAME.tmp`` beside ``path``, then put it in place (see
+    :mod:`~lightning_pipe.checkpoint.replace`): a crash leaves the previous checkpoint, and a
+    directory that is not a checkpoint is refused before anything is written."""
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp"
-    old = path.parent / f".{path.name}.old"
     try:
+        remove_path(tmp)
         torch.save(obj, tmp)
-        if path.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_path(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        discard(tmp)  # there only after a failure

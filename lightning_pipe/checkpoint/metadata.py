@@ -32,6 +32,7 @@ FORMAT = "lightning_pipe.sharded_checkpoint"
 VERSION = 1
 METADATA_FILE = "pipe_tp_metadata.json"
 LIGHTNING_STATE_FILE = "lightning_state.pt"
+LAYOUT_KEYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size")
 
 
 class CheckpointError(RuntimeError):
@@ -108,10 +109,11 @@ class CheckpointMetadata:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], where: Path) -> CheckpointMetadata:
-        if data.get("format") != FORMAT:
+    def from_json(cls, data: Any, where: Path) -> CheckpointMetadata:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise CheckpointError(
-                f"{where} is not a lightning_pipe checkpoint metadata file (format {data.get('format')!r})."
+                f"{where} is not a lightning_pipe checkpoint metadata file (format {found!r})."
             )
         if data.get("version") != VERSION:
             raise CheckpointError(
@@ -120,8 +122,11 @@ class CheckpointMetadata:
                 "consolidate it (python -m lightning_pipe.consolidate) into a single-file checkpoint."
             )
         try:
+            layout = {k: int(v) for k, v in data["layout"].items()}
+            if set(layout) != set(LAYOUT_KEYS) or min(layout.values()) < 1:
+                raise ValueError(f"layout {layout}, expected positive sizes for {list(LAYOUT_KEYS)}")
             return cls(
-                layout={k: int(v) for k, v in data["layout"].items()},
+                layout=layout,
                 layer_names=list(data["layer_names"]),
                 balance=[int(b) for b in data["balance"]],
                 model={key: TensorRecord.from_json(r) for key, r in data["model"].items()},
@@ -133,7 +138,7 @@ class CheckpointMetadata:
                     for opt in data["optimizers"]
                 ],
             )
-        except (KeyError, TypeError, ValueError) as err:
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{where} is damaged: {type(err).__name__}: {err}") from err
 
     def files(self) -> set[str]:

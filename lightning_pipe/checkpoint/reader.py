@@ -56,6 +56,11 @@ class ShardedCheckpoint:
         return self._files[name]
 
     def _read(self, record: TensorRecord, where: tuple[str, ...], what: str) -> Any:
+        if not record.files:
+            raise CheckpointError(
+                f"The metadata of {self.path} names no shard file for {what}; the checkpoint is damaged. "
+                "Use an earlier checkpoint."
+            )
         parts = []
         for name in record.files:
             node: Any = self._file(name)
@@ -105,7 +110,8 @@ class ShardedCheckpoint:
             if weights_only is not False and "weights_only" in str(err):
                 raise CheckpointError(
                     f"{path} holds objects that weights_only=True loading refuses ({err}). If you trust "
-                    "this checkpoint, load it with trainer.fit(..., weights_only=False)."
+                    "this checkpoint, load it with weights_only=False: trainer.fit(..., "
+                    "weights_only=False), or `python -m lightning_pipe.consolidate --trust-pickle`."
                 ) from err
             raise CheckpointError(
                 f"{path} cannot be read ({type(err).__name__}: {err}); it is damaged."

@@ -1,10 +1,11 @@
 """Which model and optimizer state each rank saves, and how a rank re-cuts saved state on load.
 
 Saving: a rank writes the state-dict keys of its pipeline stage (the module's keys outside every
-pipeline layer go with stage 0), its own slice of each tensor-parallel parameter and, on tensor
-rank 0 only, the replicated ones; only the first data-parallel replica writes. The optimizer state
-of a parameter is written by the stage that writes the parameter itself (for a tied parameter,
-the stage of its first name), keyed by parameter name rather than by position.
+pipeline layer go with stage 0, unless they alias a layer's tensor), its own slice of each
+tensor-parallel parameter and, on tensor rank 0 only, the replicated ones; only the first
+data-parallel replica writes. The optimizer state of a parameter is written by the stage that
+writes the parameter itself (for a tied parameter, the stage of its first name), keyed by parameter
+name rather than by position.
 
 Loading: a rank takes the keys its stage holds in the *current* layout, asks the reader for each
 full value and cuts the slice its tensor rank needs. The same cutting serves plain single-file
@@ -30,13 +31,19 @@ _SHOWN = 8  # names listed in an error before "and N more"
 
 
 def holds_key(plan: PipelinePlan, key: str, pp_rank: int) -> bool:
-    """Whether stage ``pp_rank`` uses the state-dict entry ``key`` (keys outside layers: all do)."""
+    """Whether stage ``pp_rank`` uses the state-dict entry ``key``: its owner's stage, or every
+    stage for a key outside the layers."""
     stage = plan.stage_of_key(key)
     return stage is None or stage == pp_rank
 
 
 def writes_key(plan: PipelinePlan, key: str, pp_rank: int) -> bool:
-    """Whether stage ``pp_rank`` saves ``key``: its owner, or stage 0 for keys outside layers."""
+    """Whether stage ``pp_rank`` saves ``key``: its owner, or stage 0 for keys outside layers.
+
+    An alias of a layer's tensor (``self.head = self.layers[-1]``) is owned by that layer's stage
+    (:attr:`PipelinePlan.aliases`): only it trains the tensor, so stage 0's copy would be stale,
+    and loading it would overwrite the trained one.
+    """
     stage = plan.stage_of_key(key)
     return stage == pp_rank if stage is not None else pp_rank == 0
 
@@ -135,10 +142,39 @@ def optimizer_shard(
         name, param = names[index], params[index]
         if not writes_key(plan, name, pp_rank):
             continue
+        check_cuttable(entry, param, name)
         kept = {k: v for k, v in entry.items() if tp_rank == 0 or _is_sharded(v, param)}
         if kept:
             state[name] = kept
     return {"state": state, "param_groups": saved["param_groups"], "param_names": names}
+
+
+def check_cuttable(entry: Mapping[str, Any], param: torch.Tensor, name: str) -> None:
+    """Refuse state of a tensor-parallel parameter that is neither shaped like it nor a scalar.
+
+    Such state (Adafactor's row and column factors) differs between tensor ranks in a way the
+    checkpoint cannot describe: saving only tensor rank 0's copy would silently give every tensor
+    rank that copy on load.
+    """
+    if tensor_parallel_dim(param) is None:
+        return
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != param.shape:
+            raise CheckpointError(
+                f"The optimizer state {key!r} of the tensor-parallel parameter {name!r} has shape "
+                f"{list(value.shape)}, neither the parameter's {list(param.shape)} nor a scalar, so a "
+                "checkpoint cannot cut it for another layout. Use an optimizer whose state is shaped "
+                "like its parameters (SGD, Adam, AdamW...) for the tensor-parallel layers."
+            )
+
+
+def check_optimizer_cuttable(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    """:func:`check_cuttable` for every parameter of ``optimizer`` (named where the module names it)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for position, param in enumerate(params):
+        if param in optimizer.state:
+            check_cuttable(optimizer.state[param], param, names.get(id(param), f"number {position}"))
 
 
 def optimizer_records(
@@ -152,7 +188,19 @@ def optimizer_records(
 
 
 # --------------------------------------------------------------------------------------- loading
-def check_keys(saved: Iterable[str], expected: Iterable[str], where: str) -> None:
+_STRICT_FIX = (
+    "Load it into the module that saved it, or set `self.strict_loading = False` on the "
+    "LightningModule to load the keys they share."
+)
+
+
+def check_keys(
+    saved: Iterable[str],
+    expected: Iterable[str],
+    where: str,
+    what: str = "the model's state-dict keys",
+    fix: str = _STRICT_FIX,
+) -> None:
     """Raise naming the missing and unexpected keys, if any."""
     saved_set, expected_list = set(saved), list(expected)
     missing = [k for k in expected_list if k not in saved_set]
@@ -169,11 +217,7 @@ def check_keys(saved: Iterable[str], expected: Iterable[str], where: str) -> Non
         parts.append(f"missing from the checkpoint: {shown(missing)}")
     if unexpected:
         parts.append(f"in the checkpoint but not in the model: {shown(unexpected)}")
-    raise CheckpointError(
-        f"{where} does not match the model's state-dict keys; " + "; ".join(parts) + ". Load it into the "
-        "module that saved it, or set `self.strict_loading = False` on the LightningModule to load the "
-        "keys they share."
-    )
+    raise CheckpointError(f"{where} does not match {what}; " + "; ".join(parts) + ". " + fix)
 
 
 def check_shapes(
@@ -236,7 +280,14 @@ def load_optimizer_shard(
     groups, position = [], 0
     for g, (mine, theirs) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         current = names[position : position + len(mine["params"])]
-        check_keys([saved_names[i] for i in theirs["params"]], current, f"{where} (parameter group {g})")
+        check_keys(
+            [saved_names[i] for i in theirs["params"]],
+            current,
+            f"{where} (parameter group {g})",
+            "the parameters of that group in the model's optimizer",
+            "configure_optimizers must put the same parameters in each group as the run that saved it; "
+            "to keep only the weights, consolidate the checkpoint and load its state_dict.",
+        )
         group = copy.deepcopy({k: v for k, v in theirs.items() if k != "params"})
         group["params"] = list(range(position, position + len(current)))
         groups.append(group)

@@ -2,22 +2,23 @@
 
 The protocol keeps the previous checkpoint safe and never leaves a rank hanging:
 
-1. Global rank 0 creates a fresh temporary directory ``.NAME.tmp`` beside ``NAME``.
+1. Global rank 0 checks that ``NAME`` is absent or something a save may replace (never a user's
+   own directory), then creates a fresh temporary directory ``.NAME.tmp`` beside ``NAME``.
 2. Each writing rank saves its shard there; rank 0 also saves the Lightning state. A rank whose
    write fails does not raise yet: all ranks exchange their outcome (and their small tensor
    records) in one ``all_gather_object``, so every rank raises the same error together instead of
    one rank raising while the others wait in a collective until the timeout.
 3. Rank 0 checks that every file is visible to it (a rank writing to a directory that is not on a
    shared filesystem would otherwise produce a checkpoint missing shards), writes the metadata last,
-   then swaps the directory into place: ``NAME`` -> ``.NAME.old``, ``.NAME.tmp`` -> ``NAME``, then
-   removes ``.NAME.old``. A crash at any point leaves either the previous checkpoint under ``NAME``,
-   or (between the two renames) intact under ``.NAME.old``; never a half-written ``NAME``.
+   then swaps the directory into place (:func:`~lightning_pipe.checkpoint.replace.replace_path`):
+   ``NAME`` -> ``.NAME.old``, ``.NAME.tmp`` -> ``NAME``, then removes ``.NAME.old``. A crash at any
+   point leaves either the previous checkpoint under ``NAME``, or (between the two renames) intact
+   under ``.NAME.old``; never a half-written ``NAME``.
 4. The outcome of step 3 is exchanged again, so that all ranks return or raise together.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from lightning_pipe.checkpoint.metadata import (
     OptimizerRecords,
     TensorRecord,
 )
+from lightning_pipe.checkpoint.replace import check_replaceable, discard, remove_path, replace_path
 
 
 @dataclass
@@ -91,23 +93,26 @@ def write_sharded_checkpoint(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Collective: save this rank's ``shard`` (``None`` on ranks that write nothing) into ``path``.
+    Without an initialized process group the one process is rank 0 and writes everything.
 
     Rank 0 of ``group`` passes the ``lightning_state`` and the ``metadata`` header (layout and
     plan; its records are filled in here from every rank's shard).
     """
     path = Path(path)
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0  # one process
     tmp = path.parent / f".{path.name}.tmp"
-    old = path.parent / f".{path.name}.old"
 
-    error = None
+    error, step = None, "checking the checkpoint path"
     if rank == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            check_replaceable(path)
+            step = "creating the temporary directory"
+            remove_path(tmp)  # left by a save that crashed
             tmp.mkdir(parents=True)
-        except OSError as err:
-            error = f"could not create {tmp}: {err}"
-    _raise_if_failed(exchange(error, None, group), path, "creating the temporary directory")
+        except Exception as err:  # reported to every rank below, then raised on all of them
+            error = error_text(err) if step.startswith("checking") else f"could not create {tmp}: {err}"
+    outcomes = exchange(error, step, group)
+    _raise_if_failed(outcomes, path, outcomes[0][1])
 
     error = None
     try:
@@ -120,13 +125,14 @@ def write_sharded_checkpoint(
     records = None if shard is None else (shard.model, shard.optimizers)
     outcomes = exchange(error, records, group)
     if any(e for e, _ in outcomes) and rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
     _raise_if_failed(outcomes, path, "writing the shards")
 
     error = None
     if rank == 0:
-        assert metadata is not None
         try:
+            if metadata is None:
+                raise CheckpointError("global rank 0 must pass the metadata header")
             written = [r for _, r in outcomes if r is not None]
             metadata.model = _merge([model for model, _ in written], key_order)
             count = max((len(opts) for _, opts in written), default=0)
@@ -140,17 +146,10 @@ def write_sharded_checkpoint(
                     "checkpoint directory must be on a filesystem that every node shares"
                 )
             metadata.write(tmp)  # last: its presence marks a complete checkpoint
-            if path.exists() or path.is_symlink():
-                shutil.rmtree(old, ignore_errors=True)
-                path.rename(old)
-            tmp.rename(path)
-            if old.is_dir():
-                shutil.rmtree(old)
-            elif old.exists():
-                old.unlink()
+            replace_path(tmp, path)
         except Exception as err:
             error = error_text(err)
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard(tmp)
     _raise_if_failed(exchange(error, None, group), path, "committing the checkpoint")
 
 

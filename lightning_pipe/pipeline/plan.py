@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
+import torch
 from torch import nn
 
 from lightning_pipe.pipeline.partition import Partition, compute_balance, parameter_count
@@ -32,6 +34,11 @@ class PipelinePlan:
     tied: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Parameters used by layers on several stages (tied weights): model parameter name and the
     stages that hold a copy, whose gradients must be summed across exactly those stages."""
+    aliases: tuple[tuple[str, int], ...] = ()
+    """State-dict keys outside every pipeline layer that name a layer's tensor
+    (``self.head = self.layers[-1]``), with the stage of that layer: only that stage trains the
+    tensor, so only its copy is current (found before tensor-parallel sharding, so that every
+    rank agrees)."""
 
     @property
     def num_stages(self) -> int:
@@ -48,11 +55,16 @@ class PipelinePlan:
         raise IndexError(f"layer {layer_index} is outside the {len(self.layer_names)} pipeline layers")
 
     def stage_of_key(self, key: str) -> int | None:
-        """The stage that owns a state-dict key of the model, ``None`` for keys outside all layers."""
+        """The stage that owns a state-dict key of the model, ``None`` for keys outside all layers
+        (other than aliases of a layer's tensor, which belong to the layer's stage)."""
         for index, name in enumerate(self.layer_names):
             if key.startswith(name + "."):
                 return self.stage_of_layer(index)
-        return None
+        return self._alias_stages.get(key)
+
+    @cached_property
+    def _alias_stages(self) -> dict[str, int]:
+        return dict(self.aliases)
 
     def describe(self, layers: Sequence[nn.Module]) -> str:
         """A table of stages, their layers and parameter counts, for the start-of-run log."""
@@ -112,8 +124,20 @@ def make_plan(
         for name, p in model.named_parameters()
         if p.requires_grad and len(stages_of_param.get(id(p), ())) > 1
     )
-    if tied:
-        plan = PipelinePlan(plan.layer_names, plan.balance, plan.parameter_counts, tied)
+    # The first stage that uses a tensor owns its aliases (a tied tensor's copies stay equal).
+    state = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    stage_of_tensor: dict[int, int] = {}
+    for key, value in state.items():
+        stage = plan.stage_of_key(key)
+        if stage is not None:
+            stage_of_tensor.setdefault(id(value), stage)
+    aliases = tuple(
+        (key, stage_of_tensor[id(value)])
+        for key, value in state.items()
+        if plan.stage_of_key(key) is None and id(value) in stage_of_tensor
+    )
+    if tied or aliases:
+        plan = PipelinePlan(plan.layer_names, plan.balance, plan.parameter_counts, tied, aliases)
     stray = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stages_of_param]
     if stray:
         raise ValueError(

@@ -13,7 +13,6 @@ or from ``consolidate``) takes the same path: its full tensors are cut the same 
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,8 +29,10 @@ from lightning_pipe.checkpoint.consolidate import save_atomically
 from lightning_pipe.checkpoint.full import gather_model_state, gather_optimizer_state
 from lightning_pipe.checkpoint.metadata import CheckpointError, CheckpointMetadata, shard_file_name
 from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+from lightning_pipe.checkpoint.replace import remove_path
 from lightning_pipe.checkpoint.state import (
     check_keys,
+    check_optimizer_cuttable,
     check_shapes,
     holds_key,
     load_model_shard,
@@ -91,11 +92,14 @@ class CheckpointHooks(DDPStrategy):
         """This rank's part of the optimizer state by parameter name (sharded format), or the
         whole optimizer state on rank 0."""
         assert self._plan is not None
-        if not self.save_distributed_checkpoint:
-            with self._collective("gathering the optimizer state for a single-file checkpoint"):
-                return gather_optimizer_state(optimizer, self.mesh)
         c = self.mesh.coordinates
-        return optimizer_shard(optimizer, self.module, self._plan, c.pp_rank, c.tp_rank)
+        # Every rank learns whether any rank's state cannot be saved, before the gather or the write.
+        with fail_together("Saving the optimizer state"):
+            if self.save_distributed_checkpoint:
+                return optimizer_shard(optimizer, self.module, self._plan, c.pp_rank, c.tp_rank)
+            check_optimizer_cuttable(optimizer, self.module)
+        with self._collective("gathering the optimizer state for a single-file checkpoint"):
+            return gather_optimizer_state(optimizer, self.mesh)
 
     @override
     def save_checkpoint(
@@ -110,8 +114,9 @@ class CheckpointHooks(DDPStrategy):
             )
         path = Path(self.broadcast(str(filepath)))
         if not self.save_distributed_checkpoint:
-            if self.is_global_zero:
-                save_atomically(checkpoint, path)
+            with fail_together(f"Saving the checkpoint {path}"):  # rank 0 writes; all learn the outcome
+                if self.is_global_zero:
+                    save_atomically(checkpoint, path)
             return
         assert self._plan is not None
         c, layout = self.mesh.coordinates, self.mesh.layout
@@ -152,11 +157,7 @@ class CheckpointHooks(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
+            remove_path(Path(filepath))  # a sharded directory, a file, or a save_last="link" symlink
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -165,6 +165,13 @@ def apply_plan(
     # Parameters shared by several replaced modules (a tied embedding and head on one stage) must
     # stay shared after slicing: old parameter id -> its new shard.
     shards: dict[int, nn.Parameter] = {}
+    # Every attribute that holds a module (``self.head = self.layers[-1]`` holds one twice) must
+    # hold its sharded replacement, or the second name keeps the stale full module.
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for path, sub in model.named_modules(remove_duplicate=False):
+        if path:
+            owner, _, attr = path.rpartition(".")
+            holders.setdefault(id(sub), []).append((model.get_submodule(owner) if owner else model, attr))
     for name, style in resolved.items():
         if not include(name):
             continue
@@ -191,6 +198,7 @@ def apply_plan(
                 shared = shards.setdefault(id(old), fresh)
                 if shared is not fresh and shared.shape == fresh.shape:
                     setattr(new, attr, shared)
-        parent._modules[child] = new
+        for holder, attr in holders.get(id(module), [(parent, child)]):
+            holder._modules[attr] = new
         replaced.append(name)
     return replaced
