@@ -70,16 +70,15 @@ def replace_path(new: Path, path: Path) -> None:
         old.rename(path)
         present = True
     remove_path(old)  # left by an earlier save that crashed after its new checkpoint was in place
-    moved = present
-    if moved:
+    if present:
         path.rename(old)
     try:
         new.rename(path)
     except BaseException:
-        if moved:
+        if present:
             old.rename(path)
         raise
-    if moved:
+    if present:
         try:
             remove_path(old)
         except OSError as err:

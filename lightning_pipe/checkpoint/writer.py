@@ -36,6 +36,9 @@ from lightning_pipe.checkpoint.metadata import (
 )
 from lightning_pipe.checkpoint.replace import check_replaceable, discard, remove_path, replace_path
 
+# What rank 0 was doing when the first step failed, for the error every rank raises.
+_CHECKING, _CREATING = "checking the checkpoint path", "creating the temporary directory"
+
 
 @dataclass
 class RankShard:
@@ -102,15 +105,15 @@ def write_sharded_checkpoint(
     rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0  # one process
     tmp = path.parent / f".{path.name}.tmp"
 
-    error, step = None, "checking the checkpoint path"
+    error, step = None, _CHECKING
     if rank == 0:
         try:
             check_replaceable(path)
-            step = "creating the temporary directory"
+            step = _CREATING
             remove_path(tmp)  # left by a save that crashed
             tmp.mkdir(parents=True)
         except Exception as err:  # reported to every rank below, then raised on all of them
-            error = error_text(err) if step.startswith("checking") else f"could not create {tmp}: {err}"
+            error = error_text(err) if step == _CHECKING else f"could not create {tmp}: {err}"
     outcomes = exchange(error, step, group)
     _raise_if_failed(outcomes, path, outcomes[0][1])
 
