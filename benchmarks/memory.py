@@ -9,8 +9,8 @@ of them (``peak_stashed``); ``resource.getrusage`` gives each rank's peak reside
 its growth over the resident size just before the measured step (the first full step, after a
 one-micro-batch warm-up: the allocator keeps freed memory, so only a first step shows its peak).
 
-The check: 1F1B's peak on every stage is at most ``p`` micro-batches' worth, where one micro-batch's
-worth is GPipe's peak on that stage divided by ``m``.
+The check: 1F1B's measured peak on every stage is at most ``p`` micro-batches' worth, where one
+micro-batch's worth is the measured peak of a one-micro-batch step on that stage.
 
 Run: ``python benchmarks/memory.py`` (table) or ``--json`` (keys ``peak_activation_bytes`` and
 ``peak_rss_bytes``, per schedule, per stage).
@@ -100,12 +100,15 @@ def worker(kind: str, m: int, release_sends: bool = False, detach_losses: bool =
 
     # Warm up (gloo connections, header cache) with a single micro-batch: the allocator keeps
     # freed memory, so a full warm-up step would leave the measured step nothing to grow into.
-    step(build_schedule(kind, p, 1), inputs[:1])
+    # Its measured bytes are one micro-batch's worth (its saved activations plus the weights that
+    # backward keeps), the unit of the check.
+    one = step(build_schedule(kind, p, 1), inputs[:1])
     dist.barrier()
     before = _rss_now()
     result = step(schedule, inputs)
     return {
         "peak_activation_bytes": result.peak_activation_bytes,
+        "one_microbatch_bytes": one.peak_activation_bytes,
         "peak_stashed": result.peak_stashed,
         "peak_rss_bytes": _peak_rss(),
         "rss_growth_bytes": _peak_rss() - before,
@@ -147,20 +150,13 @@ def main() -> None:
     rss = {k: [r["peak_rss_bytes"] for r in v] for k, v in results.items()}
     growth = {k: [r["rss_growth_bytes"] for r in v] for k, v in results.items()}
     stashed = {k: [r["peak_stashed"] for r in v] for k, v in results.items()}
-    # The executor counts a tensor saved by several live micro-batches (a Linear's weight, kept
-    # for the input gradient) once, so peak = shared + live x per-micro-batch bytes: recover the
-    # per-micro-batch part from the two schedules, and express 1F1B's peak in micro-batches.
-    per_microbatch, units = [], []
-    for s in range(p):
-        live_g, live_f = stashed["gpipe"][s], stashed["1f1b"][s]
-        unit = (
-            (act["gpipe"][s] - act["1f1b"][s]) / (live_g - live_f)
-            if live_g != live_f
-            else act["gpipe"][s] / m
-        )
-        shared = act["gpipe"][s] - live_g * unit
-        per_microbatch.append(unit)
-        units.append((act["1f1b"][s] - shared) / unit)
+    # The unit is one micro-batch's measured bytes on the same stage (the warm-up step), never the
+    # executor's count of live micro-batches: a leak or an extra stash raises the measured peak
+    # and fails the check. One micro-batch's bytes include the weights backward keeps, which a
+    # peak counts once, so p units are an upper bound that an extra micro-batch still exceeds
+    # while a micro-batch's activations outweigh (p - 1) x those weights (here 4 MiB vs 1.5 MiB).
+    one = {k: [r["one_microbatch_bytes"] for r in v] for k, v in results.items()}
+    units = [act["1f1b"][s] / one["1f1b"][s] for s in range(p)]
     within = [u <= p + 1e-6 for u in units]
     if args.json:
         emit_json(
@@ -172,6 +168,7 @@ def main() -> None:
                 "detach_losses": args.detach_losses,
                 "peak_activation_bytes": act,
                 "peak_stashed": stashed,
+                "one_microbatch_bytes": one,
                 "peak_rss_bytes": rss,
                 "rss_growth_bytes": growth,
                 "one_f_one_b_at_most_p_microbatches": all(within),

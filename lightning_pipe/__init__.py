@@ -13,6 +13,7 @@ from lightning_pipe.checkpoint import (
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, RankCoordinates, init_mesh
 from lightning_pipe.pipeline.actions import Action, ActionType, PipelineSchedule, ScheduleError
 from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor, StepResult, apply_layers
+from lightning_pipe.pipeline.fingerprint import StepCheckError
 from lightning_pipe.pipeline.microbatch import signature, split_microbatches
 from lightning_pipe.pipeline.partition import PartitionMethod, compute_balance, split_layers
 from lightning_pipe.pipeline.render import render_schedule
@@ -50,6 +51,7 @@ __all__ = [
     "ShardStyle",
     "ShardedCheckpoint",
     "SimulationResult",
+    "StepCheckError",
     "StepResult",
     "VocabParallelEmbedding",
     "apply_layers",

@@ -459,7 +459,10 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "future version": (future_version, "format version 99; this lightning_pipe reads version 1"),
     "other format": (other_format, "not a lightning_pipe checkpoint metadata file"),
     "broken json": (broken_json, "not valid JSON"),
-    "no layout": (no_layout, "is damaged: KeyError"),
+    "no layout": (
+        no_layout,
+        r"pipe_tp_metadata\.json is damaged: it has no 'layout' entry\. Use an earlier checkpoint\.",
+    ),
     "wrong shape": (wrong_shape, r"'0\.weight' in .* is \(4, 3\), but the metadata records \(5, 3\)"),
     "wrong split dim": (wrong_split_dim, r"'0\.weight' in .* is \(2, 6\), but the metadata records \(4, 3\)"),
     "phantom entry": (phantom_entry, r"shard-pp0-tp0\.pt has no the model entry 'ghost'"),

@@ -499,3 +499,50 @@ def test_tied_and_aliased_weights_resume_exactly_and_on_one_device() -> None:
 
 def tied_one_device_worker(ckpt: str) -> Run:
     return _fit(TiedLM(), TOKENS, _pipe(1), 1, os.path.dirname(ckpt), max_epochs=4, ckpt_path=ckpt)
+
+
+def single_file_worker(root: str) -> None:
+    """pp=2 x tp=2: the same trained state saved sharded and as one gathered file."""
+    model = ScheduledGPT()
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2, timeout=TIMEOUT
+    )
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=4, max_epochs=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(GPT_DATA, batch_size=8))
+    trainer.save_checkpoint(os.path.join(root, "sharded.ckpt"))
+    strategy.save_distributed_checkpoint = False
+    trainer.save_checkpoint(os.path.join(root, "single.ckpt"))
+
+
+def test_single_file_checkpoint_holds_what_the_sharded_one_holds() -> None:
+    """``save_distributed_checkpoint=False``: one ordinary file that loads with ``strict=True`` into
+    the plain module, with every weight and optimizer tensor equal to the sharded checkpoint's."""
+    with tempfile.TemporaryDirectory() as root:
+        run_distributed(single_file_worker, 4, root, timeout=300, init_group=False)
+        assert os.path.isfile(os.path.join(root, "single.ckpt"))
+        single = torch.load(os.path.join(root, "single.ckpt"), weights_only=False)
+        sharded = consolidate_checkpoint(os.path.join(root, "sharded.ckpt"))
+    plain = ScheduledGPT()
+    plain.load_state_dict(single["state_dict"], strict=True)
+    assert single["state_dict"].keys() == sharded["state_dict"].keys() == plain.state_dict().keys()
+    for key, value in sharded["state_dict"].items():
+        torch.testing.assert_close(single["state_dict"][key], value, atol=0, rtol=0, msg=key)
+    assert single["global_step"] == sharded["global_step"] == 4
+    (got,), (expected,) = single["optimizer_states"], sharded["optimizer_states"]
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys() and len(got["state"]) == len(
+        list(plain.parameters())
+    )
+    for index, state in expected["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(
+                got["state"][index][name], value, atol=0, rtol=0, msg=f"{index}.{name}"
+            )
+    # The optimizer state loads into the plain module's optimizer, in parameter order.
+    optimizer = plain.configure_optimizers()["optimizer"]
+    optimizer.load_state_dict(got)
+    assert single["lr_schedulers"] == sharded["lr_schedulers"]

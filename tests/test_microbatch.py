@@ -172,7 +172,10 @@ def test_scalar_tensor_after_first_raises() -> None:
 
 
 def test_scalar_first_tensor_raises() -> None:
-    with pytest.raises(TypeError, match="scalar"):
+    with pytest.raises(
+        TypeError,
+        match=r"^Cannot split a batch whose first tensor is a scalar \(0-dim\) into micro-batches\.$",
+    ):
         split_microbatches(torch.tensor(3.0), 1)
 
 

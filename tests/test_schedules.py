@@ -354,7 +354,11 @@ def test_validator_stage_to_rank_checks() -> None:
 def test_validator_send_past_last_stage_is_schedule_error() -> None:
     actions = _gpipe_actions(2, 1)
     actions[1].insert(2, SF(1, 0))  # stage 1 is the last stage: there is no stage 2 to send to
-    with pytest.raises(ScheduleError, match=r"SEND_F1\.0"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^Rank 1 has SEND_F1\.0, which no computation of its stages needs \(a message past the "
+        r"first or last stage",
+    ):
         validate_schedule(make(actions, 1))
 
 
@@ -362,7 +366,11 @@ def test_validator_forward_only_rejects_gradient_messages() -> None:
     actions = [list(a) for a in build_schedule("gpipe", 2, 1, training=False).actions]
     actions[0].append(RB(0, 0))
     actions[1].append(SB(1, 0))
-    with pytest.raises(ScheduleError):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^Rank 0 has RECV_B0\.0, which no computation of its stages needs .*or a gradient in a "
+        r"forward-only schedule\)\.$",
+    ):
         validate_schedule(make(actions, 1, training=False))
 
 

@@ -149,7 +149,15 @@ def bf16_worker(precision: str) -> dict[str, Any]:
             if strategy._plan.stage_of_key(n) == strategy.pp_rank
         },
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "global_step": trainer.global_step,
     }
+
+
+# On one device, splitting each batch of 8 into two micro-batches of 4 (the only numerical change
+# pipe_tp makes) moves the final weights by at most ~1.6e-4 under bf16-mixed and ~2e-3 under
+# bf16-true (bf16 keeps ~3 significant digits and the matmul shapes change). The tolerances are a
+# few times that, far below the effect of a 15% learning-rate error or of a skipped step.
+BF16_TOL = {"bf16-mixed": 5e-4, "bf16-true": 5e-3}
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
@@ -157,12 +165,14 @@ def test_bf16_precisions_train_like_one_device(precision: str) -> None:
     got = run_distributed(bf16_worker, 2, precision, timeout=300, init_group=False)
     model = Regressor()
     trainer = _fit(model, "auto", 1, reference=True, precision=precision, max_epochs=2)
+    tol = BF16_TOL[precision]
     merged = {n: p for r in got for n, p in r["params"].items()}
+    assert merged.keys() == dict(model.named_parameters()).keys()
     for name, param in model.named_parameters():
-        # bf16 keeps ~3 significant digits and micro-batching changes the matmul shapes, so the
-        # runs agree to bf16 precision, not bit for bit.
-        torch.testing.assert_close(merged[name], param.detach().float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(merged[name], param.detach().float(), atol=tol, rtol=0, msg=name)
     assert got[0]["metrics"] == got[1]["metrics"]
-    assert got[0]["metrics"]["train_loss_epoch"] == pytest.approx(
-        float(trainer.callback_metrics["train_loss_epoch"]), rel=3e-2
-    )
+    assert got[0]["global_step"] == got[1]["global_step"] == trainer.global_step == 10
+    reference = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert got[0]["metrics"].keys() == reference.keys()
+    for key, value in reference.items():
+        assert got[0]["metrics"][key] == pytest.approx(value, abs=tol), key

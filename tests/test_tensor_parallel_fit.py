@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
+from lightning_pipe.tensor_parallel.dropout import SEED_OFFSET, RegionDropout
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.plan import resolve_plan
 from tests.distributed import run_distributed
@@ -119,9 +120,11 @@ def test_tensor_parallel_dropout_runs_and_is_reproducible() -> None:
     for key, value in first["state"].items():
         assert torch.isfinite(value).all(), key
         torch.testing.assert_close(second["state"][key], value, atol=0, rtol=0, msg=key)
-    # Dropout really acted: the weights differ from the run without it.
+    # Dropout really acted: the weights differ from the run without it by far more than the 1e-5
+    # that separates layouts of the same computation.
     no_dropout, _ = _reference()
-    assert not torch.allclose(first["state"]["layers.1.mlp.0.weight"], no_dropout["layers.1.mlp.0.weight"])
+    gap = (first["state"]["layers.1.mlp.0.weight"] - no_dropout["layers.1.mlp.0.weight"]).abs().max()
+    assert gap > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -160,3 +163,66 @@ def test_bad_plans_are_refused_naming_the_module(
 ) -> None:
     with pytest.raises(error, match=pattern):
         resolve_plan(TinyGPT(), plan, tp)
+
+
+def _record_masks(model: TinyGPT, kind: type) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, output) of every call of every ``kind`` module in the blocks, in call order."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for block in list(model.layers)[1:3]:
+        for module in block.modules():
+            if type(module) is kind:
+                module.register_forward_hook(
+                    lambda m, args, out: calls.append((args[0].detach().clone(), out.detach().clone()))
+                )
+    return calls
+
+
+def dropout_mask_worker() -> dict[str, Any]:
+    model = TinyGPT(dropout=0.1)
+    strategy = PipeTPStrategy(tensor_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=90))
+
+    class Recorder(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            # After setup: attn.drop is a RegionDropout now, each block's own drop a plain Dropout.
+            self.regions = _record_masks(pl_module, RegionDropout)
+            self.replicated = _record_masks(pl_module, torch.nn.Dropout)
+
+    recorder = Recorder()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root, callbacks=[recorder],
+        )  # fmt: skip
+        trainer.fit(model, DataLoader(DATA, batch_size=8))
+    return {
+        "tp_rank": strategy.mesh.coordinates.tp_rank,
+        "regions": recorder.regions,
+        "replicated": recorder.replicated,
+    }
+
+
+def test_tensor_parallel_dropout_masks() -> None:
+    """Replicated activations get the same mask on both tensor ranks; ``"dropout"`` entries get
+    different masks per rank, exactly the ones a generator seeded ``2718 + tp_rank`` draws (seed 0:
+    no seed_everything), and they drop about 10% of the elements."""
+    got = run_distributed(dropout_mask_worker, 2, timeout=300, init_group=False)
+    assert [r["tp_rank"] for r in got] == [0, 1]
+    # 4 steps x 2 micro-batches x 2 blocks
+    assert len(got[0]["regions"]) == len(got[0]["replicated"]) == 16
+    for (x0, y0), (x1, y1) in zip(got[0]["replicated"], got[1]["replicated"], strict=True):
+        torch.testing.assert_close(x0, x1, atol=0, rtol=0)
+        assert torch.equal(y0 == 0, y1 == 0)  # the same elements dropped on both ranks
+    dropped = []
+    for result in got:
+        generator = torch.Generator().manual_seed(SEED_OFFSET + result["tp_rank"])
+        for x, y in result["regions"]:
+            keep = torch.empty_like(x).bernoulli_(0.9, generator=generator)
+            live = x != 0  # causally masked probabilities are zero before dropout
+            assert torch.equal((y != 0)[live], (keep != 0)[live])
+            torch.testing.assert_close(y, x * keep / 0.9, atol=1e-7, rtol=0)
+            dropped.append(float((keep == 0).float().mean()))
+    # Each rank drew its own mask: the two ranks' first masks (same shape) differ in many places.
+    first = [r["regions"][0][1] != 0 for r in got]
+    assert (first[0] != first[1]).float().mean() > 0.05
+    assert 0.07 < sum(dropped) / len(dropped) < 0.13

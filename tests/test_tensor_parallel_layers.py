@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -207,6 +209,37 @@ def _gather_vocab_case(group: Any, rank: int, tp: int) -> dict[str, Any]:
     return {"full": full.detach(), "grad": local.grad, "untagged_is_noop": gather_vocab(plain) is plain}
 
 
+_TORCH_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "all_to_all",
+    "all_to_all_single", "scatter", "gather", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "barrier",
+)  # fmt: skip
+
+
+@contextmanager
+def _count_torch_collectives() -> Iterator[Counter[str]]:
+    """Count every call of torch.distributed's communication functions, whoever makes it: the
+    count does not rely on the code under test reporting its own collectives."""
+    counter: Counter[str] = Counter()
+    originals = {name: getattr(dist, name) for name in _TORCH_COLLECTIVES}
+
+    def wrap(name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield counter
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def _block_case(group: Any) -> dict[str, Any]:
     modules = _full_block_modules()
     modules["qkv"] = ColumnParallelLinear(modules["qkv"], group)
@@ -215,11 +248,12 @@ def _block_case(group: Any) -> dict[str, Any]:
     modules["fc2"] = RowParallelLinear(modules["fc2"], group)
     block = Block(modules)
     x = _randn(8, B, BLOCK_S, D).requires_grad_()
-    with count_collectives() as counter:
+    with count_collectives() as counter, _count_torch_collectives() as issued:
         y = block(x)
         (y * _randn(9, B, BLOCK_S, D)).sum().backward()
     return {
         "counts": dict(counter),
+        "issued": dict(issued),
         "out": y.detach(),
         "x_grad": x.grad,
         "grads": {n: p.grad for n, p in block.named_parameters()},
@@ -389,8 +423,10 @@ def _reference_block() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tens
 def test_megatron_block_collective_count(tp_run: tuple[int, list[dict[str, Any]]]) -> None:
     _, got = _results(tp_run, "block")
     for rank, g in enumerate(got):
-        # Exactly f and g twice each (attention, MLP), and no all-gather of any kind.
+        # Exactly f and g twice each (attention, MLP), and no all-gather of any kind, counted both
+        # by the regions and at torch.distributed's functions.
         assert g["counts"] == {"all_reduce_forward": 2, "all_reduce_backward": 2}, f"rank {rank}"
+        assert g["issued"] == {"all_reduce": 4}, f"rank {rank}"
 
 
 def test_megatron_block_matches_unsharded(tp_run: tuple[int, list[dict[str, Any]]]) -> None:

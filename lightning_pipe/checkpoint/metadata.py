@@ -138,7 +138,11 @@ class CheckpointMetadata:
                     for opt in data["optimizers"]
                 ],
             )
-        except (AttributeError, KeyError, TypeError, ValueError) as err:
+        except KeyError as err:
+            raise CheckpointError(
+                f"{where} is damaged: it has no {err.args[0]!r} entry. Use an earlier checkpoint."
+            ) from err
+        except (AttributeError, TypeError, ValueError) as err:
             raise CheckpointError(f"{where} is damaged: {type(err).__name__}: {err}") from err
 
     def files(self) -> set[str]:

@@ -48,8 +48,6 @@ class GradientReducer:
     params: Sequence[nn.Parameter]
     group: dist.ProcessGroup
     bucket_cap_mb: float = 25.0
-    events: list[tuple[str, int]] | None = None
-    """When a list, records ``("ready", param_index)`` and ``("launch", bucket_index)`` in order."""
     _buckets: list[_Bucket] = field(default_factory=list, init=False)
     _where: dict[int, tuple[int, int]] = field(default_factory=dict, init=False)
     _armed: bool = field(default=False, init=False)
@@ -128,16 +126,12 @@ class GradientReducer:
                 param.grad = bucket.views[slot]
             if not self._armed:
                 return
-            if self.events is not None:
-                self.events.append(("ready", position))
             bucket.pending -= 1
             self._launch_ready()
 
         return on_grad_ready
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self.events is not None:
-            self.events.append(("launch", bucket.index))
         if bucket.index == len(self._buckets) - 1:
             # Launched last, once every earlier bucket is complete: the used flags are final.
             bucket.buffer[-len(self.params) :].copy_(self._used)

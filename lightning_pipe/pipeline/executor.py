@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.options import parse_option
 from lightning_pipe.pipeline.actions import Action, ActionType, PipelineSchedule, comm_batches
+from lightning_pipe.pipeline.batchnorm import running_backward
 from lightning_pipe.pipeline.p2p import ActivationMeta, P2PTransport, RecvRequest, SendRequest
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
@@ -348,13 +349,16 @@ class PipelineExecutor:
                     f"The loss of micro-batch {i} does not require grad: it is not computed from "
                     "the pipeline output or the model's parameters."
                 )
-            (loss * self._weights[i]).backward()  # type: ignore[operator]
+            # Forwards recomputed inside backward must not count twice in BatchNorm statistics.
+            with running_backward():
+                (loss * self._weights[i]).backward()  # type: ignore[operator]
         else:
             meta = self._output_meta.pop((s, i))
             grads = self._received.pop((s, i)).result
             outs = [t for t, tm in zip(_as_tuple(out), meta.tensors, strict=True) if tm.carries_grad]
             if outs:
-                torch.autograd.backward(outs, grads)
+                with running_backward():
+                    torch.autograd.backward(outs, grads)
         if s > 0:
             self._input_grads[(s, i)] = [
                 leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves

@@ -15,19 +15,20 @@ from typing import Any
 import torch
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) tuple, list or dict, in order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tensors_of(v)]
     if isinstance(obj, tuple | list):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tensors_of(v)]
     return []
 
 
 def batch_size(batch: Any) -> int:
     """Size of dim 0 of the first tensor in ``batch``."""
-    tensors = _tensors(batch)
+    tensors = tensors_of(batch)
     if not tensors:
         raise TypeError(
             f"Cannot split a batch of type {type(batch).__name__} into micro-batches: it holds no "

@@ -35,19 +35,19 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torchmetrics import Metric
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pipe.checkpoint.full import to_cpu
 from lightning_pipe.data_parallel.reducer import GradientReducer
-from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
 from lightning_pipe.pipeline.actions import PipelineSchedule
+from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm
 from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor
+from lightning_pipe.pipeline.fingerprint import StepIdentity
 from lightning_pipe.pipeline.microbatch import batch_size, microbatch_sizes, signature, split_microbatches
 from lightning_pipe.pipeline.partition import check_partition
-from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
+from lightning_pipe.pipeline.plan import PipelinePlan
 from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
 from lightning_pipe.pipeline.timeline import (
     TimelineRecorder,
@@ -56,17 +56,18 @@ from lightning_pipe.pipeline.timeline import (
     write_chrome_trace,
 )
 from lightning_pipe.strategy import logging as pipe_logging
+from lightning_pipe.strategy.agreement import StepAgreement
 from lightning_pipe.strategy.checkpoints import CheckpointHooks
 from lightning_pipe.strategy.outputs import concat_outputs, default_pipeline_input, forward_returns
+from lightning_pipe.strategy.preparation import ModelPreparation
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
-from lightning_pipe.tensor_parallel.plan import ShardStyle, apply_plan, resolve_plan
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 _TIMELINE_STEPS = (1, 9)  # skip step 0 (first-step allocations), record the next eight
 _SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
 
 
-class PipeTPStrategy(CheckpointHooks):
+class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
     """Pipeline (GPipe / 1F1B) x tensor x data parallelism for Lightning.
 
     Args:
@@ -101,6 +102,10 @@ class PipeTPStrategy(CheckpointHooks):
             unsharded module's names, so any layout can load it and
             ``python -m lightning_pipe.consolidate`` turns it into one file. ``False``: rank 0
             gathers the whole model and writes one ordinary Lightning checkpoint file.
+        deferred_batch_norm: BatchNorm layers update their running statistics once per batch,
+            from the statistics of the whole batch (summed over micro-batches and data-parallel
+            replicas), so evaluation uses the statistics one device would have (torchgpipe's
+            deferred batch norm). ``False``: they update once per micro-batch.
         start_method: ``"popen"`` (Lightning re-launches the script; torchrun and SLURM start
             the processes themselves) or ``"spawn"``/``"fork"``/``"forkserver"``.
     """
@@ -123,6 +128,7 @@ class PipeTPStrategy(CheckpointHooks):
         tensor_parallel_plan: dict[str, str] | None = None,
         timeline: str | None = None,
         save_distributed_checkpoint: bool = True,
+        deferred_batch_norm: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -171,6 +177,9 @@ class PipeTPStrategy(CheckpointHooks):
         self.bucket_cap_mb = bucket_cap_mb
         self.tensor_parallel_plan = tensor_parallel_plan
         self.save_distributed_checkpoint = save_distributed_checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
+        self._batch_norm: DeferredBatchNorm | None = None
+        self._forward_checked = False
         self.timeline = timeline or os.environ.get("LIGHTNING_PIPE_TIMELINE") or None
         self._recorder: TimelineRecorder | None = None
         self._reducer: GradientReducer | None = None
@@ -180,6 +189,7 @@ class PipeTPStrategy(CheckpointHooks):
         self._executor: PipelineExecutor | None = None
         self._owned_params: list[torch.nn.Parameter] = []
         self._schedules: dict[tuple[int, bool], PipelineSchedule] = {}
+        self._warned_small_batch = False
 
     # ------------------------------------------------------------------ layout
     @property
@@ -206,6 +216,17 @@ class PipeTPStrategy(CheckpointHooks):
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.mesh.layout.pipeline_parallel_size - 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel replica index: what to shard the data by (with
+        :attr:`data_parallel_world_size`). Ranks of one pipeline or tensor group share it."""
+        return self.mesh.coordinates.dp_rank
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        """The number of data-parallel replicas, each loading its own part of the data."""
+        return self.mesh.layout.data_parallel_size
 
     @override
     def setup_distributed(self) -> None:
@@ -261,112 +282,6 @@ class PipeTPStrategy(CheckpointHooks):
                 f"precision={precision!r} is not supported by the pipe_tp strategy yet; use one of "
                 f"{list(_SUPPORTED_PRECISION)} (for 16-bit training on GPUs, 'bf16-mixed')."
             )
-
-    def _build_pipeline(self, module: LightningModule) -> None:
-        mesh = self.mesh
-        pp = mesh.layout.pipeline_parallel_size
-        layers = module.configure_pipeline()  # type: ignore[operator]
-        plan = make_plan(module, layers, pp, self.partition)
-        if mesh.layout.tensor_parallel_size > 1:
-            self._shard_tensor_parallel(module, plan)
-            layers = module.configure_pipeline()  # type: ignore[operator]  # now with sharded layers
-        own = [layers[i] for i in plan.layer_range(self.pp_rank)]
-        self._plan, self._layers = plan, list(layers)
-        owned = {id(p): p for layer in own for p in layer.parameters() if p.requires_grad}
-        self._owned_params = list(owned.values())
-        self._executor = PipelineExecutor(
-            {self.pp_rank: own},
-            pp,
-            mesh.pipeline_peers,
-            self.root_device,
-            self.checkpoint,
-            timeout=self._timeout,
-            check_finite=self.check_finite,
-        )
-        self._schedules.clear()
-        # torchmetrics sync over the data axis only: ranks of one pipeline hold the same state.
-        for sub in module.modules():
-            if isinstance(sub, Metric):
-                sub.process_group = mesh.group(MeshAxis.DATA)
-        dp_group = mesh.group(MeshAxis.DATA)
-        self._reducer = None
-        if mesh.layout.data_parallel_size > 1:
-            src = mesh.layout.rank_of(0, self.pp_rank, mesh.coordinates.tp_rank)
-            tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
-            broadcast_parameters(tensors, dp_group, src)
-            self._reducer = GradientReducer(self._owned_params, dp_group, self.bucket_cap_mb)
-        self._tied = self._tied_groups(module, plan)
-        rank_zero_info(
-            f"pipe_tp: layout {mesh.layout} (world {mesh.layout.world_size}), schedule "
-            f"{self.schedule.value}, micro-batches {self.num_microbatches or f'auto (2 x {pp})'}, "
-            f"checkpoint {self.checkpoint.value}\n{plan.describe(layers)}"
-        )
-
-    def _shard_tensor_parallel(self, module: LightningModule, plan: PipelinePlan) -> None:
-        """Replace this stage's layers named by the tensor-parallel plan with sharded ones."""
-        tp = self.mesh.layout.tensor_parallel_size
-        tp_plan = self.tensor_parallel_plan
-        if tp_plan is None and callable(getattr(module, "tensor_parallel_plan", None)):
-            tp_plan = module.tensor_parallel_plan()  # type: ignore[operator]
-        if not tp_plan:
-            raise MisconfigurationException(
-                f"tensor_parallel_size={tp} needs a tensor-parallel plan: define "
-                "`def tensor_parallel_plan(self) -> dict[str, str]` on the LightningModule (e.g. "
-                '{"layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"}) or pass '
-                "PipeTPStrategy(tensor_parallel_plan=...)."
-            )
-        resolved = resolve_plan(module, tp_plan, tp)
-        if self.checkpoint is not CheckpointMode.NEVER and ShardStyle.DROPOUT in resolved.values():
-            raise MisconfigurationException(
-                f'checkpoint="{self.checkpoint.value}" cannot replay the per-rank random stream of '
-                'tensor-parallel "dropout" layers; use checkpoint="never" or drop the "dropout" entries.'
-            )
-        own = [plan.layer_names[i] for i in plan.layer_range(self.pp_rank)]
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        apply_plan(
-            module,
-            resolved,
-            self.mesh.group(MeshAxis.TENSOR),
-            seed,
-            include=lambda name: any(name == n or name.startswith(n + ".") for n in own),
-        )
-
-    def _tied_groups(
-        self, module: LightningModule, plan: PipelinePlan
-    ) -> list[tuple[torch.nn.Parameter, dist.ProcessGroup, bool]]:
-        """For each tied parameter this rank holds: the group of its copies' ranks, and whether
-        this rank counts it in the gradient norm (the first stage does)."""
-        layout = self.mesh.layout
-        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        # new_group is collective: every rank creates every group, in the same order.
-        for stages in sorted({stages for _, stages in plan.tied}):
-            for dp in range(layout.data_parallel_size):
-                for tp in range(layout.tensor_parallel_size):
-                    ranks = [layout.rank_of(dp, s, tp) for s in stages]
-                    group = dist.new_group(ranks)
-                    if self.global_rank in ranks:
-                        groups[stages] = group
-        return [
-            (module.get_parameter(name), groups[stages], self.pp_rank == stages[0])
-            for name, stages in plan.tied
-            if self.pp_rank in stages
-        ]
-
-    @override
-    def model_to_device(self) -> None:
-        # Only this stage's layers (and the module's own non-layer state) go to the device: the
-        # other stages' layers stay where they were built, off the accelerator.
-        assert self.model is not None and self._plan is not None
-        own = set(self._plan.layer_range(self.pp_rank))
-
-        def tensors(indices: set[int]) -> set[int]:
-            layers = [layer for i, layer in enumerate(self._layers) if i in indices]
-            return {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
-
-        # A tied parameter belongs to an owned layer too: it must move.
-        skip = tensors(set(range(len(self._layers))) - own) - tensors(own)
-        device = self.root_device
-        self.model._apply(lambda t: t if id(t) in skip else t.to(device))
 
     @override
     def configure_ddp(self) -> None:
@@ -454,8 +369,19 @@ class PipeTPStrategy(CheckpointHooks):
         # Only the last backward of an optimizer step communicates, overlapped with that backward.
         self._executor.before_last_backward = self._reducer.arm if final and self._reducer else None
         self._executor.recorder = self._timeline_recorder(trainer.global_step)
-        with self.precision_plugin.train_step_context():
-            loss = self._run_step("training_step", args, training=True)
+        deferred = self._batch_norm
+        if deferred is not None:
+            deferred.begin()
+        try:
+            with self.precision_plugin.train_step_context():
+                loss = self._run_step("training_step", args, training=True)
+        finally:
+            if deferred is not None:
+                deferred.end()
+        if deferred is not None:
+            dp = self.mesh.layout.data_parallel_size > 1
+            with self._collective("summing BatchNorm statistics over the data-parallel group"):
+                deferred.commit(self.mesh.group(MeshAxis.DATA) if dp else None)
         if final:
             if self._reducer is not None:
                 with self._collective("averaging gradients over the data-parallel group"):
@@ -499,6 +425,7 @@ class PipeTPStrategy(CheckpointHooks):
     @override
     def on_train_end(self) -> None:
         """Write the recorded timeline (a collective: every rank gathers to rank 0)."""
+        self._agree(StepIdentity("end of training", -1), None)
         super().on_train_end()
         if self._recorder is None:
             return
@@ -532,9 +459,20 @@ class PipeTPStrategy(CheckpointHooks):
             return self._run_step("predict_step", args, training=False)
 
     def _microbatches(self, batch: Any) -> int:
-        if self.num_microbatches is not None:
-            return self.num_microbatches
-        return max(1, min(2 * self.mesh.layout.pipeline_parallel_size, batch_size(batch)))
+        size = batch_size(batch)
+        if self.num_microbatches is None:
+            return max(1, min(2 * self.mesh.layout.pipeline_parallel_size, size))
+        if size < self.num_microbatches:
+            # The last batch of an epoch (drop_last=False) may be smaller than num_microbatches:
+            # one sample per micro-batch still gives the whole batch's gradient, as on one device.
+            if not self._warned_small_batch:
+                self._warned_small_batch = True
+                rank_zero_warn(
+                    f"pipe_tp: a batch of {size} samples is smaller than num_microbatches="
+                    f"{self.num_microbatches}; it runs as {size} micro-batches (warned once)."
+                )
+            return size
+        return self.num_microbatches
 
     def _schedule_for(self, m: int, training: bool) -> PipelineSchedule:
         key = (m, training)
@@ -566,6 +504,16 @@ class PipeTPStrategy(CheckpointHooks):
             if not training:
                 return value
             loss = value.get("loss") if isinstance(value, dict) else value
+            if loss is None:
+                raise MisconfigurationException(
+                    f"training_step returned None for micro-batch {i} of batch "
+                    f"{trainer.fit_loop.epoch_loop.batch_idx} (to skip the batch, as on one device). "
+                    "Under pipe_tp the other stages have already run "
+                    "this micro-batch and wait for its gradient, so a batch cannot be skipped from inside "
+                    "training_step. Instead, drop such samples before they reach the model (in the Dataset, "
+                    "a collate_fn or the DataLoader's sampler), or return a zero loss (`return loss * 0.0`: "
+                    "no gradient, but the optimizer still steps, so momentum and Adam still move weights)."
+                )
             if not isinstance(loss, torch.Tensor):
                 raise MisconfigurationException(
                     f"training_step must return the loss tensor (or a dict with a 'loss' key) for every "
@@ -573,6 +521,7 @@ class PipeTPStrategy(CheckpointHooks):
                 )
             return loss
 
+        self._check_before_step(step_name, args, batch, inputs[0])
         assert self._executor is not None
         with (
             pipe_logging.capturing(trainer, capture),

@@ -5,8 +5,10 @@ data on each tensor rank, so their dropout masks must differ; activations outsid
 replicated, so their masks must be equal on every tensor rank, which the default generator gives
 because every tensor rank runs the same operations from the same seed. Megatron-LM keeps a second
 generator for the regions (its model-parallel RNG tracker); :class:`RegionDropout` does the same
-with a private ``torch.Generator`` seeded ``seed + 2718 + tp_rank``, so runs are reproducible and
-the default stream is left untouched.
+with a ``torch.Generator`` seeded ``seed + 2718 + tp_rank`` (:class:`RegionStream`), so runs are
+reproducible and the default stream is left untouched. All region dropouts of a rank draw from
+*one* such generator, in call order, as Megatron's tracker does: a generator per module, all
+seeded alike, would give every layer the same masks.
 
 Activation recomputation would replay the default stream but not this one, so the strategy
 refuses ``checkpoint`` together with region dropout.
@@ -20,22 +22,38 @@ from torch import nn
 SEED_OFFSET = 2718
 
 
-class RegionDropout(nn.Module):
-    """``nn.Dropout`` drawing its mask from a per-tensor-rank generator."""
+class RegionStream:
+    """The random stream of one tensor rank's region dropouts, shared by all of them.
 
-    def __init__(self, p: float, seed: int, tp_rank: int, device: torch.device) -> None:
+    The generator is made on the device of the first activation it drops (the model may still be
+    on the CPU when it is sharded, and a CUDA tensor needs a CUDA generator)."""
+
+    def __init__(self, seed: int, tp_rank: int) -> None:
+        self.seed = seed + SEED_OFFSET + tp_rank
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+
+class RegionDropout(nn.Module):
+    """``nn.Dropout`` drawing its mask from this tensor rank's :class:`RegionStream`."""
+
+    def __init__(self, p: float, stream: RegionStream) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed + SEED_OFFSET + tp_rank)
+        self.stream = stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=self.generator)
+        generator = self.stream.generator(x.device)
+        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=generator)
         return x * keep / (1.0 - self.p)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, per-tensor-rank generator"
+        return f"p={self.p}, per-tensor-rank stream"

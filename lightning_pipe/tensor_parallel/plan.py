@@ -37,7 +37,7 @@ from torch import nn
 
 from lightning_pipe.options import parse_option
 from lightning_pipe.tensor_parallel.cross_entropy import tag_vocab_parallel
-from lightning_pipe.tensor_parallel.dropout import RegionDropout
+from lightning_pipe.tensor_parallel.dropout import RegionDropout, RegionStream
 from lightning_pipe.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -70,6 +70,9 @@ _EXPECTED: dict[ShardStyle, type[nn.Module]] = {
 }
 
 
+_SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RegionDropout)
+
+
 def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile(
         "".join("[^.]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", pattern))
@@ -88,18 +91,29 @@ class _LogitsHead(ColumnParallelLinear):
 def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dict[str, ShardStyle]:
     """Match ``plan`` against ``model``: module name -> style, after checking everything.
 
+    A pattern matches a module under *any* name it is reachable by (a Hugging Face model kept as
+    ``self.llama`` and also held by pipeline wrappers ``self.pipe[i]`` is matched by
+    ``"llama.model.layers.*.mlp.up_proj"`` and by ``"pipe.*.block.mlp.up_proj"``); every module is
+    resolved once, under its first name in ``model.named_modules()`` order.
+
     Raises ``ValueError``/``TypeError`` naming the pattern or module for: an unknown style, a pattern
-    that matches nothing, a style on the wrong module type, a dimension ``tp_size`` does not
-    divide, and an attention module with fewer heads than tensor ranks.
+    that matches nothing, a style on the wrong module type, two styles for one module, a dimension
+    ``tp_size`` does not divide, and an attention module with fewer heads than tensor ranks.
     """
-    modules = dict(model.named_modules())
+    canonical: dict[int, str] = {}
+    every_name: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name:
+            canonical.setdefault(id(module), name)
+            every_name.append((name, module))
+    modules = {canonical[id(m)]: m for _, m in every_name}
     resolved: dict[str, ShardStyle] = {}
     for pattern, value in plan.items():
         style = ShardStyle.parse(value, pattern)
         regex = _regex(pattern)
-        names = [name for name in modules if name and regex.fullmatch(name)]
+        names = list(dict.fromkeys(canonical[id(m)] for n, m in every_name if regex.fullmatch(n)))
         if not names:
-            leaves = [n for n, m in modules.items() if n and not list(m.children())][:8]
+            leaves = [n for n, m in modules.items() if not list(m.children())][:8]
             raise ValueError(
                 f"The tensor-parallel plan entry {pattern!r} matches no module of {type(model).__name__}. "
                 f"Patterns are module names relative to the LightningModule, '*' standing for one name "
@@ -108,10 +122,21 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dic
         for name in names:
             module = modules[name]
             expected = _EXPECTED[style]
+            if isinstance(module, _SHARDED):
+                raise TypeError(
+                    f"{name!r} (from {pattern!r}) is already a {type(module).__name__}: this model was "
+                    "sharded before. Shard a model once, and reuse it (the pipe_tp strategy does so for "
+                    "later Trainer calls), or build a fresh model to shard it again."
+                )
             if not isinstance(module, expected):
                 raise TypeError(
                     f"Style {style.value!r} applies to {expected.__name__} layers, but {name!r} (from "
                     f"{pattern!r}) is a {type(module).__name__}."
+                )
+            if resolved.get(name, style) is not style:
+                raise ValueError(
+                    f"The tensor-parallel plan gives {name!r} two styles, {resolved[name].value!r} and "
+                    f"{style.value!r} (from {pattern!r}); give each module one style."
                 )
             _check_divisible(name, module, style, tp_size)
             _check_heads(name, modules, style, tp_size)
@@ -154,14 +179,18 @@ def apply_plan(
     resolved: Mapping[str, ShardStyle],
     group: dist.ProcessGroup,
     seed: int,
-    include: Callable[[str], bool] = lambda name: True,
+    include: Callable[[nn.Module], bool] = lambda module: True,
 ) -> list[str]:
-    """Replace the resolved modules for which ``include(name)`` holds; return their names.
+    """Replace the resolved modules for which ``include(module)`` holds; return their names.
+
+    ``include`` decides by the module itself, not by its name, so that a module is found however
+    it is reached (see :func:`resolve_plan`); every attribute that holds it gets the replacement.
 
     Sharding slices the full modules' weights, so the sharded model starts where the full one is.
     """
     replaced = []
     tp_rank = dist.get_rank(group)
+    stream = RegionStream(seed, tp_rank)  # one stream for all region dropouts (Megatron's tracker)
     # Parameters shared by several replaced modules (a tied embedding and head on one stage) must
     # stay shared after slicing: old parameter id -> its new shard.
     shards: dict[int, nn.Parameter] = {}
@@ -173,17 +202,16 @@ def apply_plan(
             owner, _, attr = path.rpartition(".")
             holders.setdefault(id(sub), []).append((model.get_submodule(owner) if owner else model, attr))
     for name, style in resolved.items():
-        if not include(name):
-            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module: Any = getattr(parent, child)
+        if not include(module):
+            continue
         new: nn.Module
         if style is ShardStyle.VOCAB:
             new = VocabParallelEmbedding(module, group, name)
         elif style is ShardStyle.DROPOUT:
-            device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            new = RegionDropout(module.p, seed, tp_rank, device)
+            new = RegionDropout(module.p, stream)
         elif style is ShardStyle.COLWISE_LOGITS:
             new = _LogitsHead(module, group, name=name)
         elif style in (ShardStyle.COLWISE, ShardStyle.COLWISE_GATHER):

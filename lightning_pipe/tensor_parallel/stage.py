@@ -1,0 +1,107 @@
+"""Shard exactly the modules of one pipeline stage, found by identity, and say what was sharded.
+
+A tensor-parallel plan names modules relative to the whole model, but a pipeline stage owns
+*layers*, which may reach the same modules under other names (a Hugging Face model kept as
+``self.llama`` and cut into wrappers ``self.pipe[i]`` that hold ``self.llama.model.layers[i]``).
+Deciding by name would compare ``llama.model.layers.0...`` with ``pipe.1`` and shard nothing, and
+every tensor rank would then silently run the whole model. So a module's stage is decided by
+identity: it belongs to the stages whose layers contain that very object.
+
+Before slicing, the stage's full weights are made identical on every rank of its tensor group
+(a broadcast from tensor rank 0): without ``seed_everything`` each rank initialised its own
+weights, and slices of different tensors would form a model no single device ever had.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe.data_parallel.replicas import broadcast_parameters
+from lightning_pipe.tensor_parallel.plan import ShardStyle, apply_plan
+
+
+@dataclass(frozen=True)
+class StageSharding:
+    """What a tensor-parallel plan shards on each pipeline stage (counted on the full model)."""
+
+    modules: tuple[int, ...]
+    """Number of modules the plan shards, per stage."""
+    elements: tuple[int, ...]
+    """Parameter elements of those modules before slicing, per stage."""
+    outside: tuple[str, ...]
+    """Modules the plan matches that belong to no pipeline layer (left whole)."""
+
+    def describe(self, tp_size: int) -> str:
+        lines = [
+            f"  stage {s}: {n} modules sharded over {tp_size} tensor ranks "
+            f"({e:,} parameter elements, {e // tp_size:,} per rank)"
+            for s, (n, e) in enumerate(zip(self.modules, self.elements, strict=True))
+        ]
+        if self.outside:
+            lines.append(f"  not sharded (outside every pipeline layer): {list(self.outside)}")
+        return "\n".join(lines)
+
+
+def stages_of_modules(layers: Sequence[nn.Module], stage_of_layer: Sequence[int]) -> dict[int, set[int]]:
+    """``id(module)`` -> the stages whose layers contain that module (usually one)."""
+    stages: dict[int, set[int]] = {}
+    for layer, stage in zip(layers, stage_of_layer, strict=True):
+        for sub in layer.modules():
+            stages.setdefault(id(sub), set()).add(stage)
+    return stages
+
+
+def count_sharding(
+    model: nn.Module,
+    resolved: Mapping[str, ShardStyle],
+    layers: Sequence[nn.Module],
+    stage_of_layer: Sequence[int],
+    num_stages: int,
+) -> StageSharding:
+    """Count, per stage, the modules and parameter elements ``resolved`` shards.
+
+    Raises ``ValueError`` when the plan matches modules but none of them lies inside a pipeline
+    layer: nothing would be sharded, and every tensor rank would run the whole model.
+    """
+    owner = stages_of_modules(layers, stage_of_layer)
+    modules, elements = [0] * num_stages, [0] * num_stages
+    outside = []
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        stages = owner.get(id(module))
+        if not stages:
+            outside.append(name)
+            continue
+        for stage in stages:
+            modules[stage] += 1
+            if style is not ShardStyle.DROPOUT:
+                elements[stage] += sum(p.numel() for p in module.parameters())
+    if resolved and not any(modules):
+        raise ValueError(
+            f"The tensor-parallel plan matches {len(resolved)} modules (e.g. {sorted(resolved)[:3]}), but "
+            "none of them is inside a layer returned by configure_pipeline(), so nothing would be "
+            "sharded and every tensor rank would run the whole model. Make configure_pipeline() return "
+            "the layers that hold these modules (wrappers around them are fine)."
+        )
+    return StageSharding(tuple(modules), tuple(elements), tuple(outside))
+
+
+def shard_stage(
+    model: nn.Module,
+    resolved: Mapping[str, ShardStyle],
+    own_layers: Sequence[nn.Module],
+    group: dist.ProcessGroup,
+    src: int,
+    seed: int,
+) -> list[str]:
+    """Make ``own_layers`` equal to tensor rank ``src``'s (a global rank), then shard the modules
+    of ``resolved`` that lie inside them; returns the names of the sharded modules."""
+    broadcast_parameters(
+        [t for layer in own_layers for t in (*layer.parameters(), *layer.buffers())], group, src
+    )
+    own = {id(sub) for layer in own_layers for sub in layer.modules()}
+    return apply_plan(model, resolved, group, seed, include=lambda module: id(module) in own)

@@ -1,0 +1,161 @@
+"""Batches under pipe_tp as users feed them:
+
+* ranks of one pipeline that load different data (an IterableDataset sharded by *global* rank)
+  stop at the first step, every rank with a message naming the step, the ranks and the fix;
+  sharded by ``strategy.data_parallel_rank`` instead, dp=2 x pp=2 equals one device;
+* a last batch smaller than ``num_microbatches`` runs with fewer micro-batches and still equals
+  one device;
+* ``training_step`` returning ``None`` stops with a message that says what to do instead.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_pipe import PipeTPStrategy
+from tests.distributed import run_distributed, run_distributed_outcomes
+from tests.lightning_models import Regressor, dataset, loader
+
+TOL = 1e-5
+TRAIN = dataset(32, seed=1)
+
+
+def _trainer(strategy: Any, devices: int, root: str, **kw: Any) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=kw.pop("max_epochs", 1),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, **kw,
+    )  # fmt: skip
+
+
+class Strided(IterableDataset):
+    """Every ``size``-th sample from ``rank`` on: how a stream is sharded over processes."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def __iter__(self) -> Any:
+        for i in range(self.rank, len(TRAIN), self.size):
+            yield TRAIN[i]
+
+
+class GlobalRankSharded(Regressor):
+    """The common mistake: shard the stream by the global rank (as webdataset or
+    ``split_dataset_by_node(rank=RANK)`` would), so the two stages of one pipeline differ."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Strided(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])), batch_size=4)
+
+
+class ReplicaSharded(Regressor):
+    """The documented way: shard by the data-parallel rank and size."""
+
+    def train_dataloader(self) -> DataLoader:
+        s = self.trainer.strategy
+        return DataLoader(Strided(s.data_parallel_rank, s.data_parallel_world_size), batch_size=4)  # type: ignore[attr-defined]
+
+
+def _owned(model: L.LightningModule, strategy: PipeTPStrategy) -> dict[str, torch.Tensor]:
+    """The parameters this rank's stage trains (the others stay as built)."""
+    return {
+        n: p.detach().clone()
+        for n, p in model.named_parameters()
+        if strategy._plan.stage_of_key(n) == strategy.pp_rank  # type: ignore[union-attr]
+    }
+
+
+def _assert_owned_equal(got: list[dict[str, torch.Tensor]], reference: L.LightningModule) -> None:
+    expected = dict(reference.named_parameters())
+    assert {n for params in got for n in params} == set(expected)
+    for rank, params in enumerate(got):
+        for name, value in params.items():
+            torch.testing.assert_close(
+                value, expected[name].detach(), atol=TOL, rtol=0, msg=f"rank {rank} {name}"
+            )
+
+
+def mismatch_worker(root: str) -> None:
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
+    _trainer(strategy, 2, root).fit(GlobalRankSharded())
+
+
+def test_pipeline_ranks_with_different_data_stop_at_the_first_step() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        outcomes = run_distributed_outcomes(mismatch_worker, 2, root, timeout=120, init_group=False)
+    for o in outcomes:
+        assert o.exitcode == 1 and not o.killed, o
+        assert o.error is not None
+        assert "StepCheckError: pipe_tp: the ranks of one model replica must run the same batch" in o.error
+        assert "at training_step of batch 0 they do not. The ranks loaded different data" in o.error
+        assert "ranks [0] (pp_rank 0, tp_rank 0): training_step of batch 0, shapes" in o.error
+        assert "ranks [1] (pp_rank 1, tp_rank 0)" in o.error
+        assert "Shard the data by the data-parallel rank and size" in o.error
+    # Both ranks stop together, long before the 60 s exchange deadline.
+    assert max(o.seconds for o in outcomes) - min(o.seconds for o in outcomes) < 10
+
+
+def replica_worker(root: str) -> dict[str, torch.Tensor]:
+    model = ReplicaSharded(step_lr=False)
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60)
+    )
+    _trainer(strategy, 4, root, max_epochs=2).fit(model)
+    return _owned(model, strategy)
+
+
+def test_data_sharded_by_data_parallel_rank_matches_one_device() -> None:
+    """dp=2 x pp=2: replica r streams samples r, r+2, ... in batches of 4, so each global batch
+    of 8 holds the same samples as one device's batch of 8."""
+    with tempfile.TemporaryDirectory() as root:
+        got = run_distributed(replica_worker, 4, root, timeout=200, init_group=False)
+        reference = Regressor(step_lr=False)
+        _trainer("auto", 1, root, max_epochs=2).fit(reference, DataLoader(TRAIN, batch_size=8))
+    _assert_owned_equal(got, reference)
+
+
+RAGGED = dataset(20, seed=3)  # batches of 8, 8 and 4
+
+
+def ragged_worker(root: str) -> dict[str, torch.Tensor]:
+    model = Regressor()
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=6, timeout=timedelta(seconds=60))
+    _trainer(strategy, 2, root, max_epochs=2).fit(model, loader(RAGGED, 8, reference=False))
+    return _owned(model, strategy)
+
+
+def test_a_last_batch_smaller_than_num_microbatches_matches_one_device() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        got = run_distributed(ragged_worker, 2, root, timeout=200, init_group=False)
+        reference = Regressor()
+        _trainer("auto", 1, root, max_epochs=2).fit(reference, loader(RAGGED, 8, reference=True))
+    _assert_owned_equal(got, reference)
+
+
+class SkipsBatchOne(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
+def none_worker(root: str) -> None:
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
+    _trainer(strategy, 2, root).fit(SkipsBatchOne(), loader(TRAIN, 8, reference=False))
+
+
+def test_training_step_returning_none_says_what_to_do() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        outcomes = run_distributed_outcomes(none_worker, 2, root, timeout=120, init_group=False)
+    assert all(o.exitcode == 1 and not o.killed for o in outcomes), outcomes
+    last = outcomes[1].error or ""
+    assert "training_step returned None for micro-batch 0 of batch 1 (to skip the batch" in last
+    assert "drop such samples before they reach the model" in last
+    assert "return a zero loss (`return loss * 0.0`" in last
+    # The first stage does not wait for the exchange deadline: it learns that its peer stopped.
+    assert max(o.seconds for o in outcomes) < 50

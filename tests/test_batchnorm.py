@@ -1,0 +1,116 @@
+"""BatchNorm under micro-batching: running statistics equal one device's (deferred batch norm).
+
+With the learning rate at zero the weights never move, so the input of the BatchNorm layer is the
+same as on one device and its running mean, running variance and ``num_batches_tracked``
+after several steps must match one device's to 1e-5, with activation recomputation (whose
+recomputed forwards must not count twice) and with data-parallel replicas (whose statistics one
+device would have seen as one batch). Evaluation then uses those statistics, so the validation
+loss matches too. ``deferred_batch_norm=False`` restores per-micro-batch updates.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipeTPStrategy
+from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm
+from tests.distributed import run_distributed
+from tests.lightning_models import HIDDEN, IN, OUT, Regressor, dataset, loader
+
+TOL = 1e-5
+TRAIN, VAL = dataset(48, seed=1), dataset(16, seed=2)
+STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+class BatchNormNet(Regressor):
+    def __init__(self, lr: float = 0.0) -> None:
+        super().__init__(lr=lr, step_lr=False)
+        torch.manual_seed(0)
+        # One BatchNorm, on the second stage: a BatchNorm after another one would see inputs
+        # normalised with micro-batch statistics, which no schedule can make equal.
+        self.layers = nn.Sequential(
+            nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
+            nn.BatchNorm1d(HIDDEN, momentum=None), nn.Tanh(), nn.Linear(HIDDEN, OUT),
+        )  # fmt: skip
+
+
+def _fit(strategy: Any, devices: int, reference: bool, batch_size: int = 12) -> dict[str, Any]:
+    model = BatchNormNet()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root, num_sanity_val_steps=0,
+        )  # fmt: skip
+        trainer.fit(model, loader(TRAIN, batch_size, reference))
+        # sync_dist: with data parallelism each replica validates half of the data.
+        val = trainer.validate(model, loader(VAL, 8, reference), verbose=False)[0]["val_loss_synced"]
+    buffers = {n: b.clone() for n, b in model.named_buffers() if n.endswith(STATS)}
+    return {"buffers": buffers, "val_loss": val}
+
+
+def bn_worker(pp: int, dp: int, checkpoint: str, deferred: bool) -> dict[str, Any]:
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        num_microbatches=3,
+        checkpoint=checkpoint,
+        deferred_batch_norm=deferred,
+        timeout=timedelta(seconds=60),
+    )
+    result = _fit(strategy, pp * dp, reference=False, batch_size=12 // dp)
+    plan = strategy._plan
+    assert plan is not None
+    result["owned"] = {n for n in result["buffers"] if plan.stage_of_key(n) == strategy.pp_rank}
+    return result
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "checkpoint"), [(2, 1, "always"), (1, 2, "never")], ids=["pp2-recompute", "dp2"]
+)
+def test_running_statistics_match_one_device(pp: int, dp: int, checkpoint: str) -> None:
+    got = run_distributed(bn_worker, pp * dp, pp, dp, checkpoint, True, timeout=200, init_group=False)
+    # dp=2 sees batches of 6 per replica, 12 together: the reference sees the batches of 12.
+    ref = _fit("auto", 1, reference=True)
+    assert ref["buffers"]["layers.3.num_batches_tracked"] == 4
+    seen = set()
+    for rank, result in enumerate(got):
+        assert result["val_loss"] == pytest.approx(ref["val_loss"], abs=TOL), f"rank {rank}"
+        for name in result["owned"]:
+            seen.add(name)
+            torch.testing.assert_close(
+                result["buffers"][name].double(), ref["buffers"][name].double(), atol=TOL, rtol=0, msg=name
+            )
+    assert seen == set(ref["buffers"])
+
+
+def test_without_deferral_statistics_update_per_micro_batch() -> None:
+    got = run_distributed(bn_worker, 1, 1, 1, "never", False, timeout=120, init_group=False)
+    assert got[0]["buffers"]["layers.3.num_batches_tracked"] == 4 * 3
+
+
+def test_deferred_statistics_of_micro_batches_equal_the_whole_batch() -> None:
+    """No processes: three micro-batches through deferred BatchNorm2d, one commit, against one
+    BatchNorm2d forward of the whole batch."""
+    torch.manual_seed(0)
+    whole, parts = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+    batch = torch.randn(9, 4, 3, 3) * 3 + 1
+    whole(batch)
+    deferred = DeferredBatchNorm([parts])
+    deferred.begin()
+    outputs = [parts(x) for x in batch.split([4, 3, 2])]
+    deferred.commit()
+    # Each micro-batch is normalised with its own statistics, as a training-mode BatchNorm does.
+    torch.testing.assert_close(outputs[2], nn.functional.batch_norm(batch[7:], None, None, training=True))
+    for name in STATS:
+        torch.testing.assert_close(getattr(parts, name), getattr(whole, name), atol=1e-6, rtol=0)
+    deferred.remove()
+    parts(batch)  # hooks removed: an ordinary BatchNorm again
+    assert int(parts.num_batches_tracked) == 2

@@ -1,0 +1,145 @@
+"""``forward`` must be the pipeline layers chained: logic around them is detected, not skipped.
+
+Unit tests of :func:`check_forward` on the shapes of ``forward`` users write, and one
+``Trainer.fit`` in which every rank stops at the first step with the message.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe import PipeTPStrategy
+from lightning_pipe.pipeline.forward_contract import check_forward
+from tests.distributed import run_distributed_outcomes
+from tests.lightning_models import Regressor, dataset, loader
+
+
+class Pair(nn.Module):
+    """Returns a tuple: the next layer gets two positional arguments."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x + 1
+
+
+class Join(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a - b
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.spare = nn.Sequential(*self.layers)  # the same modules under a second name
+
+
+CHAINED = {
+    "sequential": lambda m, x: m.layers(x),
+    "loop": lambda m, x: _loop(m.layers, x),
+    "other-path-same-numbers": lambda m, x: m.spare(x),  # checked numerically
+}
+
+DIFFERENT = {
+    "residual": (lambda m, x: x + m.layers(x), "forward does not return exactly the last pipeline layer"),
+    "final-activation": (lambda m, x: torch.relu(m.layers(x)), "differs from the chained layers' by up to"),
+    "scaled-input": (lambda m, x: m.layers(2 * x), "layer 0 was not called with exactly the pipeline input"),
+    "skips-a-layer": (
+        lambda m, x: m.layers[2](m.layers[0](x)),
+        "called the pipeline layers in the order [0, 2]",
+    ),
+}
+
+
+def _loop(layers: Any, x: Any) -> Any:
+    for layer in layers:
+        x = layer(*x) if isinstance(x, tuple) else layer(x)
+    return x
+
+
+@pytest.mark.parametrize("name", list(CHAINED))
+def test_forwards_that_chain_the_layers_pass(name: str) -> None:
+    model = Model()
+    error, warning = check_forward(
+        lambda x: CHAINED[name](model, x), list(model.layers), model, torch.randn(3, 4)
+    )
+    assert (error, warning) == (None, None)
+
+
+def test_tuple_outputs_chain_as_positional_arguments() -> None:
+    layers = [Pair(), Join()]
+    model = nn.ModuleList(layers)
+    assert check_forward(lambda x: _loop(layers, x), layers, model, torch.randn(2, 3)) == (None, None)
+    # nn.Sequential would pass the tuple as one argument: a different model.
+    error, _ = check_forward(lambda x: layers[1](*layers[0](x)) * 1.5, layers, model, torch.randn(2, 3))
+    assert error is not None and "differs from the chained layers' by up to" in error
+
+
+@pytest.mark.parametrize("name", list(DIFFERENT))
+def test_logic_outside_the_layers_is_an_error(name: str) -> None:
+    model = Model()
+    forward, what = DIFFERENT[name]
+    error, warning = check_forward(lambda x: forward(model, x), list(model.layers), model, torch.randn(3, 4))
+    assert warning is None
+    assert error is not None
+    assert what in error
+    assert "Model.forward is not its configure_pipeline() layers applied in order" in error
+    assert "Move that logic into a layer" in error
+
+
+def test_unimplemented_forward_passes_and_training_mode_is_restored() -> None:
+    model = Model()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    assert check_forward(forward, list(model.layers), model, torch.randn(3, 4)) == (None, None)
+    model.train()
+    check_forward(lambda x: torch.relu(model.layers(x)), list(model.layers), model, torch.randn(3, 4))
+    assert all(m.training for m in model.modules())
+
+
+def test_a_forward_that_cannot_be_compared_is_a_warning() -> None:
+    model = Model()
+    model.layers[2].to(torch.device("meta"))  # tensors on two devices: no numeric comparison
+    error, warning = check_forward(
+        lambda x: torch.relu(model.layers(x)), list(model.layers), model, torch.randn(3, 4)
+    )
+    assert error is None and warning is not None
+    assert "could not check that Model.forward equals its pipeline layers" in warning
+    assert "the model's tensors are on several devices" in warning
+
+
+class ResidualForward(Regressor):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.layers(x))
+
+
+def residual_worker(root: str) -> None:
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root,
+    )  # fmt: skip
+    trainer.fit(ResidualForward(), loader(dataset(16, seed=1), 8, reference=False))
+
+
+def test_fit_stops_every_rank_when_forward_is_not_the_chain() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        outcomes = run_distributed_outcomes(residual_worker, 2, root, timeout=120, init_group=False)
+    for o in outcomes:
+        assert o.exitcode == 1 and not o.killed, o
+        assert o.error is not None
+        assert (
+            "Rank 0 (pp_rank 0, tp_rank 0) stopped before the step: ResidualForward.forward is not" in o.error
+        )
+        assert "differs from the chained layers' by up to" in o.error
+    assert max(o.seconds for o in outcomes) < 50
