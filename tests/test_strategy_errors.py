@@ -131,11 +131,26 @@ def test_setup_errors_name_the_fix(single: dict[str, Any], case: str, pattern: s
         ({"num_microbatches": 0}, r"num_microbatches must be an integer >= 1 or None \(automatic\), got 0"),
         ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size must be an integer >= 1 or 'auto', got 0"),
         ({"partition": [2, "x"]}, r"A partition list holds layer counts \(integers\)"),
+        (
+            {"timeout": timedelta(0)},
+            r"^timeout must be a positive datetime\.timedelta or a positive number of seconds, got "
+            r"datetime\.timedelta\(0\); e\.g\. PipeTPStrategy\(timeout=600\)",
+        ),
+        (
+            {"timeout": -5},
+            r"^timeout must be a positive .* got -5; e\.g\.",
+        ),
+        ({"timeout": "soon"}, r"^timeout must be a positive .* got 'soon'"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         PipeTPStrategy(**kwargs)
+
+
+def test_timeout_in_seconds_is_accepted() -> None:
+    assert PipeTPStrategy(timeout=30)._timeout == timedelta(seconds=30)
+    assert PipeTPStrategy(timeout=2.5)._timeout == timedelta(seconds=2.5)
 
 
 def bf16_worker(precision: str) -> dict[str, Any]:

@@ -10,38 +10,24 @@ does not leave its peers waiting in a step.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pipe.mesh import ParallelMesh
 from lightning_pipe.pipeline.fingerprint import StepIdentity, agree, fingerprint
 from lightning_pipe.pipeline.forward_contract import check_forward
+from lightning_pipe.strategy.base import PipeTPParts
 
 
-class StepAgreement(DDPStrategy):
+class StepAgreement(PipeTPParts):
     """The pre-step checks of ``PipeTPStrategy`` (which provides the mesh, module and layers)."""
 
     _layers: list[torch.nn.Module]
     _forward_checked: bool
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        raise NotImplementedError
-
-    @property
-    def module(self) -> LightningModule:
-        raise NotImplementedError
-
-    def _collective(self, what: str) -> AbstractContextManager[None]:
-        raise NotImplementedError
 
     def _check_before_step(self, step_name: str, args: tuple[Any, ...], batch: Any, probe: Any) -> None:
         """Stop every rank of the replica, with one message, if its ranks are about to run

@@ -13,15 +13,12 @@ or from ``consolidate``) takes the same path: its full tensors are cut the same 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
-from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_pipe.checkpoint.collective import fail_together
@@ -45,30 +42,18 @@ from lightning_pipe.checkpoint.state import (
     slice_optimizer_state,
 )
 from lightning_pipe.checkpoint.writer import RankShard, write_sharded_checkpoint
-from lightning_pipe.mesh import ParallelMesh
 from lightning_pipe.pipeline.plan import PipelinePlan
+from lightning_pipe.strategy.base import PipeTPParts
 
 _SHARDED = "pipe_tp_sharded_checkpoint"  # marks a checkpoint dict read from a sharded directory
 
 
-class CheckpointHooks(DDPStrategy):
+class CheckpointHooks(PipeTPParts):
     """The checkpoint half of ``PipeTPStrategy`` (which provides the mesh, plan and module)."""
 
     save_distributed_checkpoint: bool = True
     _plan: PipelinePlan | None
     _owned_params: list[torch.nn.Parameter]
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        raise NotImplementedError
-
-    @property
-    def module(self) -> LightningModule:
-        raise NotImplementedError
-
-    @contextmanager
-    def _collective(self, what: str) -> Iterator[None]:
-        yield
 
     @property
     @override

@@ -17,6 +17,7 @@ unchanged.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import types
 from collections.abc import Iterator
@@ -40,12 +41,14 @@ from typing_extensions import override
 
 from lightning_pipe.checkpoint.full import to_cpu
 from lightning_pipe.data_parallel.reducer import GradientReducer
+from lightning_pipe.failures import FailureBoard
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
 from lightning_pipe.pipeline.actions import PipelineSchedule
 from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm
 from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor
 from lightning_pipe.pipeline.fingerprint import StepIdentity
 from lightning_pipe.pipeline.microbatch import batch_size, microbatch_sizes, signature, split_microbatches
+from lightning_pipe.pipeline.p2p import PipelineCommunicationError
 from lightning_pipe.pipeline.partition import check_partition
 from lightning_pipe.pipeline.plan import PipelinePlan
 from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
@@ -55,6 +58,7 @@ from lightning_pipe.pipeline.timeline import (
     plot_timeline,
     write_chrome_trace,
 )
+from lightning_pipe.signals import StopOnSignal
 from lightning_pipe.strategy import logging as pipe_logging
 from lightning_pipe.strategy.agreement import StepAgreement
 from lightning_pipe.strategy.checkpoints import CheckpointHooks
@@ -84,7 +88,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             layer counts) or a list of layer counts per stage.
         checkpoint: activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``.
         process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
-        timeout: deadline of every collective and point-to-point exchange (default 5 minutes):
+        timeout: deadline of every collective and point-to-point exchange (default 5 minutes), a
+            ``timedelta`` or a number of seconds; ``None``: torch's default (30 minutes):
             past it the waiting rank raises an error naming itself, its stage, the action and
             micro-batch it waited on and its peer, and the job stops instead of hanging.
         check_finite: raise as soon as a stage output or a loss holds NaN/Inf, naming the stage
@@ -122,7 +127,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         partition: Literal["parameters", "uniform"] | list[int] = "parameters",
         checkpoint: Literal["never", "except_last", "always"] = "never",
         process_group_backend: str | None = None,
-        timeout: timedelta | None = DEFAULT_TIMEOUT,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         check_finite: bool = False,
         bucket_cap_mb: float = 25.0,
         tensor_parallel_plan: dict[str, str] | None = None,
@@ -145,7 +150,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=_check_timeout(timeout),
             start_method=start_method,
         )
         # Validate everything now, before any process is launched or any data is loaded.
@@ -190,6 +195,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         self._owned_params: list[torch.nn.Parameter] = []
         self._schedules: dict[tuple[int, bool], PipelineSchedule] = {}
         self._warned_small_batch = False
+        self._signals: StopOnSignal | None = None
+        self._failures: FailureBoard | None = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -235,6 +242,50 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             self.world_size, self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size
         )
         self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
+        global _SETUP_CALLS
+        _SETUP_CALLS += 1  # every rank counts the same Trainer calls: a prefix all ranks agree on
+        self._failures = FailureBoard.of_default_group(f"lightning_pipe/failures/{_SETUP_CALLS}")
+        if self.world_size > 1 and self._signals is None:
+            c = self._mesh.coordinates
+            self._signals = StopOnSignal(
+                f"rank {self.global_rank} (dp_rank {c.dp_rank}, pp_rank {c.pp_rank}, tp_rank {c.tp_rank})",
+                before_exit=self._kill_launched_processes,
+            )
+        if self._signals is not None:
+            self._signals.install()
+
+    def _kill_launched_processes(self, signum: int) -> None:
+        """Record the signal for the other ranks' errors; the processes Lightning's launcher started
+        from this one (ranks 1.. under ``popen``) go at once: each would otherwise print its own
+        line and wait to lose a peer."""
+        if self._failures is not None:
+            self._failures.report(f"received {signal.Signals(signum).name}")
+        if self.launcher is not None:
+            self.launcher.kill(signal.SIGKILL)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Record this rank's failure, so that the ranks that lose it can name it."""
+        if self._failures is not None:
+            summary = str(exception).strip().splitlines()[0][:300] if str(exception).strip() else ""
+            self._failures.report(f"raised {type(exception).__name__}: {summary}")
+        super().on_exception(exception)
+
+    def _first_failure_note(self, err: BaseException) -> None:
+        """Add to ``err`` which rank failed first, when another rank's failure is recorded."""
+        first = self._failures.first() if self._failures is not None else None
+        if (
+            first is not None
+            and not first.startswith(f"rank {self.global_rank} ")
+            and hasattr(err, "add_note")
+        ):
+            err.add_note(f"The first rank to fail: {first}.")
+
+    @override
+    def teardown(self) -> None:
+        if self._signals is not None:
+            self._signals.uninstall()
+        super().teardown()
 
     @property
     @override
@@ -333,6 +384,15 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             )
             if hasattr(err, "add_note"):
                 err.add_note(note)
+            self._first_failure_note(err)
+            raise
+
+    @contextmanager
+    def _naming_first_failure(self, kind: type[BaseException]) -> Iterator[None]:
+        try:
+            yield
+        except kind as err:
+            self._first_failure_note(err)
             raise
 
     @override
@@ -526,6 +586,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         with (
             pipe_logging.capturing(trainer, capture),
             pipe_logging.batch_level_metrics(module, self.is_last_stage),
+            self._naming_first_failure(PipelineCommunicationError),
         ):
             result = self._executor.run(
                 self._schedule_for(m, training),
@@ -567,6 +628,25 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         with self._collective(f"receiving the step's results from the last stage (rank {src})"):
             dist.broadcast_object_list(box, src=src, group=self.mesh.group(MeshAxis.PIPELINE), device=device)
         return box[0]
+
+
+def _check_timeout(timeout: timedelta | float | None) -> timedelta | None:
+    """``timeout`` as a positive ``timedelta`` (numbers are seconds), checked before launch."""
+    if timeout is None:
+        return None
+    given = timeout
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout == timeout:
+        timeout = timedelta(seconds=timeout) if timeout > 0 else timedelta(0)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(
+            f"timeout must be a positive datetime.timedelta or a positive number of seconds, got "
+            f"{given!r}; e.g. PipeTPStrategy(timeout=600) or timeout=timedelta(minutes=10)."
+        )
+    return timeout
+
+
+_SETUP_CALLS = 0
+"""Trainer calls set up in this process; the same count on every rank of the job."""
 
 
 def _min_world(pp: int | str, tp: int, dp: int | str) -> int:

@@ -13,7 +13,6 @@ executor, data-parallel reducer, tied-parameter groups and BatchNorm deferral fo
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
@@ -29,12 +27,13 @@ from typing_extensions import override
 
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
-from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
+from lightning_pipe.mesh import MeshAxis, ParallelLayout
 from lightning_pipe.pipeline.actions import PipelineSchedule
 from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm, batch_norm_layers
 from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor
 from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
 from lightning_pipe.pipeline.schedules import ScheduleKind
+from lightning_pipe.strategy.base import PipeTPParts
 from lightning_pipe.tensor_parallel.plan import ShardStyle, resolve_plan
 from lightning_pipe.tensor_parallel.stage import count_sharding, shard_stage
 
@@ -68,7 +67,7 @@ def _prepared(module: LightningModule, layout: ParallelLayout, partition: Any) -
     return record
 
 
-class ModelPreparation(DDPStrategy):
+class ModelPreparation(PipeTPParts):
     """The model-building half of ``PipeTPStrategy`` (which provides the mesh and options)."""
 
     partition: Any
@@ -89,17 +88,6 @@ class ModelPreparation(DDPStrategy):
     _schedules: dict[tuple[int, bool], PipelineSchedule]
     _batch_norm: DeferredBatchNorm | None
     _forward_checked: bool
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        raise NotImplementedError
-
-    @property
-    def pp_rank(self) -> int:
-        raise NotImplementedError
-
-    def _collective(self, what: str) -> AbstractContextManager[None]:
-        raise NotImplementedError
 
     def _build_pipeline(self, module: LightningModule) -> None:
         mesh = self.mesh

@@ -1,0 +1,35 @@
+"""What the parts of ``PipeTPStrategy`` share: the mesh, the module, the rank's stage, collectives.
+
+``PipeTPStrategy`` is assembled from parts that each own one concern (checkpoints, model
+preparation, the pre-step agreement) and are written against this interface; the strategy itself
+provides the implementations.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_pipe.mesh import ParallelMesh
+
+
+class PipeTPParts(DDPStrategy):
+    """The interface of ``PipeTPStrategy`` that its parts use."""
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        raise NotImplementedError
+
+    @property
+    def module(self) -> LightningModule:
+        raise NotImplementedError
+
+    @property
+    def pp_rank(self) -> int:
+        raise NotImplementedError
+
+    def _collective(self, what: str) -> AbstractContextManager[None]:
+        """Name this rank and ``what`` in any error a collective inside the block raises."""
+        raise NotImplementedError
