@@ -348,3 +348,35 @@ def test_a_crash_between_the_renames_is_recovered_by_the_next_save(
         replace_path(new, tmp_path / "x.ckpt")
     assert ShardedCheckpoint(tmp_path / "x.ckpt").lightning_state() == {"epoch": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "x.ckpt"]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [OSError(28, "No space left on device"), RuntimeError("[enforce fail] unexpected pos 1344 vs 1238")],
+    ids=["ENOSPC", "torch-short-write"],
+)
+def test_a_full_disk_is_reported_as_a_full_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    from lightning_pipe.checkpoint import durable
+    from lightning_pipe.checkpoint.consolidate import save_atomically
+
+    target = tmp_path / "model.ckpt"
+    save_atomically({"step": 1}, target)
+
+    def full_disk(obj: Any, file: Any) -> None:
+        file.write(b"partial")
+        raise failure
+
+    monkeypatch.setattr(durable.torch, "save", full_disk)
+    with pytest.raises(CheckpointError) as info:
+        save_atomically({"step": 2}, target)
+    message = str(info.value)
+    assert message.startswith(f"Saving the checkpoint {target} failed: the disk or the quota holding ")
+    assert "is full (" in message and "bytes free" in message
+    assert (
+        "Free some space or save the checkpoints elsewhere; the previous checkpoint is untouched." in message
+    )
+    monkeypatch.undo()
+    assert torch.load(target, weights_only=True) == {"step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.checkpoint.durable import disk_full_text, save_durably, sync_directory
+from lightning_pipe.checkpoint.metadata import CheckpointError
 from lightning_pipe.checkpoint.reader import ShardedCheckpoint
 from lightning_pipe.checkpoint.replace import check_replaceable, discard, remove_path, replace_path
 
@@ -73,7 +75,14 @@ def save_atomically(obj: Any, path: str | Path) -> None:
     tmp = path.parent / f".{path.name}.tmp"
     try:
         remove_path(tmp)
-        torch.save(obj, tmp)
+        try:
+            save_durably(obj, tmp)
+        except Exception as err:
+            full = disk_full_text(err, tmp)
+            if full is None:
+                raise
+            raise CheckpointError(f"Saving the checkpoint {path} failed: {full}") from err
         replace_path(tmp, path)
+        sync_directory(path.parent)
     finally:
         discard(tmp)  # there only after a failure

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_pipe.checkpoint.durable import write_text_durably
+
 FORMAT = "lightning_pipe.sharded_checkpoint"
 VERSION = 1
 METADATA_FILE = "pipe_tp_metadata.json"
@@ -154,7 +156,7 @@ class CheckpointMetadata:
         return {f for record in records for f in record.files}
 
     def write(self, directory: Path) -> None:
-        (directory / METADATA_FILE).write_text(json.dumps(self.to_json(), indent=1))
+        write_text_durably(directory / METADATA_FILE, json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def read(cls, directory: Path) -> CheckpointMetadata:

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from lightning_pipe.checkpoint.collective import describe_failures, error_text, exchange
+from lightning_pipe.checkpoint.durable import disk_full_text, save_durably, sync_directory
 from lightning_pipe.checkpoint.metadata import (
     LIGHTNING_STATE_FILE,
     CheckpointError,
@@ -120,11 +120,11 @@ def write_sharded_checkpoint(
     error = None
     try:
         if shard is not None:
-            torch.save(shard.payload, tmp / shard.file_name)
+            save_durably(shard.payload, tmp / shard.file_name)
         if rank == 0:
-            torch.save(lightning_state, tmp / LIGHTNING_STATE_FILE)
+            save_durably(lightning_state, tmp / LIGHTNING_STATE_FILE)
     except Exception as err:  # reported to every rank below, then raised on all of them
-        error = error_text(err)
+        error = disk_full_text(err, tmp) or error_text(err)
     records = None if shard is None else (shard.model, shard.optimizers)
     outcomes = exchange(error, records, group)
     if any(e for e, _ in outcomes) and rank == 0:
@@ -149,9 +149,13 @@ def write_sharded_checkpoint(
                     "checkpoint directory must be on a filesystem that every node shares"
                 )
             metadata.write(tmp)  # last: its presence marks a complete checkpoint
+            # Every rank's file is on the disk (fsync above); the names must be too before the
+            # rename publishes the directory, and the rename itself after.
+            sync_directory(tmp)
             replace_path(tmp, path)
+            sync_directory(path.parent)
         except Exception as err:
-            error = error_text(err)
+            error = disk_full_text(err, tmp) or error_text(err)
             discard(tmp)
     _raise_if_failed(exchange(error, None, group), path, "committing the checkpoint")
 

@@ -47,6 +47,11 @@ HEADER_SIZE = 64
 """Header length in int64 words: room for e.g. 8 tensors of rank 4, or 4 tensors of rank 11."""
 
 
+def lost_connection(message: str) -> bool:
+    """Whether a transport error says the peer's process has gone (its sockets closed)."""
+    return any(sign in message for sign in ("closed by peer", "Connection reset", "Broken pipe"))
+
+
 class PipelineCommunicationError(RuntimeError):
     """A pipeline exchange missed its deadline or lost its peer; the message names both ends."""
 
@@ -169,20 +174,38 @@ class P2PTransport:
             else:
                 work.wait()
         except Exception as err:
-            elapsed = time.monotonic() - start
-            cause = str(err).splitlines()[0] if str(err) else type(err).__name__
-            if "closed by peer" in cause or "Connection reset" in cause:
-                hint = f"rank {peer} has stopped (its own error, in its log, is the cause)"
-            else:
-                hint = (
-                    f"rank {peer} did not answer within the deadline: it may be stuck, have failed "
-                    "without closing its connection, or run a different schedule; raise the "
-                    "strategy's `timeout` if steps are legitimately slower"
-                )
-            raise PipelineCommunicationError(
-                f"{self.owner} gave up on {label} with peer rank {peer} after {elapsed:.1f}s: {hint}. "
-                f"Underlying error: {cause}"
+            raise self._explain(err, label, [peer], time.monotonic() - start) from err
+
+    def _post(self, ops: list[dist.P2POp], labels: list[str]) -> list[dist.Work]:
+        """Post a batch of sends and receives; a peer that is gone already fails here, on the
+        sending side, and gets the same explanation as a failed receive."""
+        start = time.monotonic()
+        try:
+            return dist.batch_isend_irecv(ops) if ops else []
+        except Exception as err:
+            label = "; ".join(dict.fromkeys(labels))
+            raise self._explain(
+                err, label, sorted({op.peer for op in ops}), time.monotonic() - start
             ) from err
+
+    def _explain(
+        self, err: Exception, label: str, peers: list[int], elapsed: float
+    ) -> PipelineCommunicationError:
+        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}"
+        if lost_connection(cause):
+            hint = f"{who} has stopped (its own error, in its log, is the cause)"
+        else:
+            hint = (
+                f"{who} did not answer within the deadline: it may be stuck, have failed without "
+                "closing its connection, or run a different schedule; raise the strategy's `timeout` "
+                "if steps are legitimately slower"
+            )
+        peer = f"peer rank {peers[0]}" if len(peers) == 1 else f"peer ranks {peers}"
+        return PipelineCommunicationError(
+            f"{self.owner} gave up on {label} with {peer} after {elapsed:.1f}s: {hint}. "
+            f"Underlying error: {cause}"
+        )
 
     def _header_needed_for_send(self, request: SendRequest) -> bool:
         if request.meta is None:
@@ -207,7 +230,7 @@ class P2PTransport:
         """Post ``sends`` and perform ``recvs`` (blocking until every receive has arrived)."""
         # Release sends that have completed: holding every sent tensor until the end of the step
         # would keep O(num_microbatches) activations alive whatever the schedule.
-        self._pending = [entry for entry in self._pending if not entry[0].is_completed()]
+        self._pending = [entry for entry in self._pending if not self._completed(entry)]
         ops: list[dist.P2POp] = []
         labels: list[str] = []
         keep: list[torch.Tensor] = []
@@ -252,7 +275,7 @@ class P2PTransport:
                     ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in buffers]
                     labels += [request.label] * len(buffers)
                     data.append((request, buffers))
-            works = dist.batch_isend_irecv(ops) if ops else []
+            works = self._post(ops, labels)
             recv_works: list[tuple[dist.Work, str, int]] = []
             if len(works) == len(ops):
                 # gloo: one work per operation; leave the sends in flight.
@@ -277,6 +300,13 @@ class P2PTransport:
                 if request.cache_key is not None:
                     self._recv_headers[request.cache_key] = request.meta
             ops, labels, keep, first_round = [], [], [], False
+
+    def _completed(self, entry: tuple[dist.Work, str, int, object]) -> bool:
+        work, label, peer, _ = entry
+        try:
+            return bool(work.is_completed())
+        except Exception as err:  # a send whose peer has gone
+            raise self._explain(err, label, [peer], 0.0) from err
 
     def flush(self) -> None:
         """Wait for every posted send (end of step) and release their buffers."""

@@ -7,6 +7,7 @@ provides the implementations.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 from lightning.pytorch import LightningModule
@@ -30,6 +31,7 @@ class PipeTPParts(DDPStrategy):
     def pp_rank(self) -> int:
         raise NotImplementedError
 
-    def _collective(self, what: str) -> AbstractContextManager[None]:
-        """Name this rank and ``what`` in any error a collective inside the block raises."""
+    def _collective(self, what: str, peers: Sequence[int] = ()) -> AbstractContextManager[None]:
+        """Name this rank and ``what`` (and ``peers``, on a lost connection) in any error a
+        collective inside the block raises."""
         raise NotImplementedError

@@ -14,10 +14,12 @@ or from ``consolidate``) takes the same path: its full tensors are cut the same 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from typing_extensions import override
 
@@ -44,14 +46,18 @@ from lightning_pipe.checkpoint.state import (
 from lightning_pipe.checkpoint.writer import RankShard, write_sharded_checkpoint
 from lightning_pipe.pipeline.plan import PipelinePlan
 from lightning_pipe.strategy.base import PipeTPParts
+from lightning_pipe.strategy.compat import weights_only_of_running_call
 
 _SHARDED = "pipe_tp_sharded_checkpoint"  # marks a checkpoint dict read from a sharded directory
+_SAVE_JOIN_LIMIT = timedelta(seconds=60)
+"""How long the ranks of a save may arrive apart (they reach a save at the same point of the loop)."""
 
 
 class CheckpointHooks(PipeTPParts):
     """The checkpoint half of ``PipeTPStrategy`` (which provides the mesh, plan and module)."""
 
     save_distributed_checkpoint: bool = True
+    _timeout: timedelta | None
     _plan: PipelinePlan | None
     _owned_params: list[torch.nn.Parameter]
 
@@ -66,11 +72,33 @@ class CheckpointHooks(PipeTPParts):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model (sharded format), or the whole model on rank 0."""
         assert self._plan is not None
+        # The first call of a save (dump_checkpoint asks for the model first): every rank must be
+        # here, or the save's collectives would wait on ranks that are elsewhere.
+        self._every_rank_saves()
         if not self.save_distributed_checkpoint:
             with self._collective("gathering the whole model for a single-file checkpoint"):
                 return gather_model_state(self.module, self._plan, self.mesh)
         c = self.mesh.coordinates
         return model_shard(self.module, self._plan, c.pp_rank, c.tp_rank)
+
+    def _every_rank_saves(self) -> None:
+        """Fail with a message that names the fix when a save runs on some ranks only (the habit
+        ``if trainer.is_global_zero: trainer.save_checkpoint(...)`` from other strategies)."""
+        if self.world_size == 1 or dist.get_backend() != "gloo":
+            return  # monitored_barrier exists for gloo only; NCCL ranks wait for the watchdog
+        # Half the deadline: the ranks that are elsewhere (in a collective of their own) must
+        # still be waiting when this rank gives up, so that they name it as the first failure.
+        limit = min(self._timeout / 2 if self._timeout else _SAVE_JOIN_LIMIT, _SAVE_JOIN_LIMIT)
+        try:
+            dist.monitored_barrier(timeout=limit, wait_all_ranks=True)
+        except Exception as err:
+            cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointError(
+                f"Saving a checkpoint on rank {self.global_rank}: not every rank started the save within "
+                f"{limit.total_seconds():.0f}s ({cause}). Under pipe_tp, trainer.save_checkpoint is a "
+                "collective: call it on every rank (not under `if trainer.is_global_zero:`); each rank "
+                "writes its own part."
+            ) from err
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -148,6 +176,9 @@ class CheckpointHooks(PipeTPParts):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded directory (from any layout): the Lightning state plus this rank's model and
         optimizer entries, already cut for this layout. A file: an ordinary Lightning checkpoint."""
+        if weights_only is None:
+            # Lightning drops the caller's weights_only for strategies that restore after setup.
+            weights_only = weights_only_of_running_call()
         path = Path(self.broadcast(str(checkpoint_path)))
         with fail_together(f"Loading the checkpoint {path}"):
             if not path.is_dir():

@@ -20,7 +20,7 @@ import os
 import signal
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -48,7 +48,7 @@ from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm
 from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor
 from lightning_pipe.pipeline.fingerprint import StepIdentity
 from lightning_pipe.pipeline.microbatch import batch_size, microbatch_sizes, signature, split_microbatches
-from lightning_pipe.pipeline.p2p import PipelineCommunicationError
+from lightning_pipe.pipeline.p2p import PipelineCommunicationError, lost_connection
 from lightning_pipe.pipeline.partition import check_partition
 from lightning_pipe.pipeline.plan import PipelinePlan
 from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
@@ -241,10 +241,12 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         layout = ParallelLayout.resolve(
             self.world_size, self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size
         )
-        self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
         global _SETUP_CALLS
         _SETUP_CALLS += 1  # every rank counts the same Trainer calls: a prefix all ranks agree on
         self._failures = FailureBoard.of_default_group(f"lightning_pipe/failures/{_SETUP_CALLS}")
+        self._mesh = None
+        with self._collective(f"creating the process groups of the {layout} mesh"):
+            self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
         if self.world_size > 1 and self._signals is None:
             c = self._mesh.coordinates
             self._signals = StopOnSignal(
@@ -371,21 +373,33 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
 
     # ------------------------------------------------------------------ collectives
     @contextmanager
-    def _collective(self, what: str) -> Iterator[None]:
+    def _collective(self, what: str, peers: Sequence[int] = ()) -> Iterator[None]:
         """Name this rank and the operation in any error a collective raises (a peer that failed
-        first, or a deadline that passed)."""
+        first, or a deadline that passed); ``peers``, the other ranks of the collective's group,
+        are named when the error is a lost connection."""
         try:
             yield
         except Exception as err:
-            c = self.mesh.coordinates
+            if peers and lost_connection(str(err)) and hasattr(err, "add_note"):
+                who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {list(peers)}"
+                err.add_note(f"{who} has stopped (its own error, in its log, is the cause).")
+            where = ""
+            if self._mesh is not None:
+                c = self._mesh.coordinates
+                where = f" (dp_rank {c.dp_rank}, pp_rank {c.pp_rank}, tp_rank {c.tp_rank})"
             note = (
-                f"Rank {self.global_rank} (dp_rank {c.dp_rank}, pp_rank {c.pp_rank}, tp_rank {c.tp_rank}) "
-                f"failed while {what}; if another rank failed first, its error is the cause."
+                f"Rank {self.global_rank}{where} failed while {what}; if another rank failed first, its "
+                "error is the cause."
             )
             if hasattr(err, "add_note"):
                 err.add_note(note)
             self._first_failure_note(err)
             raise
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        with self._collective(f"waiting for every rank at Lightning's barrier {name!r}"):
+            super().barrier(name)
 
     @contextmanager
     def _naming_first_failure(self, kind: type[BaseException]) -> Iterator[None]:
@@ -625,7 +639,10 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         src = layout.rank_of(c.dp_rank, layout.pipeline_parallel_size - 1, c.tp_rank)
         box = [payload]
         device = self.root_device if self.root_device.type == "cuda" else None
-        with self._collective(f"receiving the step's results from the last stage (rank {src})"):
+        with self._collective(
+            f"receiving the step's results from the last stage (rank {src})",
+            [r for r in self.mesh.pipeline_peers if r != self.global_rank],
+        ):
             dist.broadcast_object_list(box, src=src, group=self.mesh.group(MeshAxis.PIPELINE), device=device)
         return box[0]
 
