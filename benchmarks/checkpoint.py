@@ -86,7 +86,9 @@ def worker(root: str, width: int, blocks: int, repeats: int) -> dict[str, Any]:
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         default_root_dir=root,
     )  # fmt: skip
-    data = TensorDataset(torch.randn(16, width), torch.randn(16, width))
+    # Every rank of a pipeline must load the same batch (pipe_tp checks it): seed the data.
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, width, generator=g), torch.randn(16, width, generator=g))
     trainer.fit(MLPStack(width, blocks), DataLoader(data, batch_size=8))
     times: dict[str, list[float]] = {"sharded": [], "gathered": []}
     largest: dict[str, int] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -62,9 +63,13 @@ def _child(
         # Exit at once, as a crashed job does: a graceful destroy_process_group could wait on
         # peers that are themselves still waiting, which is not what these tests measure.
         os._exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # Done: exit without tearing down the process groups either. Destroying them while a peer
+    # process exits was seen to abort a rank after its work was saved ("terminate called without
+    # an active exception", in about one full suite run of three); the kernel closes every
+    # connection anyway, and what the test measures is already in ``out``.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from lightning_pipe.checkpoint.metadata import (
     shard_file_name,
 )
 from lightning_pipe.checkpoint.reader import ShardedCheckpoint
-from lightning_pipe.checkpoint.replace import check_replaceable, replace_path
+from lightning_pipe.checkpoint.replace import check_replaceable, recover_leftover, replace_path
 from lightning_pipe.checkpoint.state import (
     load_model_shard,
     load_optimizer_shard,
@@ -380,3 +380,36 @@ def test_a_full_disk_is_reported_as_a_full_disk(
     monkeypatch.undo()
     assert torch.load(target, weights_only=True) == {"step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]
+
+
+def test_a_complete_checkpoint_left_by_a_crash_is_recovered_not_deleted(tmp_path: Path) -> None:
+    """A crash after the new checkpoint was complete but before its rename: ``x.ckpt`` is missing,
+    the newer complete copy is ``.x.ckpt.tmp`` and the previous one ``.x.ckpt.old``. The next save
+    must not delete the complete ``.tmp`` (it moves it back first), and nothing complete is lost."""
+    save_module(tmp_path / ".x.ckpt.tmp", nn.Linear(2, 2), {"epoch": 2})
+    save_module(tmp_path / ".x.ckpt.old", nn.Linear(2, 2), {"epoch": 1})
+    with pytest.warns(
+        UserWarning, match=r"x\.ckpt was missing: .*left the complete checkpoint \.x\.ckpt\.tmp"
+    ):
+        assert recover_leftover(tmp_path / "x.ckpt") == tmp_path / ".x.ckpt.tmp"
+    assert ShardedCheckpoint(tmp_path / "x.ckpt").lightning_state() == {"epoch": 2}
+    assert recover_leftover(tmp_path / "x.ckpt") is None  # present now: nothing to do
+    # The next save replaces the recovered one as usual and clears the older leftover.
+    save_module(tmp_path / "x.ckpt", nn.Linear(2, 2), {"epoch": 3})
+    assert ShardedCheckpoint(tmp_path / "x.ckpt").lightning_state() == {"epoch": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.ckpt"]
+
+
+def test_a_save_over_a_crashed_complete_save_keeps_it_until_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_module(tmp_path / ".x.ckpt.tmp", nn.Linear(2, 2), {"epoch": 2})  # complete, never renamed
+    import lightning_pipe.checkpoint.writer as writer
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(writer, "save_durably", fail)
+    with pytest.warns(UserWarning, match="was missing"), pytest.raises(CheckpointError, match="disk on fire"):
+        save_module(tmp_path / "x.ckpt", nn.Linear(2, 2), {"epoch": 3})
+    assert ShardedCheckpoint(tmp_path / "x.ckpt").lightning_state() == {"epoch": 2}

@@ -15,6 +15,11 @@ take ``path``'s place. Three things make that delicate:
   in place a failure to delete ``.NAME.old`` is only a warning: the save itself succeeded. A
   crash between the two renames leaves the previous checkpoint under ``.NAME.old`` only; the next
   save moves it back before anything else, so that save failing too cannot lose it.
+* A crash after the new checkpoint was complete but before it took ``path``'s place leaves it,
+  complete, under ``.NAME.tmp`` (its metadata, written last, says so) while ``path`` is missing.
+  :func:`recover_leftover` puts the newest complete copy back under ``path``; a save calls it before
+  clearing ``.NAME.tmp``, and a load calls it when ``path`` is missing, so a completed checkpoint is
+  never deleted and resuming finds it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,23 @@ def discard(path: Path) -> None:
         remove_path(path)
     except OSError:
         pass
+
+
+def recover_leftover(path: Path) -> Path | None:
+    """If ``path`` is missing but a crashed save left a complete sharded checkpoint beside it
+    (``.NAME.tmp``, the newer, or ``.NAME.old``), move it back to ``path`` and return where it was."""
+    if path.is_symlink() or path.exists():
+        return None
+    for leftover in (path.parent / f".{path.name}.tmp", path.parent / f".{path.name}.old"):
+        if leftover.is_dir() and not leftover.is_symlink() and is_sharded_checkpoint(leftover):
+            leftover.rename(path)
+            warnings.warn(
+                f"{path} was missing: a save that crashed between its renames left the complete "
+                f"checkpoint {leftover.name}, which is now back under {path.name}.",
+                stacklevel=2,
+            )
+            return leftover
+    return None
 
 
 def check_replaceable(path: Path) -> None:

@@ -34,7 +34,13 @@ from lightning_pipe.checkpoint.metadata import (
     OptimizerRecords,
     TensorRecord,
 )
-from lightning_pipe.checkpoint.replace import check_replaceable, discard, remove_path, replace_path
+from lightning_pipe.checkpoint.replace import (
+    check_replaceable,
+    discard,
+    recover_leftover,
+    remove_path,
+    replace_path,
+)
 
 # What rank 0 was doing when the first step failed, for the error every rank raises.
 _CHECKING, _CREATING = "checking the checkpoint path", "creating the temporary directory"
@@ -110,7 +116,8 @@ def write_sharded_checkpoint(
         try:
             check_replaceable(path)
             step = _CREATING
-            remove_path(tmp)  # left by a save that crashed
+            recover_leftover(path)  # a complete checkpoint a crashed save left: never delete it
+            remove_path(tmp)  # what is left is an incomplete save's
             tmp.mkdir(parents=True)
         except Exception as err:  # reported to every rank below, then raised on all of them
             error = error_text(err) if step == _CHECKING else f"could not create {tmp}: {err}"

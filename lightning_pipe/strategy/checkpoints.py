@@ -28,7 +28,7 @@ from lightning_pipe.checkpoint.consolidate import save_atomically
 from lightning_pipe.checkpoint.full import gather_model_state, gather_optimizer_state
 from lightning_pipe.checkpoint.metadata import CheckpointError, CheckpointMetadata, shard_file_name
 from lightning_pipe.checkpoint.reader import ShardedCheckpoint
-from lightning_pipe.checkpoint.replace import remove_path
+from lightning_pipe.checkpoint.replace import recover_leftover, remove_path
 from lightning_pipe.checkpoint.state import (
     check_keys,
     check_optimizer_cuttable,
@@ -180,6 +180,9 @@ class CheckpointHooks(PipeTPParts):
             # Lightning drops the caller's weights_only for strategies that restore after setup.
             weights_only = weights_only_of_running_call()
         path = Path(self.broadcast(str(checkpoint_path)))
+        with fail_together(f"Loading the checkpoint {path}"):
+            if self.is_global_zero:  # every rank waits for it: fail_together is a collective
+                recover_leftover(path)  # a save that crashed between its renames
         with fail_together(f"Loading the checkpoint {path}"):
             if not path.is_dir():
                 return super().load_checkpoint(path, weights_only=weights_only)
