@@ -9,7 +9,9 @@ ordering, Narayanan et al., 2021).
 
 from __future__ import annotations
 
+import atexit
 import enum
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -174,4 +176,26 @@ def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
             model_group = group
     if model_group is None:  # unreachable: the ranges above cover the world
         raise RuntimeError(f"rank {rank} is in no model-parallel group of {layout}")
+    _let_workers_finish_at_exit()
     return ParallelMesh(layout, rank, mesh, model_group)
+
+
+_EXIT_GRACE_S = 0.1
+_exit_hook_registered = False
+
+
+def _let_workers_finish_at_exit() -> None:
+    """Give the process groups' worker threads a moment, at exit, to release finished work.
+
+    A gloo worker thread frees a finished collective's work object after the caller has already
+    returned; if that object holds the last reference to a tensor created in Python (the
+    temporaries of ``gather_object``), freeing it needs the GIL. When the main thread has begun
+    interpreter finalization by then, taking the GIL ends the worker thread inside a C++ frame
+    that must not unwind, and the process aborts ("terminate called without an active exception",
+    exit code -6) after a run that succeeded: pytorch/pytorch#190489. An exit handler runs while
+    the interpreter is still whole; sleeping there releases the GIL to those threads.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(time.sleep, _EXIT_GRACE_S)
