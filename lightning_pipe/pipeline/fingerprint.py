@@ -41,9 +41,6 @@ class StepIdentity:
         return f"{self.step_name} of batch {self.batch_idx}" if self.batch_idx >= 0 else self.step_name
 
 
-_STEP_CODES = {"training_step": 0, "validation_step": 1, "test_step": 2, "predict_step": 3}
-
-
 def fingerprint(batch: Any, step: StepIdentity, device: torch.device) -> torch.Tensor:
     """A float64 vector that differs, with overwhelming probability, between different batches.
 
@@ -65,7 +62,11 @@ def fingerprint(batch: Any, step: StepIdentity, device: torch.device) -> torch.T
         weighted += (per_row * row_weights).sum()
     shapes = zlib.crc32(repr(signature(batch)).encode())
     head = torch.tensor(
-        [_STEP_CODES.get(step.step_name, 4), step.batch_idx, shapes], dtype=torch.float64, device=device
+        # Every step kind and loop end its own code: "end of validation" must differ from
+        # "end of test" as much as from a training step.
+        [zlib.crc32(step.step_name.encode()), step.batch_idx, shapes],
+        dtype=torch.float64,
+        device=device,
     )
     flag = torch.zeros(1, dtype=torch.float64, device=device)
     return torch.cat([head, total.reshape(1), weighted.reshape(1), flag])
