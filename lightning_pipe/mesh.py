@@ -35,6 +35,9 @@ class RankCoordinates:
     pp_rank: int
     tp_rank: int
 
+    def __str__(self) -> str:
+        return f"dp_rank {self.dp_rank}, pp_rank {self.pp_rank}, tp_rank {self.tp_rank}"
+
 
 @dataclass(frozen=True)
 class ParallelLayout:

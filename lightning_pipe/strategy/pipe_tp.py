@@ -248,9 +248,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         with self._collective(f"creating the process groups of the {layout} mesh"):
             self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
         if self.world_size > 1 and self._signals is None:
-            c = self._mesh.coordinates
             self._signals = StopOnSignal(
-                f"rank {self.global_rank} (dp_rank {c.dp_rank}, pp_rank {c.pp_rank}, tp_rank {c.tp_rank})",
+                f"rank {self.global_rank} ({self._mesh.coordinates})",
                 before_exit=self._kill_launched_processes,
             )
         if self._signals is not None:
@@ -383,10 +382,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             if peers and lost_connection(str(err)) and hasattr(err, "add_note"):
                 who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {list(peers)}"
                 err.add_note(f"{who} has stopped (its own error, in its log, is the cause).")
-            where = ""
-            if self._mesh is not None:
-                c = self._mesh.coordinates
-                where = f" (dp_rank {c.dp_rank}, pp_rank {c.pp_rank}, tp_rank {c.tp_rank})"
+            where = f" ({self._mesh.coordinates})" if self._mesh is not None else ""
             note = (
                 f"Rank {self.global_rank}{where} failed while {what}; if another rank failed first, its "
                 "error is the cause."
@@ -449,10 +445,11 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         try:
             with self.precision_plugin.train_step_context():
                 loss = self._run_step("training_step", args, training=True)
-        finally:
+        except BaseException:
             if deferred is not None:
-                deferred.end()
-        if deferred is not None:
+                deferred.end()  # no commit of a failed step's statistics
+            raise
+        if deferred is not None:  # commit ends the deferral
             dp = self.mesh.layout.data_parallel_size > 1
             with self._collective("summing BatchNorm statistics over the data-parallel group"):
                 deferred.commit(self.mesh.group(MeshAxis.DATA) if dp else None)

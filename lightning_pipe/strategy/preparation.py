@@ -106,14 +106,14 @@ class ModelPreparation(PipeTPParts):
         if first_setup:
             # Without seed_everything every rank built different weights: make the copies of each
             # tied parameter equal to its first stage's before anything trains them.
+            first_stage = {name: stages[0] for name, stages in plan.tied}
+            c = mesh.coordinates
             with self._collective("making the copies of tied parameters equal"):
                 for name, group, _ in tied:
-                    stages = dict(plan.tied)[name]
-                    c = mesh.coordinates
-                    src = mesh.layout.rank_of(c.dp_rank, stages[0], c.tp_rank)
+                    src = mesh.layout.rank_of(c.dp_rank, first_stage[name], c.tp_rank)
                     broadcast_parameters([module.get_parameter(name)], group, src)
             if mesh.layout.tensor_parallel_size > 1:
-                prepared.sharding = self._shard_tensor_parallel(module, plan)
+                prepared.sharding = self._shard_tensor_parallel(module, plan, layers)
             module.__dict__[_PREPARED] = prepared
         layers = module.configure_pipeline()  # type: ignore[operator]  # sharded layers, if any
         own = [layers[i] for i in plan.layer_range(self.pp_rank)]
@@ -180,9 +180,11 @@ class ModelPreparation(PipeTPParts):
             self._batch_norm = None
         super().teardown()
 
-    def _shard_tensor_parallel(self, module: LightningModule, plan: PipelinePlan) -> str:
-        """Replace the plan's modules inside this stage's layers with sharded ones; returns what
-        every stage shards, for the start-of-run log."""
+    def _shard_tensor_parallel(
+        self, module: LightningModule, plan: PipelinePlan, layers: list[torch.nn.Module]
+    ) -> str:
+        """Replace the plan's modules inside this stage's ``layers`` (the unsharded pipeline
+        layers) with sharded ones; returns what every stage shards, for the start-of-run log."""
         tp = self.mesh.layout.tensor_parallel_size
         tp_plan = self.tensor_parallel_plan
         if tp_plan is None and callable(getattr(module, "tensor_parallel_plan", None)):
@@ -200,7 +202,6 @@ class ModelPreparation(PipeTPParts):
                 f'checkpoint="{self.checkpoint.value}" cannot replay the per-rank random stream of '
                 'tensor-parallel "dropout" layers; use checkpoint="never" or drop the "dropout" entries.'
             )
-        layers = module.configure_pipeline()  # type: ignore[operator]
         stage_of_layer = [plan.stage_of_layer(i) for i in range(len(layers))]
         counts = count_sharding(module, resolved, layers, stage_of_layer, plan.num_stages)
         own = [layers[i] for i in plan.layer_range(self.pp_rank)]
