@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from datetime import timedelta
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import run_distributed, run_distributed_outcomes
@@ -158,4 +160,96 @@ def test_training_step_returning_none_says_what_to_do() -> None:
     assert "drop such samples before they reach the model" in last
     assert "return a zero loss (`return loss * 0.0`" in last
     # The first stage does not wait for the exchange deadline: it learns that its peer stopped.
+    assert max(o.seconds for o in outcomes) < 50
+
+
+class ShortStream(IterableDataset):
+    """Every ``size``-th sample from ``rank`` on, among the first ``stop`` samples."""
+
+    def __init__(self, rank: int, size: int, stop: int) -> None:
+        self.rank, self.size, self.stop = rank, size, stop
+
+    def __iter__(self) -> Any:
+        for i in range(self.rank, self.stop, self.size):
+            yield TRAIN[i]
+
+
+class UnevenReplicas(Regressor):
+    """Replica 1 streams 12 samples (3 batches), replica 0 all 16 of its own (4 batches); a stream
+    has no length, so the end is only learnt by running out. The module logs epoch-level metrics
+    (a collective at the end of the epoch on every rank)."""
+
+    def train_dataloader(self) -> DataLoader:
+        s = self.trainer.strategy
+        stop = len(TRAIN) if s.data_parallel_rank == 0 else 24  # type: ignore[attr-defined]
+        return DataLoader(ShortStream(s.data_parallel_rank, 2, stop), batch_size=4)  # type: ignore[attr-defined]
+
+
+class UnevenSizedReplicas(Regressor):
+    """The same data as :class:`UnevenReplicas`, as lists with a length (4 batches and 3)."""
+
+    def train_dataloader(self) -> DataLoader:
+        s = self.trainer.strategy
+        stop = len(TRAIN) if s.data_parallel_rank == 0 else 24  # type: ignore[attr-defined]
+        return DataLoader(list(ShortStream(s.data_parallel_rank, 2, stop)), batch_size=4)  # type: ignore[attr-defined]
+
+
+def uneven_worker(root: str, sized: bool) -> tuple[dict[str, torch.Tensor], list[str], int]:
+    model = UnevenSizedReplicas(step_lr=False) if sized else UnevenReplicas(step_lr=False)
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60)
+    )
+    trainer = _trainer(strategy, 4, root, max_epochs=2, use_distributed_sampler=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return _owned(model, strategy), [str(w.message) for w in caught], trainer.global_step
+
+
+@pytest.mark.parametrize("sized", [False, True], ids=["stream", "sized"])
+def test_replicas_with_unequal_batch_counts_stop_together_at_the_shorter(sized: bool) -> None:
+    """dp=2 x pp=2, replica 1 one batch short: every rank ends each epoch after 3 steps, rank 0
+    says which replica's batches were skipped, and the weights equal one device trained on the
+    samples both replicas had (the first 24, in batches of 8)."""
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(uneven_worker, 4, root, sized, timeout=200, init_group=False)
+        reference = Regressor(step_lr=False)
+        _trainer("auto", 1, root, max_epochs=2).fit(reference, DataLoader(Subset(TRAIN, range(24)), batch_size=8))
+    _assert_owned_equal([owned for owned, _, _ in results], reference)
+    assert [steps for _, _, steps in results] == [6, 6, 6, 6]
+    expected = (
+        "pipe_tp: data-parallel replicas [1] have no more train batches after 3 while replicas [0] "
+        "have more: every rank stops this loop after 3 train batches and the remaining train batches "
+        "of replicas [0] are skipped."
+    )
+    assert any(expected in m for m in results[0][1]), results[0][1]
+    assert not any("have no more" in m for _, caught, _ in results[1:] for m in caught)
+
+
+class ShortOnLastStage(Regressor):
+    """The same samples on both stages, but the last stage's stream stops one batch early."""
+
+    def train_dataloader(self) -> DataLoader:
+        stop = 24 if self.trainer.strategy.is_last_stage else len(TRAIN)  # type: ignore[attr-defined]
+        return DataLoader(ShortStream(0, 1, stop), batch_size=8)
+
+
+def short_stage_worker(root: str) -> None:
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
+    _trainer(strategy, 2, root).fit(ShortOnLastStage())
+
+
+def test_pipeline_ranks_with_unequal_batch_counts_stop_with_the_fix() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        outcomes = run_distributed_outcomes(short_stage_worker, 2, root, timeout=120, init_group=False)
+    for o in outcomes:
+        assert o.exitcode == 1 and not o.killed, o
+        assert o.error is not None
+        assert (
+            "StepCheckError: pipe_tp: the ranks of one model replica must load the same train batches, "
+            "but the train batches of replica dp_rank 0 end at different points (after 3 of them):"
+        ) in o.error
+        assert "ranks [0] (dp_rank 0, pp_rank 0, tp_rank 0): has another" in o.error
+        assert "ranks [1] (dp_rank 0, pp_rank 1, tp_rank 0): has no more" in o.error
+        assert "Shard the data by the data-parallel rank and size" in o.error
     assert max(o.seconds for o in outcomes) < 50

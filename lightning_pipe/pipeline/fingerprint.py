@@ -72,6 +72,15 @@ def fingerprint(batch: Any, step: StepIdentity, device: torch.device) -> torch.T
     return torch.cat([head, total.reshape(1), weighted.reshape(1), flag])
 
 
+SAME_DATA_FIX = (
+    "Every rank of a pipeline and of a tensor group must load the same batch; only data-parallel "
+    "replicas load different data. Shard the data by the data-parallel rank and size "
+    "(trainer.strategy.data_parallel_rank and .data_parallel_world_size, what Lightning's "
+    "DistributedSampler uses under pipe_tp), never by the global rank, and seed any shuffling the "
+    "same on every rank (seed_everything, or a seeded generator)."
+)
+
+
 class StepCheckError(RuntimeError):
     """The ranks of one model replica cannot run a step together: they hold different batches or
     are at different steps, or one of them found a problem with the model before the step."""
@@ -125,10 +134,5 @@ def agree(
         cause = "The ranks loaded different data for the same step."
     raise StepCheckError(
         f"pipe_tp: the ranks of one model replica must run the same batch, but at {step} they do not. "
-        f"{cause}\n" + "\n".join(lines) + "\n"
-        "Every rank of a pipeline and of a tensor group must load the same batch; only data-parallel "
-        "replicas load different data. Shard the data by the data-parallel rank and size "
-        "(trainer.strategy.data_parallel_rank and .data_parallel_world_size, what Lightning's "
-        "DistributedSampler uses under pipe_tp), never by the global rank, and seed any shuffling the "
-        "same on every rank (seed_everything, or a seeded generator)."
+        f"{cause}\n" + "\n".join(lines) + "\n" + SAME_DATA_FIX
     )

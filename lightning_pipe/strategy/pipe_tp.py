@@ -20,10 +20,10 @@ import os
 import signal
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lightning_pipe.checkpoint.full import to_cpu
 from lightning_pipe.data_parallel.reducer import GradientReducer
+from lightning_pipe.data_parallel.uneven import EvenBatches
 from lightning_pipe.failures import FailureBoard
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
 from lightning_pipe.pipeline.actions import PipelineSchedule
@@ -294,6 +295,20 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         # Every rank of a pipeline must see the same batch: shard data over the data axis only.
         c = self.mesh.coordinates
         return {"num_replicas": self.mesh.layout.data_parallel_size, "rank": c.dp_rank}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make every rank stop at the same batch (issue 15, item 9): a data-parallel replica with
+        fewer batches would otherwise leave its peers waiting in a step (see
+        :mod:`lightning_pipe.data_parallel.uneven`)."""
+        if self.world_size == 1 or not isinstance(dataloader, Iterable):
+            return dataloader
+        stage = self.module.trainer.state.stage
+        what = f"{stage.dataloader_prefix if stage is not None else ''} batches".strip()
+        return EvenBatches(
+            dataloader, self.mesh.layout, cast(dist.ProcessGroup, dist.group.WORLD), self.root_device, what,
+            warn=rank_zero_warn, naming=self._collective,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ setup
     @override
