@@ -214,7 +214,8 @@ def test_replicas_with_unequal_batch_counts_stop_together_at_the_shorter(sized: 
     with tempfile.TemporaryDirectory() as root:
         results = run_distributed(uneven_worker, 4, root, sized, timeout=200, init_group=False)
         reference = Regressor(step_lr=False)
-        _trainer("auto", 1, root, max_epochs=2).fit(reference, DataLoader(Subset(TRAIN, range(24)), batch_size=8))
+        both_had = DataLoader(Subset(TRAIN, range(24)), batch_size=8)
+        _trainer("auto", 1, root, max_epochs=2).fit(reference, both_had)
     _assert_owned_equal([owned for owned, _, _ in results], reference)
     assert [steps for _, _, steps in results] == [6, 6, 6, 6]
     expected = (
