@@ -67,6 +67,15 @@ def _child(
     # process exits was seen to abort a rank after its work was saved ("terminate called without
     # an active exception", in about one full suite run of three); the kernel closes every
     # connection anyway, and what the test measures is already in ``out``.
+    if rank == 0:
+        # Rank 0 hosts the rendezvous store: leaving while a peer still talks to it (creating a
+        # group, say) would end that peer with "Connection reset by peer". Wait (a while) until
+        # every rank has written its outcome.
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and not all(
+            (Path(out_dir) / f"rank{r}.pt").exists() for r in range(world_size)
+        ):
+            time.sleep(0.02)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -21,7 +21,7 @@ import signal
 import time
 import types
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, cast
 
@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pipe.checkpoint.full import to_cpu
+from lightning_pipe.construction.meta import parameters_on_meta
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.uneven import EvenBatches
 from lightning_pipe.failures import FailureBoard
@@ -309,6 +310,24 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             dataloader, self.mesh.layout, cast(dist.ProcessGroup, dist.group.WORLD), self.root_device, what,
             warn=rank_zero_warn, naming=self._collective,
         )  # fmt: skip
+
+    # ------------------------------------------------------------------ construction
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``trainer.init_module()``: the model is built on the CPU (each rank moves only its own
+        stage to its device at setup); with ``empty_init=True`` its parameters are created on the
+        meta device and each rank materialises only its own stage and tensor slice at setup."""
+        meta = parameters_on_meta() if empty_init else nullcontext()
+        with meta, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Iterator[None]:
+        """Around ``configure_model()``: parameters are created on the meta device (issue 16)."""
+        with parameters_on_meta():
+            yield
 
     # ------------------------------------------------------------------ setup
     @override

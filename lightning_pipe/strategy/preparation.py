@@ -12,8 +12,9 @@ executor, data-parallel reducer, tied-parameter groups and BatchNorm deferral fo
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +26,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_pipe.construction.materialize import materialize, release
+from lightning_pipe.construction.meta import has_meta_tensors, meta_tensors_set_aside
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.mesh import MeshAxis, ParallelLayout
@@ -38,6 +41,7 @@ from lightning_pipe.tensor_parallel.plan import ShardStyle, resolve_plan
 from lightning_pipe.tensor_parallel.stage import count_sharding, shard_stage
 
 _PREPARED = "_lightning_pipe_prepared"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +54,10 @@ class _Prepared:
     partition: Any
     plan: PipelinePlan
     sharding: str = ""
+    tied_paths: dict[str, str] = field(default_factory=dict)
+    """For each tied parameter this rank holds, a name of it inside this rank's layers: after
+    tensor-parallel sharding, that name leads to this stage's slice (the parameter's first name
+    may lead into another stage's layer, which this rank does not shard)."""
 
 
 def _prepared(module: LightningModule, layout: ParallelLayout, partition: Any) -> _Prepared | None:
@@ -103,17 +111,31 @@ class ModelPreparation(PipeTPParts):
             # split and sharded for this layout; planning again would count sharded parameters.
             plan = prepared.plan
         tied = self._tied_groups(plan)
+        materialized: frozenset[int] = frozenset()
         if first_setup:
             # Without seed_everything every rank built different weights: make the copies of each
-            # tied parameter equal to its first stage's before anything trains them.
+            # tied parameter equal to its first stage's before anything trains them (a meta-built
+            # one gets the same value on every stage when materialised).
             first_stage = {name: stages[0] for name, stages in plan.tied}
             c = mesh.coordinates
             with self._collective("making the copies of tied parameters equal"):
                 for name, group, _ in tied:
-                    src = mesh.layout.rank_of(c.dp_rank, first_stage[name], c.tp_rank)
-                    broadcast_parameters([module.get_parameter(name)], group, src)
+                    param = module.get_parameter(name)
+                    if not param.is_meta:
+                        src = mesh.layout.rank_of(c.dp_rank, first_stage[name], c.tp_rank)
+                        broadcast_parameters([param], group, src)
+            params = module.named_parameters(remove_duplicate=False)
+            here = {id(module.get_parameter(name)) for name, _, _ in tied}
+            for path, param in params:
+                if id(param) in here and plan.stage_of_key(path) == self.pp_rank:
+                    canonical = next(n for n, _, _ in tied if module.get_parameter(n) is param)
+                    prepared.tied_paths.setdefault(canonical, path)
+            on_meta = has_meta_tensors(module)
             if mesh.layout.tensor_parallel_size > 1:
                 prepared.sharding = self._shard_tensor_parallel(module, plan, layers)
+            if on_meta:
+                layers = module.configure_pipeline()  # type: ignore[operator]  # sharded layers
+                materialized = self._materialize(module, plan, layers)
             module.__dict__[_PREPARED] = prepared
         layers = module.configure_pipeline()  # type: ignore[operator]  # sharded layers, if any
         own = [layers[i] for i in plan.layer_range(self.pp_rank)]
@@ -138,10 +160,15 @@ class ModelPreparation(PipeTPParts):
         self._reducer = None
         if mesh.layout.data_parallel_size > 1:
             src = mesh.layout.rank_of(0, self.pp_rank, mesh.coordinates.tp_rank)
+            # Materialised tensors are equal on every replica by construction: not sent again.
             tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
+            tensors = [t for t in tensors if id(t) not in materialized]
             broadcast_parameters(tensors, dp_group, src)
             self._reducer = GradientReducer(self._owned_params, dp_group, self.bucket_cap_mb)
-        self._tied = [(module.get_parameter(name), group, counts) for name, group, counts in tied]
+        self._tied = [
+            (module.get_parameter(prepared.tied_paths.get(name, name)), group, counts)
+            for name, group, counts in tied
+        ]
         self._setup_batch_norm(layers, own)
         self._forward_checked = False
         if first_setup:
@@ -151,6 +178,49 @@ class ModelPreparation(PipeTPParts):
                 f"checkpoint {self.checkpoint.value}\n{plan.describe(layers)}"
                 + (f"\n{prepared.sharding}" if prepared.sharding else "")
             )
+
+    def _materialize(
+        self, module: LightningModule, plan: PipelinePlan, layers: list[torch.nn.Module]
+    ) -> frozenset[int]:
+        """Give this rank's stage (and the module's tensors outside every layer) storage on its
+        device and layout-independent initial values; other stages' tensors stay meta, and their
+        buffers (built for real) are released. Returns the ``id()`` of every tensor created."""
+        seed = self._initial_seed()
+        others = self._other_stages_tensors(plan, layers)
+        init = getattr(module, "init_module_weights", None)
+        with self._collective("initialising this stage's parameters"):
+            done = materialize(module, self.root_device, seed, others, init if callable(init) else None)
+        released = release(module, others)
+        total = sum(t.numel() for t in (*module.parameters(), *module.buffers()))
+        c = self.mesh.coordinates
+        log.info(
+            f"pipe_tp: rank {self.global_rank} ({c}) materialised {done.elements:,} of the model's "
+            f"{total:,} parameter and buffer elements on {self.root_device} (released {released:,} "
+            "elements of other stages' buffers)"
+        )
+        return done.tensors
+
+    def _initial_seed(self) -> int:
+        """The seed of every module's initial values: Lightning's global seed when one was set
+        (``seed_everything``), else global rank 0's, so that all ranks agree without a seed."""
+        env = os.environ.get("PL_GLOBAL_SEED")
+        if env is not None:
+            return int(env)
+        seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
+        with self._collective("agreeing on the seed of the initial weights"):
+            dist.broadcast(seed, src=0)
+        return int(seed)
+
+    def _other_stages_tensors(self, plan: PipelinePlan, layers: list[torch.nn.Module]) -> set[int]:
+        """``id()`` of the tensors that only other stages' layers hold (a tied parameter this
+        stage also holds is not among them)."""
+        own = set(plan.layer_range(self.pp_rank))
+
+        def tensors(indices: set[int]) -> set[int]:
+            chosen = [layer for i, layer in enumerate(layers) if i in indices]
+            return {id(t) for layer in chosen for t in (*layer.parameters(), *layer.buffers())}
+
+        return tensors(set(range(len(layers))) - own) - tensors(own)
 
     def _setup_batch_norm(self, layers: list[torch.nn.Module], own: list[torch.nn.Module]) -> None:
         if self._batch_norm is not None:
@@ -178,7 +248,8 @@ class ModelPreparation(PipeTPParts):
         if self._batch_norm is not None:
             self._batch_norm.remove()
             self._batch_norm = None
-        super().teardown()
+        with meta_tensors_set_aside(self.module):  # other stages' tensors have nothing to move
+            super().teardown()
 
     def _shard_tensor_parallel(
         self, module: LightningModule, plan: PipelinePlan, layers: list[torch.nn.Module]
@@ -241,13 +312,6 @@ class ModelPreparation(PipeTPParts):
         # Only this stage's layers (and the module's own non-layer state) go to the device: the
         # other stages' layers stay where they were built, off the accelerator.
         assert self.model is not None and self._plan is not None
-        own = set(self._plan.layer_range(self.pp_rank))
-
-        def tensors(indices: set[int]) -> set[int]:
-            layers = [layer for i, layer in enumerate(self._layers) if i in indices]
-            return {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
-
-        # A tied parameter belongs to an owned layer too: it must move.
-        skip = tensors(set(range(len(self._layers))) - own) - tensors(own)
+        skip = self._other_stages_tensors(self._plan, self._layers)
         device = self.root_device
         self.model._apply(lambda t: t if id(t) in skip else t.to(device))

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.construction.materialize import record_source
 from lightning_pipe.options import parse_option
 from lightning_pipe.tensor_parallel.cross_entropy import tag_vocab_parallel
 from lightning_pipe.tensor_parallel.dropout import RegionDropout, RegionStream
@@ -174,6 +175,26 @@ def _check_heads(name: str, modules: Mapping[str, nn.Module], style: ShardStyle,
             )
 
 
+def _builder(
+    style: ShardStyle, group: dist.ProcessGroup, name: str, stream: RegionStream
+) -> Callable[[nn.Module], nn.Module]:
+    """The function that turns the full module ``name`` into its tensor-parallel replacement."""
+
+    def build(module: Any) -> nn.Module:
+        if style is ShardStyle.VOCAB:
+            return VocabParallelEmbedding(module, group, name)
+        if style is ShardStyle.DROPOUT:
+            return RegionDropout(module.p, stream)
+        if style is ShardStyle.COLWISE_LOGITS:
+            return _LogitsHead(module, group, name=name)
+        if style in (ShardStyle.COLWISE, ShardStyle.COLWISE_GATHER):
+            gather = style is ShardStyle.COLWISE_GATHER
+            return ColumnParallelLinear(module, group, gather_output=gather, name=name)
+        return RowParallelLinear(module, group, input_is_parallel=style is ShardStyle.ROWWISE, name=name)
+
+    return build
+
+
 def apply_plan(
     model: nn.Module,
     resolved: Mapping[str, ShardStyle],
@@ -207,19 +228,12 @@ def apply_plan(
         module: Any = getattr(parent, child)
         if not include(module):
             continue
-        new: nn.Module
-        if style is ShardStyle.VOCAB:
-            new = VocabParallelEmbedding(module, group, name)
-        elif style is ShardStyle.DROPOUT:
-            new = RegionDropout(module.p, stream)
-        elif style is ShardStyle.COLWISE_LOGITS:
-            new = _LogitsHead(module, group, name=name)
-        elif style in (ShardStyle.COLWISE, ShardStyle.COLWISE_GATHER):
-            new = ColumnParallelLinear(
-                module, group, gather_output=style is ShardStyle.COLWISE_GATHER, name=name
-            )
-        else:
-            new = RowParallelLinear(module, group, input_is_parallel=style is ShardStyle.ROWWISE, name=name)
+        build = _builder(style, group, name, stream)
+        new = build(module)
+        # A module built on the meta device is sliced on the meta device (no storage); when the
+        # rank materialises it, the full module is initialised and cut by this same builder.
+        if any(t.is_meta for t in module.parameters()):
+            record_source(new, module, build)
         for attr in ("weight", "bias"):
             old, fresh = getattr(module, attr, None), getattr(new, attr, None)
             if isinstance(old, nn.Parameter) and isinstance(fresh, nn.Parameter):

@@ -100,8 +100,8 @@ def shard_stage(
 ) -> list[str]:
     """Make ``own_layers`` equal to tensor rank ``src``'s (a global rank), then shard the modules
     of ``resolved`` that lie inside them; returns the names of the sharded modules."""
-    broadcast_parameters(
-        [t for layer in own_layers for t in (*layer.parameters(), *layer.buffers())], group, src
-    )
+    # Meta tensors (a model built without storage) get equal values when materialised instead.
+    tensors = [t for layer in own_layers for t in (*layer.parameters(), *layer.buffers())]
+    broadcast_parameters([t for t in tensors if not t.is_meta], group, src)
     own = {id(sub) for layer in own_layers for sub in layer.modules()}
     return apply_plan(model, resolved, group, seed, include=lambda module: id(module) in own)

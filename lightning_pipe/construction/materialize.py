@@ -1,0 +1,236 @@
+"""Give this rank's meta tensors storage and initial values that do not depend on the layout.
+
+Each module with meta tensors is initialised on the CPU, from a random stream of its own seeded by
+the run's seed and the module's qualified name, by its ``reset_parameters()`` (Lightning's
+convention for meta-device models) or by a function the caller passes (the LightningModule's
+``init_module_weights(module)``); its values then move to the device. A module's values depend only
+on (seed, name), never on which rank builds it or what else that rank builds, so one process,
+pp=4, pp=2 x tp=2 and dp=2 x pp=2 start from bit-identical weights, and tensor and data-parallel
+peers agree without a byte of communication. The generator is the CPU's whatever the device: the
+same weights on a laptop and on a GPU node.
+
+A tensor-parallel module built from a meta module (:func:`record_source`) initialises that full
+module on the CPU and keeps only its slice: the full layer exists once, on the host, for as long as
+one module's initialisation takes, and the device only ever allocates the slice (Megatron's
+``use_cpu_initialization`` path does the same, so that a slice equals the same slice of the full
+layer).
+
+A tensor shared by several modules (a tied embedding and output head) belongs to the first module
+that holds it in ``named_modules()`` order and is initialised by that module alone, on every rank
+that holds a copy: a rank whose stage has the head but not the embedding still gives the head the
+embedding's values. A float tensor that the initialisation leaves unset (its module has no
+``reset_parameters()``, or that method misses it) is an error naming it: it is filled with NaN
+beforehand, so an omission cannot pass as a value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Set
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_SOURCE = "_lightning_pipe_source"
+_SHOWN = 8
+
+InitFn = Callable[[nn.Module], None]
+"""Initialises a module's own (direct) parameters and buffers in place."""
+
+
+class MaterializeError(RuntimeError):
+    """Some tensors of a meta-built model got no initial value."""
+
+
+def record_source(built: nn.Module, full: nn.Module, build: Callable[[nn.Module], nn.Module]) -> None:
+    """Remember that ``built`` is ``build(full)`` (a tensor-parallel slice of ``full``), so that
+    materialising ``built`` initialises ``full`` and slices it the same way."""
+    built.__dict__[_SOURCE] = (full, build)
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The seed of the module called ``name``'s own random stream (63 bits)."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@dataclass(frozen=True)
+class Materialized:
+    """What :func:`materialize` created."""
+
+    tensors: frozenset[int]
+    """``id()`` of every tensor created (parameters and buffers)."""
+    elements: int
+    """Their number of elements."""
+
+
+def _direct(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """A module's own tensors: (attribute, tensor, is_parameter)."""
+    for attr, p in module._parameters.items():
+        if p is not None:
+            yield attr, p, True
+    for attr, b in module._buffers.items():
+        if b is not None:
+            yield attr, b, False
+
+
+def _set(module: nn.Module, attr: str, value: torch.Tensor, is_param: bool) -> None:
+    (module._parameters if is_param else module._buffers)[attr] = value  # type: ignore[assignment]
+
+
+def _blank(meta: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor shaped like ``meta``: NaN for floats (so that a missed one shows), else zeros."""
+    if meta.is_floating_point() or meta.is_complex():
+        return torch.full(meta.shape, float("nan"), dtype=meta.dtype)
+    return torch.zeros(meta.shape, dtype=meta.dtype)
+
+
+@contextmanager
+def _stream(seed: int) -> Iterator[None]:
+    # Only the CPU generator is touched (torch.manual_seed would reseed every CUDA device too),
+    # and the caller's stream is restored: dropout and data order do not depend on the layout.
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
+
+
+def _initialise(module: nn.Module, name: str, seed: int, init: InitFn | None) -> dict[str, torch.Tensor]:
+    """The initial values (on the CPU) of ``module``'s own meta tensors, by attribute."""
+    metas = [(attr, t, is_param) for attr, t, is_param in _direct(module) if t.is_meta]
+    for attr, t, is_param in metas:
+        blank = _blank(t)
+        _set(module, attr, nn.Parameter(blank, t.requires_grad) if is_param else blank, is_param)
+    try:
+        with _stream(module_seed(seed, name)), torch.no_grad():
+            if init is not None:
+                init(module)
+            elif callable(reset := getattr(module, "reset_parameters", None)):
+                reset()
+        # Read back what the attributes hold now: an init may assign new tensors (litgpt's
+        # ``self.cos, self.sin = self.rope_cache()``) instead of filling the given ones.
+        current = dict((attr, t) for attr, t, _ in _direct(module))
+        return {attr: current[attr].detach().to("cpu") for attr, _, _ in metas}
+    finally:
+        for attr, t, is_param in metas:  # the module stays meta until the caller swaps in values
+            _set(module, attr, t, is_param)
+
+
+class _Values:
+    """Initial values of meta tensors, each defined by the first module holding it.
+
+    Holders are registered in ``named_modules()`` order; a tensor-parallel module registers the
+    full module it was cut from (its source) first, under the same name, so that a slice's full
+    tensor is still found, and owned, where the unsharded model had it: a head tied to an
+    embedding that another rank holds still takes the embedding's values.
+    """
+
+    def __init__(self, model: nn.Module, seed: int, init: InitFn | None) -> None:
+        self.seed, self.init = seed, init
+        self.owners: dict[int, tuple[str, nn.Module, str]] = {}
+        for name, module in model.named_modules():
+            source = module.__dict__.get(_SOURCE)
+            for holder in (source[0], module) if source is not None else (module,):
+                for attr, t, _ in _direct(holder):
+                    if t.is_meta:
+                        self.owners.setdefault(id(t), (name, holder, attr))
+        self._memo: dict[int, dict[str, torch.Tensor]] = {}
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The initial value of ``tensor`` (on the CPU)."""
+        name, holder, attr = self.owners[id(tensor)]
+        return self._of_module(holder, name)[attr]
+
+    def forget(self) -> None:
+        """Drop remembered values: at most one module's full values are kept at a time."""
+        self._memo.clear()
+
+    def _of_module(self, module: nn.Module, name: str) -> dict[str, torch.Tensor]:
+        if id(module) in self._memo:
+            return self._memo[id(module)]
+        source = module.__dict__.get(_SOURCE)
+        if source is None or not any(t.is_meta for _, t, _ in _direct(source[0])):
+            values = _initialise(module, name, self.seed, self.init)
+        else:
+            # The full layer's values (each full tensor from its own owner), then the same cut.
+            full, build = source
+            metas = [(attr, t, is_param) for attr, t, is_param in _direct(full) if t.is_meta]
+            # All values first: initialising ``full`` for one of them must find it still meta
+            # (an initialised tensor put back would be overwritten in place by the next init).
+            full_values = {attr: self.of(t) for attr, t, _ in metas}
+            for attr, t, is_param in metas:
+                value = full_values[attr]
+                _set(full, attr, nn.Parameter(value, t.requires_grad) if is_param else value, is_param)
+            try:
+                built = build(full)
+            finally:
+                for attr, t, is_param in metas:
+                    _set(full, attr, t, is_param)
+            values = {attr: t.detach() for attr, t, _ in _direct(built)}
+        self._memo[id(module)] = values
+        return values
+
+
+def materialize(
+    model: nn.Module, device: torch.device, seed: int, skip: Set[int], init: InitFn | None = None
+) -> Materialized:
+    """Give every meta tensor of ``model`` whose ``id()`` is not in ``skip`` storage on ``device``
+    and its layout-independent initial value; every attribute that held the meta tensor (a tied
+    weight is held twice) then holds the new one.
+
+    Raises :class:`MaterializeError` naming the float tensors that the initialisation left unset.
+    """
+    values = _Values(model, seed, init)
+    created: dict[int, torch.Tensor] = {}
+    unset: list[str] = []
+    for name, module in model.named_modules():
+        for attr, t, is_param in _direct(module):
+            if not t.is_meta or id(t) in skip or id(t) in created:
+                continue
+            value = values.of(t)
+            if value.is_floating_point() and bool(value.isnan().any()):
+                unset.append(f"{name}.{attr}" if name else attr)
+            value = value.to(device)
+            if is_param:
+                param = nn.Parameter(value, requires_grad=t.requires_grad)
+                param.__dict__.update(t.__dict__)  # sharding marks travel with the parameter
+                value = param
+            created[id(t)] = value
+        values.forget()
+    if unset:
+        raise MaterializeError(
+            f"{len(unset)} tensors of the meta-built model got no initial value: {unset[:_SHOWN]}"
+            f"{' ...' if len(unset) > _SHOWN else ''}. Under pipe_tp, a model built in configure_model() "
+            "or under trainer.init_module(empty_init=True) has its parameters on the meta device, and each "
+            "rank initialises the modules of its own stage with their reset_parameters() (Lightning's "
+            "convention). Give those modules a reset_parameters() that sets every parameter and buffer "
+            "they hold directly, or define init_module_weights(self, module) on the LightningModule to "
+            "initialise any module (e.g. by calling a Hugging Face model's _init_weights(module))."
+        )
+    _replace(model, created)
+    return Materialized(frozenset(id(t) for t in created.values()), sum(t.numel() for t in created.values()))
+
+
+def release(model: nn.Module, tensors: Set[int]) -> int:
+    """Replace the tensors of ``model`` whose ``id()`` is in ``tensors`` by meta twins (storage
+    freed); returns the number of elements released."""
+    twins: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for _, t, is_param in _direct(module):
+            if id(t) in tensors and not t.is_meta and id(t) not in twins:
+                twin = torch.empty_like(t, device="meta")
+                if is_param:
+                    param = nn.Parameter(twin, requires_grad=t.requires_grad)
+                    param.__dict__.update(t.__dict__)
+                    twin = param
+                twins[id(t)] = twin
+    _replace(model, twins)
+    return sum(t.numel() for t in twins.values())
+
+
+def _replace(model: nn.Module, new: dict[int, torch.Tensor]) -> None:
+    for module in model.modules():
+        for attr, t, is_param in list(_direct(module)):
+            if id(t) in new:
+                _set(module, attr, new[id(t)], is_param)

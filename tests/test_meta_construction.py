@@ -1,0 +1,237 @@
+"""Models built without storage (issue 16): in ``configure_model()`` or under
+``trainer.init_module(empty_init=True)``, each rank materialises only its own stage and tensor
+slice, with initial weights that do not depend on the layout, and trains like one device.
+
+For each layout (pp=2, pp=4, pp=2 x tp=2, dp=2 x pp=2) the whole model's initial weights are
+gathered before the first step and must be bit-identical to one pipe_tp process's; the weights
+after two epochs must equal one device's (``strategy="auto"``, started from those initial
+weights) within 1e-5. Each rank reports what it holds: other stages' parameters are meta tensors
+(no storage) and a tensor-parallel parameter's storage is its slice, never the full tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_pipe import PipeTPStrategy
+from lightning_pipe.checkpoint.full import gather_model_state
+from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
+from tests.distributed import run_distributed, run_distributed_outcomes
+from tests.gpt_models import Block, Embed, Head, TinyGPT, token_data
+
+TOL = 1e-5
+DATA = token_data(32)
+SEED = 1234
+
+
+class LateGPT(TinyGPT):
+    """TinyGPT whose layers are created in ``configure_model()`` (Lightning's large-model hook),
+    optionally with the output head tied to the token embedding."""
+
+    def __init__(self, tied: bool = False, build_now: bool = False) -> None:
+        L.LightningModule.__init__(self)
+        self.lr, self.tied = 0.1, tied
+        self.layers: nn.ModuleList | None = None  # type: ignore[assignment]
+        if build_now:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if self.layers is not None:  # every Trainer call runs the hook: build once
+            return
+        self.layers = nn.ModuleList([Embed(), Block(0.0), Block(0.0), Head()])
+        if self.tied:
+            self.layers[3].out.weight = self.layers[0].tokens.weight
+
+
+class Snapshot(L.Callback):
+    """Gathers the whole model's weights (on rank 0) before the first step."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        s = trainer.strategy
+        self.initial = gather_model_state(pl_module, s._plan, s.mesh)  # type: ignore[attr-defined]
+        self.local = {
+            n: p.detach().clone() for n, p in pl_module.named_parameters() if not p.is_meta
+        }  # what this rank holds, before any step
+        self.sharded = {n for n, p in pl_module.named_parameters() if tensor_parallel_dim(p) is not None}
+
+
+def _holdings(model: LateGPT, strategy: PipeTPStrategy) -> dict[str, Any]:
+    """What this rank holds: per layer, whether its parameters have storage; per tensor-parallel
+    parameter, whether its storage is exactly its slice."""
+    own = set(strategy._plan.layer_range(strategy.pp_rank))  # type: ignore[union-attr]
+    assert model.layers is not None
+    owned_ids = {id(p) for i in own for p in model.layers[i].parameters()}
+    layers = {
+        i: sorted({p.is_meta for p in layer.parameters() if id(p) not in owned_ids or i in own})
+        for i, layer in enumerate(model.layers)
+    }
+    slices = {
+        n: p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if not p.is_meta and tensor_parallel_dim(p) is not None
+    }
+    return {"own": sorted(own), "layers": layers, "slices": slices}
+
+
+def worker(pp: int, tp: int, dp: int, seeded: bool, how: str, tied: bool) -> dict[str, Any]:
+    if seeded:
+        L.seed_everything(SEED)
+    else:  # an earlier test may have left Lightning's seed in the environment the ranks inherit
+        os.environ.pop("PL_GLOBAL_SEED", None)
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2,
+        timeout=timedelta(seconds=90),
+    )  # fmt: skip
+    snapshot = Snapshot()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=pp * tp * dp, max_epochs=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root, callbacks=[snapshot],
+        )  # fmt: skip
+        if how == "init_module":
+            with trainer.init_module(empty_init=True):
+                model = LateGPT(tied, build_now=True)
+            assert model.layers is not None and model.layers[1].mlp[0].weight.is_meta
+        elif how == "eager":  # built whole on every rank, as before issue 16
+            model = LateGPT(tied, build_now=True)
+        else:
+            model = LateGPT(tied)
+        trainer.fit(model, DataLoader(DATA, batch_size=8 // dp))
+    final = gather_model_state(model, strategy._plan, strategy.mesh)
+    return {
+        "initial": snapshot.initial, "final": final, "coords": strategy.mesh.coordinates,
+        "local_initial": snapshot.local, "sharded": snapshot.sharded,
+        **_holdings(model, strategy),
+    }  # fmt: skip
+
+
+def _one_device(initial: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    model = LateGPT(tied, build_now=True)
+    model.load_state_dict(initial)
+    sampler = DistributedSampler(DATA, num_replicas=1, rank=0, seed=SEED)  # what Lightning injects
+    with tempfile.TemporaryDirectory() as root:
+        L.Trainer(
+            accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        ).fit(model, DataLoader(DATA, batch_size=8, sampler=sampler))  # fmt: skip
+    return model.state_dict()
+
+
+_single: dict[bool, dict[str, torch.Tensor]] = {}
+
+
+def _single_process_initial(tied: bool) -> dict[str, torch.Tensor]:
+    """One pipe_tp process's initial weights (the layout every other must reproduce)."""
+    if tied not in _single:
+        args = (1, 1, 1, True, "configure_model", tied)
+        (got,) = run_distributed(worker, 1, *args, timeout=120, init_group=False)
+        _single[tied] = got["initial"]
+    return _single[tied]
+
+
+LAYOUTS = [
+    pytest.param(2, 1, 1, "configure_model", False, id="pp2"),
+    pytest.param(4, 1, 1, "configure_model", True, id="pp4-tied"),
+    pytest.param(2, 2, 1, "init_module", True, id="pp2xtp2-tied-init_module"),
+    pytest.param(2, 1, 2, "init_module", False, id="dp2xpp2-init_module"),
+    pytest.param(2, 2, 1, "eager", True, id="pp2xtp2-tied-eager"),
+]
+
+
+@pytest.mark.parametrize(("pp", "tp", "dp", "how", "tied"), LAYOUTS)
+def test_meta_built_model_holds_its_stage_starts_layout_independent_and_matches_one_device(
+    pp: int, tp: int, dp: int, how: str, tied: bool
+) -> None:
+    got = run_distributed(worker, pp * tp * dp, pp, tp, dp, True, how, tied, timeout=300, init_group=False)
+    initial = got[0]["initial"]
+    if how == "eager":  # every rank holds the whole model; it must still train like one device
+        reference = _one_device(initial, tied)
+        for key, value in reference.items():
+            torch.testing.assert_close(got[0]["final"][key], value, atol=TOL, rtol=0, msg=key)
+        return
+    expected = _single_process_initial(tied)
+    assert initial.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(initial[key], value), f"initial {key} differs from one process's"
+    reference = _one_device(expected, tied)
+    for key, value in reference.items():
+        torch.testing.assert_close(got[0]["final"][key], value, atol=TOL, rtol=0, msg=key)
+    for rank, result in enumerate(got):
+        for index, kinds in result["layers"].items():
+            # Owned layers have storage; other stages' parameters are meta (no storage).
+            assert kinds == ([False] if index in result["own"] else [True]), (rank, index, kinds)
+        if tp > 1:
+            assert result["slices"] and all(result["slices"].values()), (rank, result["slices"])
+
+
+def test_without_a_seed_tensor_and_data_parallel_peers_start_equal() -> None:
+    """dp=2 x tp=2 without seed_everything: each process has its own default seed, yet every rank
+    starts from rank 0's stream: data-parallel peers hold identical tensors, tensor-parallel peers
+    identical replicated ones (the row-parallel biases are random, so this can fail)."""
+    got = run_distributed(worker, 4, 1, 2, 2, False, "configure_model", False, timeout=300, init_group=False)
+    by_tp: dict[int, list[dict[str, torch.Tensor]]] = {}
+    for result in got:
+        by_tp.setdefault(result["coords"].tp_rank, []).append(result["local_initial"])
+    sharded = got[0]["sharded"]
+    assert "layers.0.tokens.weight" in sharded
+    for peers in by_tp.values():  # dp peers: everything equal
+        assert len(peers) == 2 and peers[0].keys() == peers[1].keys()
+        for name, value in peers[0].items():
+            assert torch.equal(peers[1][name], value), name
+    replicated = [{n: v for n, v in by_tp[t][0].items() if n not in sharded} for t in sorted(by_tp)]
+    assert any("proj.bias" in n for n in replicated[0])
+    for name, value in replicated[0].items():
+        assert torch.equal(replicated[1][name], value), name
+
+
+class NoReset(nn.Module):
+    """A layer whose parameter no reset_parameters() initialises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class Unresettable(L.LightningModule):
+    def configure_model(self) -> None:
+        self.layers = nn.Sequential(nn.Linear(4, 4), NoReset())
+
+    def configure_pipeline(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layers(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def unresettable_worker() -> None:
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, timeout=timedelta(seconds=60))
+    data = DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 4)), batch_size=4)
+    with tempfile.TemporaryDirectory() as root:
+        L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=2, max_steps=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
+        ).fit(Unresettable(), data)  # fmt: skip
+
+
+def test_a_parameter_without_initialisation_is_named_at_setup() -> None:
+    outcomes = run_distributed_outcomes(unresettable_worker, 2, timeout=120, init_group=False)
+    last = outcomes[1]
+    assert last.exitcode == 1 and not last.killed, last
+    assert "1 tensors of the meta-built model got no initial value: ['layers.1.scale']" in (last.error or "")
+    assert "init_module_weights(self, module)" in (last.error or "")
