@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_pipe import PipeTPStrategy
+from lightning_pipe import PipeTPStrategy, cross_entropy
 from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from tests.distributed import run_distributed, run_distributed_outcomes
@@ -50,6 +50,10 @@ class LateGPT(TinyGPT):
         self.layers = nn.ModuleList([Embed(), Block(0.0), Block(0.0), Head()])
         if self.tied:
             self.layers[3].out.weight = self.layers[0].tokens.weight
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        ids, targets = batch
+        self.log("val_loss", cross_entropy(self(ids), targets))
 
 
 class Snapshot(L.Callback):
@@ -235,3 +239,39 @@ def test_a_parameter_without_initialisation_is_named_at_setup() -> None:
     assert last.exitcode == 1 and not last.killed, last
     assert "1 tensors of the meta-built model got no initial value: ['layers.1.scale']" in (last.error or "")
     assert "init_module_weights(self, module)" in (last.error or "")
+
+
+def roundtrip_worker(root: str) -> dict[str, Any]:
+    """Fit a meta-built model, save a sharded checkpoint; a fresh meta-built model validated from
+    it holds the same weights, and one resumed from it trains on."""
+    L.seed_everything(SEED)
+
+    def trainer(**kw: Any) -> L.Trainer:
+        strategy = PipeTPStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)
+        return L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=4, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, **kw,
+        )  # fmt: skip
+
+    data = DataLoader(DATA, batch_size=8)
+    first, model = trainer(max_epochs=1), LateGPT(tied=True)
+    first.fit(model, data)
+    path = os.path.join(root, "meta.ckpt")
+    first.save_checkpoint(path)
+    saved = gather_model_state(model, first.strategy._plan, first.strategy.mesh)  # type: ignore[attr-defined]
+    second, fresh = trainer(), LateGPT(tied=True)
+    second.validate(fresh, data, ckpt_path=path, verbose=False)
+    loaded = gather_model_state(fresh, second.strategy._plan, second.strategy.mesh)  # type: ignore[attr-defined]
+    third, resumed = trainer(max_epochs=2), LateGPT(tied=True)
+    third.fit(resumed, data, ckpt_path=path)
+    return {"saved": saved, "loaded": loaded, "steps": third.global_step}
+
+
+def test_a_meta_built_model_saves_loads_and_resumes() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        got = run_distributed(roundtrip_worker, 4, root, timeout=300, init_group=False)
+    saved, loaded = got[0]["saved"], got[0]["loaded"]
+    assert saved.keys() == loaded.keys()
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key
+    assert [r["steps"] for r in got] == [8] * 4  # 4 batches per epoch, resumed after the first

@@ -2,7 +2,8 @@
 
 The model is a list of layers (embedding, transformer blocks, head) that ``configure_pipeline``
 returns, so the strategy can cut it into stages; the same module trains unchanged with
-``strategy="auto"``.
+``strategy="auto"``. The layers are created in ``configure_model()``, so that under ``pipe_tp`` no
+rank ever holds the whole model: each materialises only its own stage.
 
 Attention is written so that its projections can later be split across tensor-parallel ranks:
 the fused QKV projection orders its output features head-major (``[q_h, k_h, v_h]`` for head 0,
@@ -93,20 +94,31 @@ class CharGPT(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.layers = nn.ModuleList(
-            [Embedding(MODEL_VOCAB, d_model, max_len)]
-            + [Block(d_model, n_heads) for _ in range(n_layers)]
-            + [Head(d_model, MODEL_VOCAB)]
-        )
+        self.layers: nn.ModuleList | None = None  # built in configure_model()
         self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(
             num_classes=MODEL_VOCAB, average="micro"
         )
 
+    def configure_model(self) -> None:
+        """Lightning's hook for large models: under ``pipe_tp`` the layers' parameters are created
+        on the meta device (no memory) and each rank materialises only its own stage and tensor
+        slice; under ``strategy="auto"`` they are built as usual. Every Trainer call runs the hook,
+        so it builds once."""
+        if self.layers is not None:
+            return
+        hp = self.hparams
+        self.layers = nn.ModuleList(
+            [Embedding(MODEL_VOCAB, hp.d_model, hp.max_len)]
+            + [Block(hp.d_model, hp.n_heads) for _ in range(hp.n_layers)]
+            + [Head(hp.d_model, MODEL_VOCAB)]
+        )
+
     def configure_pipeline(self) -> list[nn.Module]:
+        assert self.layers is not None, "configure_model() builds the layers"
         return list(self.layers)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
-        last = len(self.layers) - 1
+        last = self.hparams.n_layers + 1
         return {
             "layers.0.tokens": "vocab",
             "layers.*.attn.qkv": "colwise",
@@ -117,6 +129,7 @@ class CharGPT(L.LightningModule):
         }
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.layers is not None, "configure_model() builds the layers"
         x = ids
         for layer in self.layers:
             x = layer(x)

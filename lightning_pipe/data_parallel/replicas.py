@@ -1,7 +1,8 @@
 """Start data-parallel replicas identical: copy the first replica's parameters to the others.
 
-Every rank builds the model from the same seed, but a user may initialise differently per rank;
-broadcasting at setup makes the replicas equal by construction (gradients are then averaged by
+A model built eagerly may be initialised differently per rank (no seed, or a per-rank one);
+broadcasting at setup makes the replicas equal by construction (a meta-built model's replicas are
+equal already: see :mod:`lightning_pipe.construction.materialize`) (gradients are then averaged by
 :mod:`.reducer`, so they stay equal).
 """
 

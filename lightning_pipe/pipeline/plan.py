@@ -1,7 +1,7 @@
 """Which layers, parameters and state-dict keys of a model each pipeline stage owns.
 
-Every rank builds the full model (so that initialisation from a seed is identical to one device),
-then keeps the layers of its stage. The plan records that split once, with the checks that make a
+Every rank sees the whole model's structure (built eagerly, or with its parameters on the meta
+device) and keeps the layers of its stage. The plan records that split once, with the checks that make a
 mistake visible at setup rather than as a wrong gradient later: layers must be distinct submodules
 of the model and every trainable parameter must belong to some layer. A parameter shared by layers
 on different stages (a token embedding tied to the output head) is recorded as *tied*: each stage

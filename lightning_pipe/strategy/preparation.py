@@ -177,6 +177,12 @@ class ModelPreparation(PipeTPParts):
                 f"{self.schedule.value}, micro-batches {self.num_microbatches or f'auto (2 x {pp})'}, "
                 f"checkpoint {self.checkpoint.value}\n{plan.describe(layers)}"
                 + (f"\n{prepared.sharding}" if prepared.sharding else "")
+                + (
+                    "\n  built on the meta device: each rank holds only its own stage's tensors (and "
+                    "tensor slice); other stages' parameters are meta tensors, without storage"
+                    if materialized
+                    else ""
+                )
             )
 
     def _materialize(
