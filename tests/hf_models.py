@@ -22,8 +22,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 VOCAB, SEQ = 32, 8
 
 
-def tiny_config() -> LlamaConfig:
+def tiny_config(tied: bool = False) -> LlamaConfig:
     return LlamaConfig(
+        tie_word_embeddings=tied,
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -73,11 +74,14 @@ class HeadStage(nn.Module):
 
 
 class LlamaLM(L.LightningModule):
-    def __init__(self, seed: int | None = 0, lr: float = 0.1) -> None:
+    def __init__(
+        self, seed: int | None = 0, lr: float = 0.1, tied: bool = False, hf_plan: bool = False
+    ) -> None:
         super().__init__()
         if seed is not None:
             torch.manual_seed(seed)
-        self.llama = LlamaForCausalLM(tiny_config())
+        self.llama = LlamaForCausalLM(tiny_config(tied))
+        self.hf_plan = hf_plan
         self.pipe = nn.ModuleList(
             [EmbedStage(self.llama), *map(DecoderStage, self.llama.model.layers), HeadStage(self.llama)]
         )
@@ -87,6 +91,8 @@ class LlamaLM(L.LightningModule):
         return list(self.pipe)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
+        if self.hf_plan:  # the causal LM's own plan as it ships (Hugging Face style names)
+            return {f"llama.{pattern}": style for pattern, style in self.llama._tp_plan.items()}
         plan = self.llama.config.base_model_tp_plan
         return {f"llama.model.{pattern}": style for pattern, style in plan.items()}
 

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from lightning_pipe import PipeTPStrategy
-from tests.distributed import run_distributed, run_distributed_outcomes
+from tests.distributed import Outcome, run_distributed, run_distributed_outcomes
 from tests.lightning_models import Regressor, dataset, loader
 
 TOL = 1e-5
@@ -83,16 +83,27 @@ def _assert_owned_equal(got: list[dict[str, torch.Tensor]], reference: L.Lightni
             )
 
 
-def mismatch_worker(root: str) -> None:
+def _two_stage_fit(model: L.LightningModule, root: str) -> None:
     strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
-    _trainer(strategy, 2, root).fit(GlobalRankSharded())
+    _trainer(strategy, 2, root).fit(model)
+
+
+def _both_fail(worker: Any) -> list[Outcome]:
+    """Run ``worker`` on two ranks, each of which must exit 1 with an error (not be killed)."""
+    with tempfile.TemporaryDirectory() as root:
+        outcomes = run_distributed_outcomes(worker, 2, root, timeout=120, init_group=False)
+    for o in outcomes:
+        assert o.exitcode == 1 and not o.killed and o.error is not None, o
+    return outcomes
+
+
+def mismatch_worker(root: str) -> None:
+    _two_stage_fit(GlobalRankSharded(), root)
 
 
 def test_pipeline_ranks_with_different_data_stop_at_the_first_step() -> None:
-    with tempfile.TemporaryDirectory() as root:
-        outcomes = run_distributed_outcomes(mismatch_worker, 2, root, timeout=120, init_group=False)
+    outcomes = _both_fail(mismatch_worker)
     for o in outcomes:
-        assert o.exitcode == 1 and not o.killed, o
         assert o.error is not None
         assert "StepCheckError: pipe_tp: the ranks of one model replica must run the same batch" in o.error
         assert "at training_step of batch 0 they do not. The ranks loaded different data" in o.error
@@ -236,15 +247,12 @@ class ShortOnLastStage(Regressor):
 
 
 def short_stage_worker(root: str) -> None:
-    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
-    _trainer(strategy, 2, root).fit(ShortOnLastStage())
+    _two_stage_fit(ShortOnLastStage(), root)
 
 
 def test_pipeline_ranks_with_unequal_batch_counts_stop_with_the_fix() -> None:
-    with tempfile.TemporaryDirectory() as root:
-        outcomes = run_distributed_outcomes(short_stage_worker, 2, root, timeout=120, init_group=False)
+    outcomes = _both_fail(short_stage_worker)
     for o in outcomes:
-        assert o.exitcode == 1 and not o.killed, o
         assert o.error is not None
         assert (
             "StepCheckError: pipe_tp: the ranks of one model replica must load the same train batches, "

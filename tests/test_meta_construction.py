@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy, cross_entropy
 from lightning_pipe.checkpoint.full import gather_model_state
+from lightning_pipe.construction.meta import ValueLostError, parameters_on_meta
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from tests.distributed import run_distributed, run_distributed_outcomes
 from tests.gpt_models import Block, Embed, Head, TinyGPT, token_data
@@ -237,8 +238,9 @@ def test_a_parameter_without_initialisation_is_named_at_setup() -> None:
     outcomes = run_distributed_outcomes(unresettable_worker, 2, timeout=120, init_group=False)
     last = outcomes[1]
     assert last.exitcode == 1 and not last.killed, last
-    assert "1 tensors of the meta-built model got no initial value: ['layers.1.scale']" in (last.error or "")
-    assert "init_module_weights(self, module)" in (last.error or "")
+    error = last.error or ""
+    assert "The meta-built model has 1 tensor that no initialisation set: ['layers.1.scale']" in error
+    assert "init_module_weights(self, module)" in error
 
 
 def roundtrip_worker(root: str) -> dict[str, Any]:
@@ -275,3 +277,23 @@ def test_a_meta_built_model_saves_loads_and_resumes() -> None:
     for key, value in saved.items():
         assert torch.equal(loaded[key], value), key
     assert [r["steps"] for r in got] == [8] * 4  # 4 batches per epoch, resumed after the first
+
+
+def test_a_parameter_registered_twice_stays_one_tensor() -> None:
+    with parameters_on_meta():
+        shared = nn.Parameter(torch.empty(4, 4))
+        a, b = nn.Module(), nn.Module()
+        a.w, b.w = shared, shared
+    assert a.w.is_meta and a.w is b.w
+
+
+def test_loading_weights_into_meta_parameters_is_refused_not_lost(tmp_path: Any) -> None:
+    """``from_pretrained`` inside configure_model() would assign values to meta parameters, which
+    would be silently lost (each rank re-initialises its stage): it is an error that says so."""
+    from tests.hf_models import LlamaLM
+
+    LlamaLM().llama.save_pretrained(tmp_path)
+    with pytest.raises(ValueLostError) as err, parameters_on_meta("configure_model() under pipe_tp"):
+        LlamaLM().llama.from_pretrained(tmp_path)
+    assert "configure_model() under pipe_tp creates parameters on the meta device" in str(err.value)
+    assert "from_pretrained" in str(err.value) and "from_config" in str(err.value)

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_pipe.construction.pretrained import WeightFiles
+
 _SOURCE = "_lightning_pipe_source"
 _SHOWN = 8
 
@@ -99,9 +101,15 @@ def _stream(seed: int) -> Iterator[None]:
 def _initialise(module: nn.Module, name: str, seed: int, init: InitFn | None) -> dict[str, torch.Tensor]:
     """The initial values (on the CPU) of ``module``'s own meta tensors, by attribute."""
     metas = [(attr, t, is_param) for attr, t, is_param in _direct(module) if t.is_meta]
+    # An init rewrites every tensor of the module, the real ones too (a buffer set after
+    # construction, an eagerly built parameter): those keep their values.
+    real = [(attr, t.detach().clone()) for attr, t, _ in _direct(module) if not t.is_meta]
     for attr, t, is_param in metas:
-        blank = _blank(t)
-        _set(module, attr, nn.Parameter(blank, t.requires_grad) if is_param else blank, is_param)
+        blank: torch.Tensor = _blank(t)
+        if is_param:
+            blank = nn.Parameter(blank, t.requires_grad)
+            blank.__dict__.update(t.__dict__)  # attributes an init may read (sharding marks)
+        _set(module, attr, blank, is_param)
     try:
         with _stream(module_seed(seed, name)), torch.no_grad():
             if init is not None:
@@ -111,6 +119,10 @@ def _initialise(module: nn.Module, name: str, seed: int, init: InitFn | None) ->
         # Read back what the attributes hold now: an init may assign new tensors (litgpt's
         # ``self.cos, self.sin = self.rope_cache()``) instead of filling the given ones.
         current = dict((attr, t) for attr, t, _ in _direct(module))
+        with torch.no_grad():
+            for attr, kept in real:
+                if attr in current and current[attr].shape == kept.shape:
+                    current[attr].copy_(kept)
         return {attr: current[attr].detach().to("cpu") for attr, _, _ in metas}
     finally:
         for attr, t, is_param in metas:  # the module stays meta until the caller swaps in values
@@ -126,16 +138,54 @@ class _Values:
     embedding that another rank holds still takes the embedding's values.
     """
 
-    def __init__(self, model: nn.Module, seed: int, init: InitFn | None) -> None:
-        self.seed, self.init = seed, init
+    def __init__(
+        self, model: nn.Module, seed: int, init: InitFn | None, weights: WeightFiles | None = None
+    ) -> None:
+        self.seed, self.init, self.weights = seed, init, weights
         self.owners: dict[int, tuple[str, nn.Module, str]] = {}
-        for name, module in model.named_modules():
+        # Every state-dict key that reaches a meta tensor: a file may hold a tied weight under
+        # either name (Hugging Face keeps only the embedding's).
+        self.keys: dict[int, list[str]] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
             source = module.__dict__.get(_SOURCE)
             for holder in (source[0], module) if source is not None else (module,):
                 for attr, t, _ in _direct(holder):
                     if t.is_meta:
                         self.owners.setdefault(id(t), (name, holder, attr))
+                        self.keys.setdefault(id(t), []).append(f"{name}.{attr}" if name else attr)
         self._memo: dict[int, dict[str, torch.Tensor]] = {}
+        self.missing: list[str] = []
+        """Parameters the weight files do not hold (they are initialised instead)."""
+
+    def _read(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``tensor``'s value from the weight files, cast to its dtype, or ``None``."""
+        assert self.weights is not None
+        for key in self.keys[id(tensor)]:
+            value = self.weights.get(key)
+            if value is None:
+                continue
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise MaterializeError(
+                    f"The pretrained weights {self.weights.path} hold {key!r} (as "
+                    f"{self.weights.file_key(key)!r}) with shape {list(value.shape)}, but the model's is "
+                    f"{list(tensor.shape)}: the files belong to another configuration of the model."
+                )
+            return value.to(tensor.dtype)
+        return None
+
+    def _loaded_or_initialised(self, module: nn.Module, name: str) -> dict[str, torch.Tensor]:
+        if self.weights is None:
+            return _initialise(module, name, self.seed, self.init)
+        metas = [(attr, t, is_param) for attr, t, is_param in _direct(module) if t.is_meta]
+        loaded = {attr: v for attr, t, _ in metas if (v := self._read(t)) is not None}
+        for attr, t, is_param in metas:
+            if is_param and attr not in loaded:
+                self.missing.append(self.keys[id(t)][0])
+        if len(loaded) == len(metas):
+            return loaded  # nothing to initialise: the files hold every tensor
+        values = _initialise(module, name, self.seed, self.init)
+        values.update(loaded)
+        return values
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """The initial value of ``tensor`` (on the CPU)."""
@@ -151,7 +201,7 @@ class _Values:
             return self._memo[id(module)]
         source = module.__dict__.get(_SOURCE)
         if source is None or not any(t.is_meta for _, t, _ in _direct(source[0])):
-            values = _initialise(module, name, self.seed, self.init)
+            values = self._loaded_or_initialised(module, name)
         else:
             # The full layer's values (each full tensor from its own owner), then the same cut.
             full, build = source
@@ -173,15 +223,23 @@ class _Values:
 
 
 def materialize(
-    model: nn.Module, device: torch.device, seed: int, skip: Set[int], init: InitFn | None = None
+    model: nn.Module,
+    device: torch.device,
+    seed: int,
+    skip: Set[int],
+    init: InitFn | None = None,
+    weights: WeightFiles | None = None,
 ) -> Materialized:
     """Give every meta tensor of ``model`` whose ``id()`` is not in ``skip`` storage on ``device``
-    and its layout-independent initial value; every attribute that held the meta tensor (a tied
-    weight is held twice) then holds the new one.
+    and its layout-independent initial value (from ``weights`` when they hold it); every attribute
+    that held the meta tensor (a tied weight is held twice) then holds the new one.
+
+    With ``weights``, a parameter the files do not hold is an error naming it (buffers the files
+    lack, usually computed ones, are initialised).
 
     Raises :class:`MaterializeError` naming the float tensors that the initialisation left unset.
     """
-    values = _Values(model, seed, init)
+    values = _Values(model, seed, init, weights)
     created: dict[int, torch.Tensor] = {}
     unset: list[str] = []
     for name, module in model.named_modules():
@@ -189,7 +247,7 @@ def materialize(
             if not t.is_meta or id(t) in skip or id(t) in created:
                 continue
             value = values.of(t)
-            if value.is_floating_point() and bool(value.isnan().any()):
+            if (value.is_floating_point() or value.is_complex()) and bool(value.isnan().any()):
                 unset.append(f"{name}.{attr}" if name else attr)
             value = value.to(device)
             if is_param:
@@ -198,9 +256,19 @@ def materialize(
                 value = param
             created[id(t)] = value
         values.forget()
+    if values.missing:
+        missing = sorted(set(values.missing))
+        assert weights is not None
+        raise MaterializeError(
+            f"The pretrained weights {weights.path} hold no value for {len(missing)} parameters of this "
+            f"rank's stage: {missing[:_SHOWN]}{' ...' if len(missing) > _SHOWN else ''}. If the files name "
+            f"them without the module's prefix, pass it (pretrained_prefix, now {weights.prefix!r}: a "
+            "Hugging Face model kept as self.llama takes 'llama.')."
+        )
     if unset:
         raise MaterializeError(
-            f"{len(unset)} tensors of the meta-built model got no initial value: {unset[:_SHOWN]}"
+            f"The meta-built model has {len(unset)} tensor{'s' if len(unset) != 1 else ''} that no "
+            f"initialisation set: {unset[:_SHOWN]}"
             f"{' ...' if len(unset) > _SHOWN else ''}. Under pipe_tp, a model built in configure_model() "
             "or under trainer.init_module(empty_init=True) has its parameters on the meta device, and each "
             "rank initialises the modules of its own stage with their reset_parameters() (Lightning's "
@@ -209,6 +277,19 @@ def materialize(
             "initialise any module (e.g. by calling a Hugging Face model's _init_weights(module))."
         )
     _replace(model, created)
+    # A module that still holds the full meta tensor a materialised slice was cut from (an output
+    # head tied to the embedding, on the embedding's stage, outside this stage's layers) holds the
+    # slice now: its state-dict key then saves and loads this rank's current values.
+    cut: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        source = module.__dict__.get(_SOURCE)
+        if source is None:
+            continue
+        for attr, full, _ in _direct(source[0]):
+            mine = module._parameters.get(attr)
+            if full.is_meta and mine is not None and not mine.is_meta:
+                cut.setdefault(id(full), mine)
+    _replace(model, cut)
     return Materialized(frozenset(id(t) for t in created.values()), sum(t.numel() for t in created.values()))
 
 

@@ -15,6 +15,7 @@ hook; the layer's own initialisation in ``__init__`` then runs on the meta twin,
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,18 +24,53 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 
-def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-    if param is None or param.is_meta:
-        return None  # a tied parameter (already meta) is registered as it is, so it stays tied
-    twin = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-    twin.__dict__.update(param.__dict__)  # attributes set on the parameter (sharding marks)
-    return twin
+class ValueLostError(RuntimeError):
+    """A value was assigned to a parameter that was created on the meta device."""
+
+
+class _MetaTwins:
+    """The registration hook: each real parameter becomes a meta twin, the same twin every time
+    that parameter is registered (``w = Parameter(...); a.weight = w; b.weight = w`` stays tied).
+
+    A real parameter registered over a module's *meta* parameter of the same name is a value
+    being loaded (``from_pretrained``, ``load_state_dict(assign=True)``) or a parameter replaced
+    after construction: turning it into meta would silently lose that value, so it is an error.
+    """
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        # id(original) -> (a weak reference to it, its twin): the original itself is not kept alive
+        # (its storage is freed at once); the reference tells a reused id from the same tensor.
+        self.twins: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
+
+    def __call__(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.is_meta:
+            return None  # a tied parameter (already meta) is registered as it is, so it stays tied
+        known = self.twins.get(id(param))
+        if known is not None and known[0]() is param:
+            return known[1]
+        existing = module._parameters.get(name)
+        if existing is not None and existing.is_meta:
+            raise ValueLostError(
+                f"{self.where} creates parameters on the meta device (no values; each rank materialises "
+                f"its own stage at setup), but a value was assigned to the meta parameter {name!r} of a "
+                f"{type(module).__name__}: loading weights here (from_pretrained, "
+                "load_state_dict(assign=True)) or replacing a parameter after construction would be "
+                "lost. Build the model from its configuration (e.g. AutoModelForCausalLM.from_config) and "
+                "initialise in place (reset_parameters(), nn.init); to start from pretrained weights, "
+                "build the model in __init__ and load them there (every rank then holds the whole model)."
+            )
+        twin = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        twin.__dict__.update(param.__dict__)  # attributes set on the parameter (sharding marks)
+        self.twins[id(param)] = (weakref.ref(param), twin)
+        return twin
 
 
 @contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Every parameter a module registers inside the block is a meta tensor."""
-    handle = register_module_parameter_registration_hook(_to_meta)  # type: ignore[arg-type]
+def parameters_on_meta(where: str = "This block") -> Iterator[None]:
+    """Every parameter a module registers inside the block is a meta tensor; ``where`` names the
+    block in errors."""
+    handle = register_module_parameter_registration_hook(_MetaTwins(where))  # type: ignore[arg-type]
     try:
         yield
     finally:

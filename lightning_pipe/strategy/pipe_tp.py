@@ -318,7 +318,11 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         """``trainer.init_module()``: the model is built on the CPU (each rank moves only its own
         stage to its device at setup); with ``empty_init=True`` its parameters are created on the
         meta device and each rank materialises only its own stage and tensor slice at setup."""
-        meta = parameters_on_meta() if empty_init else nullcontext()
+        meta = (
+            parameters_on_meta("trainer.init_module(empty_init=True) under pipe_tp")
+            if empty_init
+            else nullcontext()
+        )
         with meta, self.precision_plugin.tensor_init_context():
             yield
 
@@ -326,7 +330,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
     @override
     def model_sharded_context(self) -> Iterator[None]:
         """Around ``configure_model()``: parameters are created on the meta device (issue 16)."""
-        with parameters_on_meta():
+        with parameters_on_meta("configure_model() under pipe_tp"):
             yield
 
     # ------------------------------------------------------------------ setup

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -209,10 +210,11 @@ class ModelPreparation(PipeTPParts):
     def _initial_seed(self) -> int:
         """The seed of every module's initial values: Lightning's global seed when one was set
         (``seed_everything``), else global rank 0's, so that all ranks agree without a seed."""
+        # Always rank 0's, broadcast: ranks whose environments differ (a seed set on some ranks
+        # only, or a per-rank seed) still build one model, and every rank joins the broadcast.
         env = os.environ.get("PL_GLOBAL_SEED")
-        if env is not None:
-            return int(env)
-        seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=self.root_device)
+        mine = int(env) if env is not None else torch.initial_seed()
+        seed = torch.tensor([mine % 2**62], dtype=torch.int64, device=self.root_device)
         with self._collective("agreeing on the seed of the initial weights"):
             dist.broadcast(seed, src=0)
         return int(seed)
@@ -254,7 +256,9 @@ class ModelPreparation(PipeTPParts):
         if self._batch_norm is not None:
             self._batch_norm.remove()
             self._batch_norm = None
-        with meta_tensors_set_aside(self.module):  # other stages' tensors have nothing to move
+        module = self.lightning_module
+        # Other stages' tensors have nothing to move (there may be no module after a failed setup).
+        with meta_tensors_set_aside(module) if module is not None else nullcontext():
             super().teardown()
 
     def _shard_tensor_parallel(

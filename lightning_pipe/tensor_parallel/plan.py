@@ -57,7 +57,62 @@ class ShardStyle(enum.Enum):
 
     @classmethod
     def parse(cls, value: str, pattern: str) -> ShardStyle:
-        return parse_option(cls, value, "tensor-parallel style", context=f" for {pattern!r}")
+        """Our style names, or Hugging Face's as its plans write them (``model._tp_plan``,
+        ``config.base_model_tp_plan``); a Hugging Face style we do not implement is refused with
+        what to do instead."""
+        if isinstance(value, str) and value.lower() in HF_STYLES:
+            return HF_STYLES[value.lower()]
+        if isinstance(value, str):
+            why = next((text for names, text in _HF_UNSUPPORTED if value.lower() in names), None)
+            if why is not None:
+                raise ValueError(
+                    f"The tensor-parallel plan entry {pattern!r}: {value!r} is a Hugging Face style that "
+                    f"pipe_tp does not support: {why}."
+                )
+        hint = f" (or Hugging Face's {', '.join(repr(n) for n in HF_STYLES)})"
+        return parse_option(cls, value, "tensor-parallel style", context=f" for {pattern!r}", hint=hint)
+
+
+# Hugging Face transformers' style names (5.x), as its models' plans write them, mapped to ours;
+# "colwise" and "rowwise" are the same words in both.
+HF_STYLES: dict[str, ShardStyle] = {
+    "colwise_gather_output": ShardStyle.COLWISE_GATHER,
+    "rowwise_split_input": ShardStyle.ROWWISE_SPLIT,
+    "embedding_rowwise": ShardStyle.VOCAB,
+}
+
+_HF_UNSUPPORTED: tuple[tuple[frozenset[str], str], ...] = (
+    (
+        frozenset({"sequence_parallel"}),
+        "pipe_tp has no sequence parallelism yet; remove the entry, and the module stays whole on every "
+        "tensor rank, computing the same values",
+    ),
+    (
+        frozenset({"replicate", "replicated_with_grad_allreduce"}),
+        "remove the entry: every module the plan does not name stays whole (replicated) on every tensor "
+        "rank, and its gradients are equal there without a reduction (there is no sequence parallelism)",
+    ),
+    (
+        frozenset(
+            {"local_colwise", "local_rowwise", "local", "local_packed_rowwise", "local_params", "gather"}
+        ),
+        "Hugging Face's local styles leave the communication to the model's own code; use 'colwise', "
+        "'rowwise' or 'colwise_gather_output' instead, which pipe_tp implements with their communication",
+    ),
+    (
+        frozenset({"packed_colwise", "packed_rowwise"}),
+        "a fused projection (gate and up in one Linear) must be split per half, which pipe_tp cannot do "
+        "yet; leave it out of the plan (it stays whole) or build it as two Linear layers",
+    ),
+    (
+        frozenset(
+            {"grouped_gemm", "ep_router", "ep_dispatch_experts", "moe_tp_experts", "isolated"}
+            | {"mla_kv_a_proj"}
+        ),
+        "expert parallelism and model-specific styles are not supported; leave these modules out of the "
+        "plan (they stay whole on every tensor rank)",
+    ),
+)
 
 
 _EXPECTED: dict[ShardStyle, type[nn.Module]] = {
@@ -142,7 +197,50 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dic
             _check_divisible(name, module, style, tp_size)
             _check_heads(name, modules, style, tp_size)
             resolved[name] = style
+    _check_tied(modules, resolved)
     return resolved
+
+
+# The dim of a module's weight that each style splits.
+_WEIGHT_DIM = {
+    ShardStyle.COLWISE: 0,
+    ShardStyle.COLWISE_GATHER: 0,
+    ShardStyle.COLWISE_LOGITS: 0,
+    ShardStyle.ROWWISE: 1,
+    ShardStyle.ROWWISE_SPLIT: 1,
+    ShardStyle.VOCAB: 0,
+}
+
+
+def _check_tied(modules: Mapping[str, nn.Module], resolved: Mapping[str, ShardStyle]) -> None:
+    """A weight held by several modules (an output head tied to the token embedding) must be split
+    the same way in all of them, or the copies would stop being one tensor."""
+    holders: dict[int, list[str]] = {}
+    for name, module in modules.items():
+        for param in module._parameters.values():
+            if param is not None:
+                holders.setdefault(id(param), []).append(name)
+    for names in holders.values():
+        if len(names) < 2 or not any(n in resolved for n in names):
+            continue
+        unsharded = [n for n in names if n not in resolved]
+        sharded = [n for n in names if n in resolved]
+        if unsharded:
+            raise ValueError(
+                f"{sharded[0]!r} and {unsharded[0]!r} share a weight (tied), but the tensor-parallel plan "
+                f"shards only {sharded[0]!r} ({resolved[sharded[0]].value!r}). Shard {unsharded[0]!r} the "
+                "same way: an embedding tied to a column-parallel head takes 'vocab' (Hugging Face: "
+                "'embedding_rowwise'), a head tied to a vocab-parallel embedding a column style "
+                "('colwise_logits', or Hugging Face's 'colwise_gather_output')."
+            )
+        dims = {n: _WEIGHT_DIM.get(resolved[n]) for n in sharded}
+        if len(set(dims.values())) > 1:
+            (a, da), (b, db) = list(dims.items())[:2]
+            raise ValueError(
+                f"{a!r} and {b!r} share a weight (tied), but the plan splits it along dim {da} for {a!r} "
+                f"({resolved[a].value}) but dim {db} for {b!r} ({resolved[b].value}). Give them styles that "
+                "split the same dim: 'vocab' for the embedding with a column style for the head."
+            )
 
 
 def _check_divisible(name: str, module: nn.Module, style: ShardStyle, tp: int) -> None:
@@ -243,4 +341,13 @@ def apply_plan(
         for holder, attr in holders.get(id(module), [(parent, child)]):
             holder._modules[attr] = new
         replaced.append(name)
+    # A module the plan names but ``include`` left alone on this rank may hold a parameter that a
+    # replaced module held too (an output head tied to the embedding, on the embedding's stage):
+    # it now holds the shard as well, so that its state-dict key (an alias the stage saves and
+    # loads) is this rank's current slice, not a stale whole copy.
+    # (A meta shard gets the same treatment once it has values: see ``materialize``.)
+    for sub in model.modules():
+        for attr, param in list(sub._parameters.items()):
+            if param is not None and id(param) in shards and not param.is_meta:
+                sub._parameters[attr] = shards[id(param)]
     return replaced

@@ -1,0 +1,113 @@
+"""Initial weights read from files, each rank reading only the tensors it materialises.
+
+A model built on the meta device starts from pretrained weights when
+:func:`~lightning_pipe.construction.materialize.materialize` is given a :class:`WeightFiles`: every
+tensor the rank materialises is looked up by its state-dict key and read on its own, so a rank
+reads its stage's tensors and no others (for a tensor-parallel slice, the full tensor is read
+and cut, one tensor at a time). This is weights only, not a resume: no optimizer or loop state.
+
+Formats, told apart by what ``path`` is:
+
+* a Hugging Face directory (``save_pretrained``): ``model.safetensors``, or the shards listed in
+  ``model.safetensors.index.json``; each tensor read with ``safetensors.safe_open`` (memory-mapped);
+* a single ``.safetensors`` file;
+* a ``pipe_tp`` sharded checkpoint directory, whatever layout wrote it;
+* a Lightning checkpoint file (``trainer.save_checkpoint`` with one file, a consolidated one) or a
+  bare ``torch.save``-d state dict: opened with ``torch.load(mmap=True, weights_only=True)``, so
+  only the pages of the tensors asked for are read.
+
+``prefix`` maps the module's keys to the file's: a Hugging Face model kept as ``self.llama`` has
+module keys ``llama.model.layers.0...`` and file keys ``model.layers.0...``, so ``prefix="llama."``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_pipe.checkpoint.metadata import CheckpointError, is_sharded_checkpoint
+from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+class WeightFiles:
+    """Tensors by state-dict key from weight files (see the module docstring for the formats)."""
+
+    def __init__(self, path: str | Path, prefix: str = "") -> None:
+        self.path, self.prefix = Path(path), prefix
+        self._files: dict[str, Any] = {}  # safetensors file name -> open handle
+        self._where: dict[str, str] = {}  # file key -> safetensors file name
+        self._state: dict[str, Any] | None = None
+        self._sharded: ShardedCheckpoint | None = None
+        if not self.path.exists():
+            raise FileNotFoundError(f"The pretrained weights {self.path} do not exist.")
+        if self.path.is_dir() and is_sharded_checkpoint(self.path):
+            self._sharded = ShardedCheckpoint(self.path)
+            self._keys = set(self._sharded.metadata.model)
+        elif self.path.is_dir() and (self.path / _INDEX).is_file():
+            index = json.loads((self.path / _INDEX).read_text())
+            self._where = dict(index["weight_map"])
+            self._keys = set(self._where)
+        elif self.path.is_dir() and (self.path / _SINGLE).is_file():
+            self._index_file(_SINGLE)
+        elif self.path.is_file() and self.path.suffix == ".safetensors":
+            self.path, name = self.path.parent, self.path.name
+            self._index_file(name)
+        elif self.path.is_file():
+            loaded = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else None
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{self.path} holds no state dict (got {type(loaded).__name__}).")
+            self._state = state
+            self._keys = {k for k, v in state.items() if isinstance(v, torch.Tensor)}
+        else:
+            raise CheckpointError(
+                f"{self.path} is neither a weights file (.safetensors, .ckpt, .pt) nor a directory with "
+                f"{_SINGLE}, {_INDEX} or a pipe_tp sharded checkpoint."
+            )
+
+    def _index_file(self, name: str) -> None:
+        handle = self._open(name)
+        self._where = {key: name for key in handle.keys()}
+        self._keys = set(self._where)
+
+    def _open(self, name: str) -> Any:
+        if name not in self._files:
+            try:
+                from safetensors import safe_open
+            except ImportError as err:  # an optional dependency
+                raise ImportError(
+                    f"Reading {self.path / name} needs the safetensors package: pip install safetensors"
+                ) from err
+            self._files[name] = safe_open(str(self.path / name), framework="pt", device="cpu")
+        return self._files[name]
+
+    def file_key(self, key: str) -> str | None:
+        """The file's key for the module's state-dict ``key``, or ``None`` if it has none."""
+        if not key.startswith(self.prefix):
+            return None
+        key = key[len(self.prefix) :]
+        return key if key in self._keys else None
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """The full tensor for the module's state-dict ``key`` (``None`` when the files lack it)."""
+        found = self.file_key(key)
+        if found is None:
+            return None
+        if self._sharded is not None:
+            value = self._sharded.model_value(found)
+        elif self._state is not None:
+            value = self._state[found]
+        else:
+            value = self._open(self._where[found]).get_tensor(found)
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"The entry {found!r} of {self.path} is not a tensor.")
+        return value
+
+    def __repr__(self) -> str:
+        return f"WeightFiles({str(self.path)!r}, prefix={self.prefix!r})"
