@@ -123,3 +123,25 @@ def llama_data(n: int, seed: int = 3) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
     return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+class MetaLlamaLM(LlamaLM):
+    """The tied Llama built in configure_model() (meta device under pipe_tp) from its config, with
+    Hugging Face's own initialisation for the modules that have no reset_parameters() (RMSNorm)."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.lr, self.hf_plan = 0.1, True
+        self.llama: LlamaForCausalLM | None = None  # type: ignore[assignment]
+
+    def configure_model(self) -> None:
+        if self.llama is not None:
+            return
+        self.llama = LlamaForCausalLM(tiny_config(tied=True))
+        self.pipe = nn.ModuleList(
+            [EmbedStage(self.llama), *map(DecoderStage, self.llama.model.layers), HeadStage(self.llama)]
+        )
+
+    def init_module_weights(self, module: nn.Module) -> None:
+        assert self.llama is not None
+        self.llama._init_weights(module)

@@ -24,7 +24,7 @@ from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.tensor_parallel.plan import ShardStyle, resolve_plan
 from tests.distributed import run_distributed
-from tests.hf_models import DecoderStage, EmbedStage, HeadStage, LlamaLM, llama_data, tiny_config
+from tests.hf_models import LlamaLM, MetaLlamaLM, llama_data, tiny_config
 
 TOL = 1e-5
 TRAIN = llama_data(16)
@@ -120,28 +120,6 @@ def test_tied_modules_sharded_along_different_dims_are_refused() -> None:
     expected = r"along dim 0 for 'embed' \(vocab\) but dim 1 for 'head' \(rowwise\)"
     with pytest.raises(ValueError, match=expected):
         resolve_plan(_TiedRowwise(), {"embed": "vocab", "head": "rowwise"}, 2)
-
-
-class MetaLlamaLM(LlamaLM):
-    """The tied Llama built in configure_model() (meta device under pipe_tp) from its config, with
-    Hugging Face's own initialisation for the modules that have no reset_parameters() (RMSNorm)."""
-
-    def __init__(self) -> None:
-        L.LightningModule.__init__(self)
-        self.lr, self.hf_plan = 0.1, True
-        self.llama: LlamaForCausalLM | None = None  # type: ignore[assignment]
-
-    def configure_model(self) -> None:
-        if self.llama is not None:
-            return
-        self.llama = LlamaForCausalLM(tiny_config(tied=True))
-        self.pipe = nn.ModuleList(
-            [EmbedStage(self.llama), *map(DecoderStage, self.llama.model.layers), HeadStage(self.llama)]
-        )
-
-    def init_module_weights(self, module: nn.Module) -> None:
-        assert self.llama is not None
-        self.llama._init_weights(module)
 
 
 class _Initial(L.Callback):

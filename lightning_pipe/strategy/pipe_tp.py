@@ -113,6 +113,14 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             from the statistics of the whole batch (summed over micro-batches and data-parallel
             replicas), so evaluation uses the statistics one device would have (torchgpipe's
             deferred batch norm). ``False``: they update once per micro-batch.
+        pretrained: initial weights for a model built in ``configure_model()`` or under
+            ``trainer.init_module(empty_init=True)``, each rank reading only its own stage's
+            tensors: a Hugging Face directory (``model.safetensors``, or sharded with
+            ``model.safetensors.index.json``), a ``.safetensors`` file, a ``pipe_tp`` sharded
+            checkpoint or a Lightning checkpoint file. Weights only: no optimizer or loop state
+            (resume with ``ckpt_path``).
+        pretrained_prefix: what the module's state-dict keys have before the files' keys (a Hugging
+            Face model kept as ``self.llama``: ``"llama."``).
         start_method: ``"popen"`` (Lightning re-launches the script; torchrun and SLURM start
             the processes themselves) or ``"spawn"``/``"fork"``/``"forkserver"``.
     """
@@ -136,6 +144,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         timeline: str | None = None,
         save_distributed_checkpoint: bool = True,
         deferred_batch_norm: bool = True,
+        pretrained: str | os.PathLike[str] | None = None,
+        pretrained_prefix: str = "",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -185,6 +195,13 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         self.tensor_parallel_plan = tensor_parallel_plan
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.deferred_batch_norm = deferred_batch_norm
+        if pretrained is not None and not os.path.exists(pretrained):
+            raise FileNotFoundError(
+                f"pretrained={str(pretrained)!r} does not exist: pass a Hugging Face model directory, a "
+                ".safetensors file, a pipe_tp checkpoint directory or a Lightning checkpoint file."
+            )
+        self.pretrained = None if pretrained is None else os.fspath(pretrained)
+        self.pretrained_prefix = pretrained_prefix
         self._batch_norm: DeferredBatchNorm | None = None
         self._forward_checked = False
         self.timeline = timeline or os.environ.get("LIGHTNING_PIPE_TIMELINE") or None

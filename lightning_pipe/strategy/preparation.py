@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_pipe.construction.materialize import materialize, release
 from lightning_pipe.construction.meta import has_meta_tensors, meta_tensors_set_aside
+from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.mesh import MeshAxis, ParallelLayout
@@ -87,6 +88,8 @@ class ModelPreparation(PipeTPParts):
     check_finite: bool
     bucket_cap_mb: float
     deferred_batch_norm: bool
+    pretrained: str | None
+    pretrained_prefix: str
     _timeout: timedelta | None
     _plan: PipelinePlan | None
     _layers: list[torch.nn.Module]
@@ -132,6 +135,13 @@ class ModelPreparation(PipeTPParts):
                     canonical = next(n for n, _, _ in tied if module.get_parameter(n) is param)
                     prepared.tied_paths.setdefault(canonical, path)
             on_meta = has_meta_tensors(module)
+            if self.pretrained is not None and not on_meta:
+                raise MisconfigurationException(
+                    f"pretrained={self.pretrained!r} initialises a model whose parameters are on the meta "
+                    f"device, but {type(module).__name__} was built with its values (in __init__). Build "
+                    "its layers in configure_model() (or under trainer.init_module(empty_init=True)), or "
+                    "load the weights yourself in __init__."
+                )
             if mesh.layout.tensor_parallel_size > 1:
                 prepared.sharding = self._shard_tensor_parallel(module, plan, layers)
             if on_meta:
@@ -195,8 +205,11 @@ class ModelPreparation(PipeTPParts):
         seed = self._initial_seed()
         others = self._other_stages_tensors(plan, layers)
         init = getattr(module, "init_module_weights", None)
+        weights = WeightFiles(self.pretrained, self.pretrained_prefix) if self.pretrained else None
         with self._collective("initialising this stage's parameters"):
-            done = materialize(module, self.root_device, seed, others, init if callable(init) else None)
+            done = materialize(
+                module, self.root_device, seed, others, init if callable(init) else None, weights
+            )
         released = release(module, others)
         total = sum(t.numel() for t in (*module.parameters(), *module.buffers()))
         c = self.mesh.coordinates
