@@ -323,9 +323,10 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             return dataloader
         stage = self.module.trainer.state.stage
         what = f"{stage.dataloader_prefix if stage is not None else ''} batches".strip()
+        others = [r for r in range(self.world_size) if r != self.global_rank]
         return EvenBatches(
             dataloader, self.mesh.layout, cast(dist.ProcessGroup, dist.group.WORLD), self.root_device, what,
-            warn=rank_zero_warn, naming=self._collective,
+            warn=rank_zero_warn, naming=lambda action: self._collective(action, others),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ construction
