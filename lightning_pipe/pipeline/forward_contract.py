@@ -120,6 +120,12 @@ def _numeric(
     devices |= {
         t.device for t in (probe if isinstance(probe, tuple) else (probe,)) if isinstance(t, torch.Tensor)
     }
+    if any(d.type == "meta" for d in devices):
+        raise _UncheckedError(
+            "this rank holds only its own stage (the model was built on the meta device), so forward "
+            "cannot run here; if forward does more than chain the layers, the pipeline skips it: check "
+            "it once on one device"
+        )
     if len(devices) > 1:
         raise _UncheckedError(f"the model's tensors are on several devices ({sorted(map(str, devices))})")
     with torch.no_grad():
