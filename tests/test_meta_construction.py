@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_pipe import PipeTPStrategy, cross_entropy
+from lightning_pipe import PipeTPStrategy, consolidate_checkpoint, cross_entropy
 from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.construction.meta import ValueLostError, parameters_on_meta
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
@@ -84,7 +84,13 @@ def _holdings(model: LateGPT, strategy: PipeTPStrategy) -> dict[str, Any]:
         for n, p in model.named_parameters()
         if not p.is_meta and tensor_parallel_dim(p) is not None
     }
-    return {"own": sorted(own), "layers": layers, "slices": slices}
+    # The optimizer (built from self.parameters()) holds exactly this rank's parameters.
+    held = [p for opt in strategy.optimizers for g in opt.param_groups for p in g["params"]]
+    in_optimizer = {id(p) for p in held}
+    return {
+        "own": sorted(own), "layers": layers, "slices": slices,
+        "optimizer_is_own": in_optimizer == owned_ids and len(held) == len(in_optimizer),
+    }  # fmt: skip
 
 
 def worker(pp: int, tp: int, dp: int, seeded: bool, how: str, tied: bool) -> dict[str, Any]:
@@ -163,6 +169,7 @@ def test_meta_built_model_holds_its_stage_starts_layout_independent_and_matches_
         reference = _one_device(initial, tied)
         for key, value in reference.items():
             torch.testing.assert_close(got[0]["final"][key], value, atol=TOL, rtol=0, msg=key)
+        assert all(r["optimizer_is_own"] for r in got)
         return
     expected = _single_process_initial(tied)
     assert initial.keys() == expected.keys()
@@ -177,6 +184,7 @@ def test_meta_built_model_holds_its_stage_starts_layout_independent_and_matches_
             assert kinds == ([False] if index in result["own"] else [True]), (rank, index, kinds)
         if tp > 1:
             assert result["slices"] and all(result["slices"].values()), (rank, result["slices"])
+        assert result["optimizer_is_own"], rank
 
 
 def test_without_a_seed_tensor_and_data_parallel_peers_start_equal() -> None:
@@ -244,12 +252,13 @@ def test_a_parameter_without_initialisation_is_named_at_setup() -> None:
 
 
 def roundtrip_worker(root: str) -> dict[str, Any]:
-    """Fit a meta-built model, save a sharded checkpoint; a fresh meta-built model validated from
-    it holds the same weights, and one resumed from it trains on."""
+    """Fit a meta-built model at pp=2 x tp=2, save a sharded checkpoint; a fresh meta-built model
+    validated from it holds the same weights, its consolidation is the same whole model, and a
+    meta-built model at pp=4 resumes from it (another layout) and trains on."""
     L.seed_everything(SEED)
 
-    def trainer(**kw: Any) -> L.Trainer:
-        strategy = PipeTPStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)
+    def trainer(pp: int = 2, tp: int = 2, **kw: Any) -> L.Trainer:
+        strategy = PipeTPStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2)
         return L.Trainer(
             strategy=strategy, accelerator="cpu", devices=4, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, **kw,
@@ -264,18 +273,23 @@ def roundtrip_worker(root: str) -> dict[str, Any]:
     second, fresh = trainer(), LateGPT(tied=True)
     second.validate(fresh, data, ckpt_path=path, verbose=False)
     loaded = gather_model_state(fresh, second.strategy._plan, second.strategy.mesh)  # type: ignore[attr-defined]
-    third, resumed = trainer(max_epochs=2), LateGPT(tied=True)
+    consolidated = None
+    if first.is_global_zero:  # one process, no torch.distributed: what a user runs for inference
+        consolidate_checkpoint(path, os.path.join(root, "whole.ckpt"))
+        consolidated = torch.load(os.path.join(root, "whole.ckpt"), weights_only=True)["state_dict"]
+    third, resumed = trainer(pp=4, tp=1, max_epochs=2), LateGPT(tied=True)  # another layout
     third.fit(resumed, data, ckpt_path=path)
-    return {"saved": saved, "loaded": loaded, "steps": third.global_step}
+    return {"saved": saved, "loaded": loaded, "steps": third.global_step, "consolidated": consolidated}
 
 
 def test_a_meta_built_model_saves_loads_and_resumes() -> None:
     with tempfile.TemporaryDirectory() as root:
         got = run_distributed(roundtrip_worker, 4, root, timeout=300, init_group=False)
-    saved, loaded = got[0]["saved"], got[0]["loaded"]
-    assert saved.keys() == loaded.keys()
+    saved, loaded, consolidated = got[0]["saved"], got[0]["loaded"], got[0]["consolidated"]
+    assert saved.keys() == loaded.keys() == consolidated.keys()
     for key, value in saved.items():
         assert torch.equal(loaded[key], value), key
+        assert torch.equal(consolidated[key], value), key
     assert [r["steps"] for r in got] == [8] * 4  # 4 batches per epoch, resumed after the first
 
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.checkpoint.state import writes_key
+from lightning_pipe.checkpoint.optimizer_view import local_to_whole, whole_groups
+from lightning_pipe.checkpoint.state import parameter_names, writes_key
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.pipeline.plan import PipelinePlan
 from lightning_pipe.tensor_parallel.layers import gather_shards, tensor_parallel_dim
@@ -66,16 +67,21 @@ def gather_model_state(module: nn.Module, plan: PipelinePlan, mesh: ParallelMesh
     )
 
 
-def gather_optimizer_state(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> dict[str, Any]:
-    """Collective: ``optimizer.state_dict()`` with every stage's full entries on global rank 0."""
+def gather_optimizer_state(
+    optimizer: torch.optim.Optimizer, mesh: ParallelMesh, module: nn.Module
+) -> dict[str, Any]:
+    """Collective: ``optimizer.state_dict()`` of the whole model (one device's numbering), with
+    every stage's full entries, on global rank 0."""
     state = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    whole = local_to_whole(optimizer, module, parameter_names(optimizer, module))
     group = mesh.group(MeshAxis.TENSOR)
     full = {
-        index: {k: unshard(v, params[index], group) for k, v in entry.items()}
+        whole[index]: {k: unshard(v, params[index], group) for k, v in entry.items()}
         for index, entry in sorted(state["state"].items())
     }
     merged = _gather_to_rank0(full, mesh, {})
     if mesh.rank != 0:
         return {}
-    return {"state": dict(sorted(merged.items())), "param_groups": state["param_groups"]}
+    groups = whole_groups(optimizer, module, state["param_groups"])
+    return {"state": dict(sorted(merged.items())), "param_groups": groups}

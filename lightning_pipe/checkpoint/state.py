@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint.metadata import CheckpointError, TensorRecord
+from lightning_pipe.checkpoint.optimizer_view import whole_groups, whole_model_names
 from lightning_pipe.checkpoint.reader import ShardedCheckpoint
 from lightning_pipe.pipeline.plan import PipelinePlan
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
@@ -146,7 +147,11 @@ def optimizer_shard(
         kept = {k: v for k, v in entry.items() if tp_rank == 0 or _is_sharded(v, param)}
         if kept:
             state[name] = kept
-    return {"state": state, "param_groups": saved["param_groups"], "param_names": names}
+    # Groups numbered over the whole model, as one device numbers them: every rank (and one
+    # device) reads the same description whatever this rank's optimizer holds.
+    whole = whole_model_names(optimizer, module)
+    groups = whole_groups(optimizer, module, saved["param_groups"])
+    return {"state": state, "param_groups": groups, "param_names": [n for g in whole for n in g]}
 
 
 def check_cuttable(entry: Mapping[str, Any], param: torch.Tensor, name: str) -> None:
@@ -278,11 +283,12 @@ def load_optimizer_shard(
             f"{len(optimizer.param_groups)}: configure_optimizers must build the same optimizer."
         )
     groups, position = [], 0
+    whole = whole_model_names(optimizer, module)
     for g, (mine, theirs) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         current = names[position : position + len(mine["params"])]
         check_keys(
             [saved_names[i] for i in theirs["params"]],
-            current,
+            whole[g],
             f"{where} (parameter group {g})",
             "the parameters of that group in the model's optimizer",
             "configure_optimizers must put the same parameters in each group as the run that saved it; "

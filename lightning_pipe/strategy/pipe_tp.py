@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_pipe.checkpoint.full import to_cpu
+from lightning_pipe.checkpoint.optimizer_view import keep_own
 from lightning_pipe.construction.meta import parameters_on_meta
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.uneven import EvenBatches
@@ -370,6 +371,18 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_global_clipping()
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """``configure_optimizers`` as written (``self.parameters()`` lists every stage's); each
+        optimizer then keeps only this rank's parameters (issue 16), its groups still described in
+        whole-model terms for checkpoints (:mod:`lightning_pipe.checkpoint.optimizer_view`)."""
+        super().setup_optimizers(trainer)
+        assert self._plan is not None
+        others = self._other_stages_tensors(self._plan, self._layers)
+        own = {id(p) for p in self.module.parameters() if id(p) not in others and not p.is_meta}
+        for optimizer in self.optimizers:
+            keep_own(optimizer, self.module, own)
 
     def _check_module(self, module: LightningModule, trainer: Trainer) -> None:
         if not module.automatic_optimization:
