@@ -118,6 +118,12 @@ class ParallelLayout:
     def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         return (dp_rank * self.pipeline_parallel_size + pp_rank) * self.tensor_parallel_size + tp_rank
 
+    def replica_ranks(self, dp_rank: int) -> list[int]:
+        """Global ranks of data-parallel replica ``dp_rank`` (its pipeline and tensor ranks): a
+        contiguous block, since the data axis is the outermost."""
+        per_replica = self.pipeline_parallel_size * self.tensor_parallel_size
+        return list(range(dp_rank * per_replica, (dp_rank + 1) * per_replica))
+
     def pipeline_ranks(self, rank: int) -> list[int]:
         """Global ranks of the pipeline that ``rank`` belongs to, indexed by ``pp_rank``."""
         c = self.coordinates(rank)
@@ -169,11 +175,10 @@ def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
         )
     mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=tuple(a.value for a in MeshAxis))
     rank = dist.get_rank()
-    per_replica = layout.pipeline_parallel_size * layout.tensor_parallel_size
     model_group: dist.ProcessGroup | None = None
     # new_group is collective: every rank creates every replica's group, in the same order.
     for dp_rank in range(layout.data_parallel_size):
-        ranks = list(range(dp_rank * per_replica, (dp_rank + 1) * per_replica))
+        ranks = layout.replica_ranks(dp_rank)
         group = dist.new_group(ranks)
         if rank in ranks:
             model_group = group

@@ -11,6 +11,7 @@ rank's indices into them.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Set
 
 import torch
@@ -56,6 +57,17 @@ def local_to_whole(optimizer: torch.optim.Optimizer, module: nn.Module, local_na
             out.append(where[name])
         position += len(group["params"])
         offset += len(names)
+    return out
+
+
+def local_groups(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> list[dict]:
+    """Copies of ``saved_groups`` (their options) with ``params`` numbered over this rank's
+    optimizer: what its ``load_state_dict`` takes."""
+    out, position = [], 0
+    for group, theirs in zip(optimizer.param_groups, saved_groups, strict=True):
+        options = copy.deepcopy({k: v for k, v in theirs.items() if k != "params"})
+        out.append({**options, "params": list(range(position, position + len(group["params"])))})
+        position += len(group["params"])
     return out
 
 

@@ -15,7 +15,6 @@ an optimizer whose parameters differ) is reported before anything is loaded.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint.metadata import CheckpointError, TensorRecord
-from lightning_pipe.checkpoint.optimizer_view import whole_groups, whole_model_names
+from lightning_pipe.checkpoint.optimizer_view import local_groups, whole_groups, whole_model_names
 from lightning_pipe.checkpoint.reader import ShardedCheckpoint
 from lightning_pipe.pipeline.plan import PipelinePlan
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
@@ -282,10 +281,8 @@ def load_optimizer_shard(
             f"{where} has {len(saved_groups)} parameter groups, the model's optimizer has "
             f"{len(optimizer.param_groups)}: configure_optimizers must build the same optimizer."
         )
-    groups, position = [], 0
     whole = whole_model_names(optimizer, module)
-    for g, (mine, theirs) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
-        current = names[position : position + len(mine["params"])]
+    for g, theirs in enumerate(saved_groups):
         check_keys(
             [saved_names[i] for i in theirs["params"]],
             whole[g],
@@ -294,10 +291,7 @@ def load_optimizer_shard(
             "configure_optimizers must put the same parameters in each group as the run that saved it; "
             "to keep only the weights, consolidate the checkpoint and load its state_dict.",
         )
-        group = copy.deepcopy({k: v for k, v in theirs.items() if k != "params"})
-        group["params"] = list(range(position, position + len(current)))
-        groups.append(group)
-        position += len(current)
+    groups = local_groups(optimizer, saved_groups)
     records = reader.metadata.optimizers[index] if index < len(reader.metadata.optimizers) else {}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {}

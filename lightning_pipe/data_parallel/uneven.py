@@ -110,15 +110,7 @@ class EvenBatches:
 
     def _replicas(self) -> list[list[int]]:
         """The global ranks of each data-parallel replica, by replica index."""
-        lay = self._layout
-        return [
-            [
-                lay.rank_of(d, p, t)
-                for p in range(lay.pipeline_parallel_size)
-                for t in range(lay.tensor_parallel_size)
-            ]
-            for d in range(lay.data_parallel_size)
-        ]
+        return [self._layout.replica_ranks(d) for d in range(self._layout.data_parallel_size)]
 
     def _check_replicas(self, values: list[int], show: Callable[[int], str], differ: str) -> None:
         """Raise on every rank if the ranks of one replica hold different ``values``."""

@@ -59,12 +59,7 @@ class StepAgreement(PipeTPParts):
             c = layout.coordinates(rank)
             return f"pp_rank {c.pp_rank}, tp_rank {c.tp_rank}"
 
-        dp_rank = layout.coordinates(self.global_rank).dp_rank
-        replica = [
-            layout.rank_of(dp_rank, p, t)
-            for p in range(layout.pipeline_parallel_size)
-            for t in range(layout.tensor_parallel_size)
-        ]
+        replica = layout.replica_ranks(layout.coordinates(self.global_rank).dp_rank)
         others = [r for r in replica if r != self.global_rank]
         with self._collective(f"checking that the replica's ranks run the same batch ({step})", others):
             agree(fingerprint(batch, step, self.root_device), group, describe, step, batch, problem)

@@ -27,7 +27,7 @@ from lightning_pipe.checkpoint.collective import fail_together
 from lightning_pipe.checkpoint.consolidate import save_atomically
 from lightning_pipe.checkpoint.full import gather_model_state, gather_optimizer_state
 from lightning_pipe.checkpoint.metadata import CheckpointError, CheckpointMetadata, shard_file_name
-from lightning_pipe.checkpoint.optimizer_view import local_to_whole
+from lightning_pipe.checkpoint.optimizer_view import local_groups, local_to_whole
 from lightning_pipe.checkpoint.reader import ShardedCheckpoint
 from lightning_pipe.checkpoint.replace import recover_leftover, remove_path
 from lightning_pipe.checkpoint.state import (
@@ -242,22 +242,16 @@ class CheckpointHooks(PipeTPParts):
             _check_optimizer_count(len(checkpoint["optimizer_states"]), len(self.optimizers))
             for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
                 params = [p for group in optimizer.param_groups for p in group["params"]]
-                # The file numbers the whole model's parameters (one device's numbering, or a
-                # sharded checkpoint already renumbered for this optimizer, whose indices are ours).
-                renumber = _SHARDED not in checkpoint
-                whole = local_to_whole(optimizer, self.module, parameter_names(optimizer, self.module))
-                mine = {i: saved["state"][w] for i, w in enumerate(whole) if w in saved["state"]}
-                state = slice_optimizer_state(
-                    mine if renumber else saved["state"], params, owned, tp, c.tp_rank
-                )
-                groups, position = [], 0
-                for group, theirs in zip(optimizer.param_groups, saved["param_groups"], strict=True):
-                    size = len(group["params"])
-                    groups.append({**theirs, "params": list(range(position, position + size))})
-                    position += size
-                optimizer.load_state_dict(
-                    {"state": state, "param_groups": groups if renumber else saved["param_groups"]}
-                )
+                entries, groups = saved["state"], saved["param_groups"]
+                if _SHARDED not in checkpoint:
+                    # One file numbers the whole model's parameters, as one device does (a sharded
+                    # checkpoint was already numbered for this optimizer when it was read).
+                    names = parameter_names(optimizer, self.module)
+                    whole = local_to_whole(optimizer, self.module, names)
+                    entries = {i: entries[w] for i, w in enumerate(whole) if w in entries}
+                    groups = local_groups(optimizer, groups)
+                state = slice_optimizer_state(entries, params, owned, tp, c.tp_rank)
+                optimizer.load_state_dict({"state": state, "param_groups": groups})
                 _optimizer_to_device(optimizer, self.root_device)
 
 

@@ -128,12 +128,11 @@ class ModelPreparation(PipeTPParts):
                     if not param.is_meta:
                         src = mesh.layout.rank_of(c.dp_rank, first_stage[name], c.tp_rank)
                         broadcast_parameters([param], group, src)
-            params = module.named_parameters(remove_duplicate=False)
-            here = {id(module.get_parameter(name)) for name, _, _ in tied}
-            for path, param in params:
-                if id(param) in here and plan.stage_of_key(path) == self.pp_rank:
-                    canonical = next(n for n, _, _ in tied if module.get_parameter(n) is param)
-                    prepared.tied_paths.setdefault(canonical, path)
+            canonical = {id(module.get_parameter(name)): name for name, _, _ in tied}
+            for path, param in module.named_parameters(remove_duplicate=False):
+                tied_name = canonical.get(id(param))
+                if tied_name is not None and plan.stage_of_key(path) == self.pp_rank:
+                    prepared.tied_paths.setdefault(tied_name, path)
             on_meta = has_meta_tensors(module)
             if self.pretrained is not None and not on_meta:
                 raise MisconfigurationException(
@@ -144,11 +143,11 @@ class ModelPreparation(PipeTPParts):
                 )
             if mesh.layout.tensor_parallel_size > 1:
                 prepared.sharding = self._shard_tensor_parallel(module, plan, layers)
+        layers = module.configure_pipeline()  # type: ignore[operator]  # sharded layers, if any
+        if first_setup:
             if on_meta:
-                layers = module.configure_pipeline()  # type: ignore[operator]  # sharded layers
                 materialized = self._materialize(module, plan, layers)
             module.__dict__[_PREPARED] = prepared
-        layers = module.configure_pipeline()  # type: ignore[operator]  # sharded layers, if any
         own = [layers[i] for i in plan.layer_range(self.pp_rank)]
         self._plan, self._layers = plan, list(layers)
         owned = {id(p): p for layer in own for p in layer.parameters() if p.requires_grad}
