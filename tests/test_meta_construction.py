@@ -19,12 +19,16 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.utilities.model_summary import ModelSummary as LightningSummary
+from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy, consolidate_checkpoint, cross_entropy
 from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.construction.meta import ValueLostError, parameters_on_meta
+from lightning_pipe.strategy.summary import PipelineModelSummary
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from tests.distributed import run_distributed, run_distributed_outcomes
 from tests.gpt_models import Block, Embed, Head, TinyGPT, token_data
@@ -106,8 +110,8 @@ def worker(pp: int, tp: int, dp: int, seeded: bool, how: str, tied: bool) -> dic
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             strategy=strategy, accelerator="cpu", devices=pp * tp * dp, max_epochs=2, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root, callbacks=[snapshot],
+            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
+            callbacks=[snapshot, ModelSummary(max_depth=2)],
         )  # fmt: skip
         if how == "init_module":
             with trainer.init_module(empty_init=True):
@@ -119,9 +123,14 @@ def worker(pp: int, tp: int, dp: int, seeded: bool, how: str, tied: bool) -> dic
             model = LateGPT(tied)
         trainer.fit(model, DataLoader(DATA, batch_size=8 // dp))
     final = gather_model_state(model, strategy._plan, strategy.mesh)
+    (callback,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]  # type: ignore[attr-defined]
+    summary = callback._summary(trainer, model)  # what the callback printed on rank 0
+    assert isinstance(summary, PipelineModelSummary)
     return {
         "initial": snapshot.initial, "final": final, "coords": strategy.mesh.coordinates,
         "local_initial": snapshot.local, "sharded": snapshot.sharded,
+        "summary": (summary.layer_names, summary.param_nums, summary.total_parameters,
+                    dict(summary._get_summary_data())["Params per Device"]),
         **_holdings(model, strategy),
     }  # fmt: skip
 
@@ -178,6 +187,7 @@ def test_meta_built_model_holds_its_stage_starts_layout_independent_and_matches_
     reference = _one_device(expected, tied)
     for key, value in reference.items():
         torch.testing.assert_close(got[0]["final"][key], value, atol=TOL, rtol=0, msg=key)
+    _check_summary(got, tied)
     for rank, result in enumerate(got):
         for index, kinds in result["layers"].items():
             # Owned layers have storage; other stages' parameters are meta (no storage).
@@ -185,6 +195,26 @@ def test_meta_built_model_holds_its_stage_starts_layout_independent_and_matches_
         if tp > 1:
             assert result["slices"] and all(result["slices"].values()), (rank, result["slices"])
         assert result["optimizer_is_own"], rank
+
+
+def _check_summary(got: list[dict[str, Any]], tied: bool) -> None:
+    """The model summary counts the whole model as one device's does, and for each layer the
+    elements one rank of its stage holds (a tensor slice under tensor parallelism)."""
+    names, counts, total, per_device = got[0]["summary"]
+    one_device = LightningSummary(LateGPT(tied, build_now=True), max_depth=2)
+    assert names == one_device.layer_names and counts == one_device.param_nums
+    assert total == one_device.total_parameters
+    for row, name in enumerate(names):
+        if name.count(".") != 1:  # a pipeline layer: layers.<i>
+            continue
+        index = int(name.split(".")[1])
+        holder = next(r for r in got if index in r["own"])
+        stage = holder["coords"].pp_rank
+        held = sum(t.numel() for n, t in holder["local_initial"].items() if n.startswith(f"{name}."))
+        tied_elsewhere = tied and index == 3  # the head's weight is the embedding's, named there
+        if tied_elsewhere:
+            held += holder["local_initial"]["layers.0.tokens.weight"].numel()
+        assert per_device[row] == f"{get_human_readable_count(held)} (stage {stage})", (name, per_device[row])
 
 
 def test_without_a_seed_tensor_and_data_parallel_peers_start_equal() -> None:

@@ -11,7 +11,7 @@ backward, so the copies stay identical, as on one device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -66,15 +66,18 @@ class PipelinePlan:
     def _alias_stages(self) -> dict[str, int]:
         return dict(self.aliases)
 
-    def describe(self, layers: Sequence[nn.Module]) -> str:
-        """A table of stages, their layers and parameter counts, for the start-of-run log."""
+    def describe(self, layers: Sequence[nn.Module], per_rank: Callable[[int], int] | None = None) -> str:
+        """A table of stages, their layers and parameter counts, for the start-of-run log;
+        ``per_rank(stage_index)``: the elements one rank of that stage holds (under tensor
+        parallelism, less than the stage's)."""
         lines = []
         for stage in range(self.num_stages):
             rng = self.layer_range(stage)
             kinds = ", ".join(type(layers[i]).__name__ for i in rng)
             params = sum(self.parameter_counts[i] for i in rng)
+            held = "" if per_rank is None else f" ({per_rank(stage):,} per rank)"
             lines.append(
-                f"  stage {stage}: layers {rng.start}-{rng.stop - 1} ({kinds}), {params:,} parameters"
+                f"  stage {stage}: layers {rng.start}-{rng.stop - 1} ({kinds}), {params:,} parameters{held}"
             )
         return "\n".join(lines)
 

@@ -65,8 +65,10 @@ from lightning_pipe.signals import StopOnSignal
 from lightning_pipe.strategy import logging as pipe_logging
 from lightning_pipe.strategy.agreement import StepAgreement
 from lightning_pipe.strategy.checkpoints import CheckpointHooks
+from lightning_pipe.strategy.compat import use_pipeline_summary
 from lightning_pipe.strategy.outputs import concat_outputs, default_pipeline_input, forward_returns
 from lightning_pipe.strategy.preparation import ModelPreparation
+from lightning_pipe.strategy.summary import Holdings, PipelineModelSummary
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -80,7 +82,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
     Args:
         pipeline_parallel_size: number of pipeline stages. ``"auto"``: what the tensor and data
             sizes leave (with both data and pipeline ``"auto"``, every device joins the pipeline).
-        tensor_parallel_size: ranks that shard each layer (1 until tensor parallelism lands).
+        tensor_parallel_size: ranks that shard each planned layer (Megatron-style; needs a
+            ``tensor_parallel_plan``).
         data_parallel_size: model replicas. ``"auto"``: world size / (pipeline x tensor).
         num_microbatches: micro-batches per batch. ``None``: ``2 x pipeline_parallel_size``,
             capped at the batch size. Batches that do not divide evenly are split like
@@ -217,6 +220,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         self._warned_small_batch = False
         self._signals: StopOnSignal | None = None
         self._failures: FailureBoard | None = None
+        self._holdings: Holdings | None = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -361,6 +365,9 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(module)
         self._build_pipeline(module)
+        holdings, plan = self._holdings, self._plan
+        assert holdings is not None and plan is not None
+        use_pipeline_summary(trainer, lambda m, depth: PipelineModelSummary(m, holdings, plan, depth))
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -39,6 +39,7 @@ from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor
 from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
 from lightning_pipe.pipeline.schedules import ScheduleKind
 from lightning_pipe.strategy.base import PipeTPParts
+from lightning_pipe.strategy.summary import Holdings, gather_holdings
 from lightning_pipe.tensor_parallel.plan import ShardStyle, resolve_plan
 from lightning_pipe.tensor_parallel.stage import count_sharding, shard_stage
 
@@ -56,6 +57,8 @@ class _Prepared:
     partition: Any
     plan: PipelinePlan
     sharding: str = ""
+    holdings: Holdings | None = None
+    """What each stage holds (whole and per rank), for the layout log and the model summary."""
     tied_paths: dict[str, str] = field(default_factory=dict)
     """For each tied parameter this rank holds, a name of it inside this rank's layers: after
     tensor-parallel sharding, that name leads to this stage's slice (the parameter's first name
@@ -100,6 +103,7 @@ class ModelPreparation(PipeTPParts):
     _schedules: dict[tuple[int, bool], PipelineSchedule]
     _batch_norm: DeferredBatchNorm | None
     _forward_checked: bool
+    _holdings: Holdings | None
 
     def _build_pipeline(self, module: LightningModule) -> None:
         mesh = self.mesh
@@ -147,7 +151,16 @@ class ModelPreparation(PipeTPParts):
         if first_setup:
             if on_meta:
                 materialized = self._materialize(module, plan, layers)
+            with self._collective("gathering what each stage holds"):
+                prepared.holdings = gather_holdings(
+                    module,
+                    plan,
+                    self.pp_rank,
+                    mesh.layout.tensor_parallel_size,
+                    mesh.group(MeshAxis.PIPELINE),
+                )
             module.__dict__[_PREPARED] = prepared
+        self._holdings = prepared.holdings
         own = [layers[i] for i in plan.layer_range(self.pp_rank)]
         self._plan, self._layers = plan, list(layers)
         owned = {id(p): p for layer in own for p in layer.parameters() if p.requires_grad}
@@ -182,10 +195,15 @@ class ModelPreparation(PipeTPParts):
         self._setup_batch_norm(layers, own)
         self._forward_checked = False
         if first_setup:
+            holdings = prepared.holdings
+            per_rank = (
+                holdings.per_rank if holdings is not None and mesh.layout.tensor_parallel_size > 1 else None
+            )
             rank_zero_info(
                 f"pipe_tp: layout {mesh.layout} (world {mesh.layout.world_size}), schedule "
                 f"{self.schedule.value}, micro-batches {self.num_microbatches or f'auto (2 x {pp})'}, "
-                f"checkpoint {self.checkpoint.value}\n{plan.describe(layers)}"
+                f"checkpoint {self.checkpoint.value}\n"
+                + plan.describe(layers, per_rank)
                 + (f"\n{prepared.sharding}" if prepared.sharding else "")
                 + (
                     "\n  built on the meta device: each rank holds only its own stage's tensors (and "

@@ -37,8 +37,9 @@ class StageSharding:
 
     def describe(self, tp_size: int) -> str:
         lines = [
-            f"  stage {s}: {n} modules sharded over {tp_size} tensor ranks "
-            f"({e:,} parameter elements, {e // tp_size:,} per rank)"
+            # Elements of the planned modules (a row-parallel bias among them, though replicated):
+            # the exact count per rank is on the stage's line of the layout log.
+            f"  stage {s}: {n} modules sharded over {tp_size} tensor ranks ({e:,} parameter elements)"
             for s, (n, e) in enumerate(zip(self.modules, self.elements, strict=True))
         ]
         if self.outside:
