@@ -9,6 +9,7 @@ from lightning_pipe.checkpoint import (
     ShardedCheckpoint,
     consolidate_checkpoint,
     is_sharded_checkpoint,
+    load_from_checkpoint,
 )
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, RankCoordinates, init_mesh
 from lightning_pipe.pipeline.actions import Action, ActionType, PipelineSchedule, ScheduleError
@@ -62,6 +63,7 @@ __all__ = [
     "gather_vocab",
     "init_mesh",
     "is_sharded_checkpoint",
+    "load_from_checkpoint",
     "render_schedule",
     "signature",
     "simulate",

@@ -40,6 +40,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint import consolidate_checkpoint, is_sharded_checkpoint
 from lightning_pipe.checkpoint.metadata import (
+    HOW_TO_LOAD_FILE,
     LIGHTNING_STATE_FILE,
     METADATA_FILE,
     CheckpointError,
@@ -322,7 +323,9 @@ def test_each_shard_file_holds_only_its_own_slice(saved: tuple[Path, Any]) -> No
 
 def test_second_save_replaces_the_directory_and_leaves_no_temporaries(saved: tuple[Path, Any]) -> None:
     root = saved[0]
-    expected_files = {METADATA_FILE, LIGHTNING_STATE_FILE, shard_file_name(0, 0), shard_file_name(0, 1)}
+    expected_files = {
+        METADATA_FILE, LIGHTNING_STATE_FILE, HOW_TO_LOAD_FILE, shard_file_name(0, 0), shard_file_name(0, 1)
+    }  # fmt: skip
     assert {p.name for p in (root / "ckpt").iterdir()} == expected_files  # no shard-pp1-* of the first
     assert "2.extra" not in ShardedCheckpoint(root / "ckpt").metadata.model
     assert sorted(p.name for p in root.iterdir()) == sorted(

@@ -36,6 +36,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import lightning_pipe
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint import consolidate_checkpoint, is_sharded_checkpoint
 from lightning_pipe.checkpoint.full import gather_model_state
@@ -235,7 +236,7 @@ def test_checkpoint_is_a_sharded_directory_with_layout_metadata(gpt: GPTRuns) ->
     assert is_sharded_checkpoint(gpt.sharded)
     files = sorted(os.listdir(gpt.sharded))
     assert files == [
-        "lightning_state.pt", "pipe_tp_metadata.json",
+        "HOW_TO_LOAD.txt", "lightning_state.pt", "pipe_tp_metadata.json",
         "shard-pp0-tp0.pt", "shard-pp0-tp1.pt", "shard-pp1-tp0.pt", "shard-pp1-tp1.pt",
     ]  # fmt: skip
     meta = json.loads((Path(gpt.sharded) / "pipe_tp_metadata.json").read_text())
@@ -286,6 +287,26 @@ def test_consolidated_checkpoint_loads_strictly_into_the_plain_module(gpt: GPTRu
     assert "optimizer_states" not in cli
     for key, value in saved["state_dict"].items():
         assert torch.equal(cli["state_dict"][key], value), key
+
+
+def test_load_from_checkpoint_reads_a_sharded_directory_into_the_plain_module(gpt: GPTRuns) -> None:
+    """Issue 17, item 9: Lightning's classmethod reads files only; ours takes the directory too,
+    and the directory says how (for whoever meets the IsADirectoryError and looks inside)."""
+    with pytest.raises(IsADirectoryError):
+        ScheduledGPT.load_from_checkpoint(gpt.sharded)
+    assert (
+        "lightning_pipe.load_from_checkpoint(MyModel" in (Path(gpt.sharded) / "HOW_TO_LOAD.txt").read_text()
+    )
+    model = lightning_pipe.load_from_checkpoint(ScheduledGPT, gpt.sharded, map_location="cpu")
+    assert type(model) is ScheduledGPT
+    interrupted = gpt.pipe["interrupted"].state
+    assert model.state_dict().keys() == interrupted.keys()
+    for key, value in interrupted.items():
+        assert torch.equal(model.state_dict()[key], value), key
+    # A file goes straight to Lightning's classmethod.
+    from_file = lightning_pipe.load_from_checkpoint(ScheduledGPT, os.path.join(gpt.root, "consolidated.ckpt"))
+    for key, value in interrupted.items():
+        assert torch.equal(from_file.state_dict()[key], value), key
 
 
 def test_plain_checkpoint_starts_pipe_tp_training(gpt: GPTRuns) -> None:

@@ -5,6 +5,7 @@ A sharded checkpoint is a directory (named like a file, ``epoch=3-step=120.ckpt`
 
     epoch=3-step=120.ckpt/
         pipe_tp_metadata.json     layout, and where every tensor of every shard lives
+        HOW_TO_LOAD.txt           for a person: how to resume, load or consolidate it
         lightning_state.pt        everything else Lightning saves (loops, callbacks, schedulers...)
         shard-pp0-tp0.pt          stage 0's tensors as tensor rank 0 holds them
         shard-pp0-tp1.pt          ...
@@ -34,6 +35,20 @@ FORMAT = "lightning_pipe.sharded_checkpoint"
 VERSION = 1
 METADATA_FILE = "pipe_tp_metadata.json"
 LIGHTNING_STATE_FILE = "lightning_state.pt"
+HOW_TO_LOAD_FILE = "HOW_TO_LOAD.txt"
+"""Written into every sharded checkpoint: what to do with it (issue 17, item 9)."""
+HOW_TO_LOAD = """\
+This directory is one lightning_pipe (pipe_tp) sharded checkpoint. Ways to use it:
+
+* Resume or continue training, at any pipe_tp layout:
+      trainer.fit(model, ckpt_path="<this directory>")   # Trainer(strategy="pipe_tp", ...)
+* Load it into a plain module (inference, strategy="auto"), in one process:
+      import lightning_pipe
+      model = lightning_pipe.load_from_checkpoint(MyModel, "<this directory>")
+  (MyModel.load_from_checkpoint reads files only: it fails here with IsADirectoryError.)
+* Turn it into one ordinary Lightning checkpoint file:
+      python -m lightning_pipe.consolidate "<this directory>" model.ckpt [--weights-only]
+"""
 LAYOUT_KEYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size")
 
 

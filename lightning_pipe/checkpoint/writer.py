@@ -26,8 +26,15 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_pipe.checkpoint.collective import describe_failures, error_text, exchange
-from lightning_pipe.checkpoint.durable import disk_full_text, save_durably, sync_directory
+from lightning_pipe.checkpoint.durable import (
+    disk_full_text,
+    save_durably,
+    sync_directory,
+    write_text_durably,
+)
 from lightning_pipe.checkpoint.metadata import (
+    HOW_TO_LOAD,
+    HOW_TO_LOAD_FILE,
     LIGHTNING_STATE_FILE,
     CheckpointError,
     CheckpointMetadata,
@@ -130,6 +137,7 @@ def write_sharded_checkpoint(
             save_durably(shard.payload, tmp / shard.file_name)
         if rank == 0:
             save_durably(lightning_state, tmp / LIGHTNING_STATE_FILE)
+            write_text_durably(tmp / HOW_TO_LOAD_FILE, HOW_TO_LOAD)  # for whoever looks inside
     except Exception as err:  # reported to every rank below, then raised on all of them
         error = disk_full_text(err, tmp) or error_text(err)
     records = None if shard is None else (shard.model, shard.optimizers)

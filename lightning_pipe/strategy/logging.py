@@ -180,8 +180,15 @@ def replay(
     records: list[LogRecord],
     reduce_fn: Callable[..., Any],
     device: torch.device,
+    replicated: bool = False,
 ) -> None:
-    """Log ``records`` into the active loop's real result collection, as ``LightningModule.log`` would."""
+    """Log ``records`` into the active loop's real result collection, as ``LightningModule.log`` would.
+
+    ``replicated``: every rank of the job holds these very values (one data-parallel replica):
+    they are logged as synced, with a reduction that returns them unchanged, so that Lightning
+    neither communicates nor recommends ``sync_dist=True`` for epoch-level values (issue 17,
+    item 7). With several replicas the user's ``sync_dist`` applies, as under DDP.
+    """
     results = trainer._results
     if results is None:
         return
@@ -193,12 +200,18 @@ def replay(
             value: Any = module.get_submodule(record.metric_attribute)
         else:
             value = torch.tensor(record.value, dtype=torch.get_default_dtype(), device=device)
+        options = {**record.options, "sync_dist": True} if replicated else record.options
         results.log(
             record.fx,
             record.name,
             value,
-            sync_dist_fn=reduce_fn,
+            sync_dist_fn=_unchanged if replicated else reduce_fn,
             metric_attribute=record.metric_attribute,
-            **record.options,
+            **options,
         )
         connector._current_fx = record.fx
+
+
+def _unchanged(value: Any, group: Any = None, reduce_op: Any = None) -> Any:
+    """The reduction of a value every rank already holds."""
+    return value

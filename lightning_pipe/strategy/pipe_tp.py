@@ -698,7 +698,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
                 payload["predictions"] = to_cpu(concat_outputs(outputs))
         payload = self._from_last_stage(payload)
         pipe_logging.load_metric_states(module, payload["metrics"], self.root_device)
-        pipe_logging.replay(trainer, module, payload["records"], self.reduce, self.root_device)
+        replicated = self.mesh.layout.data_parallel_size == 1
+        pipe_logging.replay(trainer, module, payload["records"], self.reduce, self.root_device, replicated)
         if training:
             return torch.tensor(payload["loss"], dtype=torch.float32, device=self.root_device)
         return payload.get("predictions")
