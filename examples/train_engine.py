@@ -1,73 +1,93 @@
-"""Train a small MLP with the bare pipeline engine (no Lightning) on 4 CPU processes with gloo.
+"""Train with ``ParallelRuntime`` alone (no Lightning): data x pipeline x tensor parallelism.
 
-Run: ``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_engine.py``.
-Each process holds one stage of an 8-layer network; the last stage computes the loss and prints it.
-This is the engine the ``pipe_tp`` Lightning strategy drives; it shows the pieces without a Trainer.
+Run (8 CPU processes, gloo): ``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8
+examples/train_engine.py --dp 2 --pp 2 --tp 2``. A residual MLP is built on the meta device, split
+into stages, its blocks sharded Megatron-style; each step clips by the global norm and the run
+saves a sharded checkpoint (``--save-at``) that ``--resume`` continues from, at any layout.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe.pipeline.executor import PipelineExecutor
-from lightning_pipe.pipeline.microbatch import signature, split_microbatches
-from lightning_pipe.pipeline.partition import compute_balance, split_layers
-from lightning_pipe.pipeline.render import render_schedule
-from lightning_pipe.pipeline.schedules import build_schedule
+from lightning_pipe import MeshAxis, ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
+from lightning_pipe.construction.meta import parameters_on_meta
+from lightning_pipe.pipeline.microbatch import split_microbatches
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def build_model() -> nn.Sequential:
+    with parameters_on_meta("the example model"):  # no rank ever holds the whole model
+        return nn.Sequential(nn.Linear(16, 64), *[Block(64) for _ in range(6)], nn.Linear(64, 1))
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+    return x, torch.sin(3 * x @ torch.linspace(-1, 1, 16).unsqueeze(1))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=200)
+    for axis in ("dp", "pp", "tp"):
+        parser.add_argument(f"--{axis}", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this step")
+    parser.add_argument("--checkpoint", default="engine.ckpt", help="the sharded checkpoint directory")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--losses", default=None, help="write the losses here (JSON), from rank 0")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, p = dist.get_rank(), dist.get_world_size()
+    mesh = init_mesh(ParallelLayout(args.dp, args.pp, args.tp), "cpu")
+    model = build_model()
+    options = RuntimeOptions(schedule="1f1b", tensor_parallel_plan={"*.up": "colwise", "*.down": "rowwise"})
+    runtime = ParallelRuntime(model, list(model), mesh, torch.device("cpu"), options, seed=0)
+    # Built over the whole model, as one device would; the runtime keeps this rank's parameters.
+    optimizer = runtime.keep_own(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    start = runtime.load_checkpoint(args.checkpoint, [optimizer])["step"] if args.resume else 0
 
-    torch.manual_seed(0)  # every rank builds the same full model, then keeps its stage
-    layers: list[nn.Module] = [nn.Linear(16, 64), nn.Tanh()]
-    layers += [m for _ in range(3) for m in (nn.Linear(64, 64), nn.Tanh())]
-    layers += [nn.Linear(64, 1)]
-    balance = compute_balance(layers, p)
-    stage = split_layers(layers, balance)[rank]
-    params = [q for layer in stage for q in layer.parameters()]
-    opt = torch.optim.Adam(params, lr=3e-3)
-    executor = PipelineExecutor({rank: stage}, p, list(range(p)), torch.device("cpu"))
-    schedule = build_schedule(args.schedule, p, args.microbatches)
-    if rank == 0:
-        print(f"balance (layers per stage): {balance}")
-        print(render_schedule(schedule))
-
-    target = torch.randn(16, 1)
-    for step in range(args.steps):
-        g = torch.Generator().manual_seed(step)  # every rank draws the same batch
-        x = torch.randn(64, 16, generator=g)
-        y = torch.sin(x @ target)
+    c, losses = mesh.coordinates, {}
+    for step in range(start, args.steps):
+        x, y = (t.chunk(args.dp)[c.dp_rank] for t in global_batch(step))  # this replica's share
         xs, ys = split_microbatches(x, args.microbatches), split_microbatches(y, args.microbatches)
-        opt.zero_grad()
-        result = executor.run(
-            schedule,
-            rank,
-            inputs=xs,
-            head=lambda out, i, ys=ys: F.mse_loss(out, ys[i]),
-            signatures=[signature(t) for t in xs],
-        )
-        opt.step()
-        if rank == p - 1 and step % 20 == 0:
-            loss = sum(v.item() for v in result.outputs.values()) / args.microbatches
-            print(f"step {step:4d}  loss {loss:.4f}", flush=True)
+        optimizer.zero_grad()
+        runtime.begin_accumulation()
+        result = runtime.step(args.microbatches, xs, lambda out, i, ys=ys: F.mse_loss(out, ys[i]))
+        runtime.clip_grad_norm_(1.0)
+        optimizer.step()
+        if c.pp_rank == args.pp - 1:  # the last stage holds the losses: average over the replicas
+            loss = torch.stack(list(result.outputs.values())).mean().detach()
+            dist.all_reduce(loss, group=mesh.group(MeshAxis.DATA))
+            losses[step] = loss.item() / args.dp
+        if step + 1 == args.save_at:
+            runtime.save_checkpoint(args.checkpoint, [optimizer], {"step": step + 1})
+    last = mesh.layout.rank_of(0, args.pp - 1, 0)
+    box = [losses]
+    dist.broadcast_object_list(box, src=last)
+    if dist.get_rank() == 0:
+        for step, loss in sorted(box[0].items())[::10]:
+            print(f"step {step:3d}  loss {loss:.5f}")
+        if args.losses:
+            with open(args.losses, "w") as f:
+                json.dump(box[0], f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -21,6 +21,7 @@ from lightning_pipe.pipeline.render import render_schedule
 from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
 from lightning_pipe.pipeline.simulate import SimulationResult, simulate
 from lightning_pipe.pipeline.validate import validate_schedule
+from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
 from lightning_pipe.strategy import PipeTPStrategy
 from lightning_pipe.tensor_parallel.cross_entropy import cross_entropy, gather_vocab
 from lightning_pipe.tensor_parallel.layers import (
@@ -38,15 +39,18 @@ __all__ = [
     "CheckpointError",
     "CheckpointMode",
     "ColumnParallelLinear",
+    "ConfigurationError",
     "MeshAxis",
     "ParallelLayout",
     "ParallelMesh",
+    "ParallelRuntime",
     "PartitionMethod",
     "PipeTPStrategy",
     "PipelineExecutor",
     "PipelineSchedule",
     "RankCoordinates",
     "RowParallelLinear",
+    "RuntimeOptions",
     "ScheduleError",
     "ScheduleKind",
     "ShardStyle",

@@ -106,3 +106,24 @@ class StopOnSignal:
                 self.before_exit(signum)
         finally:
             os._exit(128 + signum)
+
+
+def passed_on_by_rank_zero(exception: SystemExit, rank: int, describe: str) -> None:
+    """Give Lightning's ``SIGTERMException`` an exit status and, on the ranks that did not receive
+    the signal, one line naming the rank that did.
+
+    Lightning (2.6) broadcasts global rank 0's "received SIGTERM" flag from every training step
+    and raises ``SIGTERMException``, a ``SystemExit`` without a code, on every rank: a rank whose
+    main thread reaches that broadcast before the watcher above ends rank 0 would exit with status
+    0 and no word of why. Rank 0 received the signal (``128 + SIGTERM``); the others exit 1.
+    """
+    if rank == 0:
+        exception.code = 128 + signal.SIGTERM
+        return
+    exception.code = 1
+    line = (
+        f"lightning_pipe: {describe} stops: global rank 0 received SIGTERM, which Lightning passes on to "
+        "every rank; rank 0 has stopped."
+    )
+    os.write(2, (line + "\n").encode())
+    exception.add_note(line)

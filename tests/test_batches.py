@@ -69,7 +69,7 @@ def _owned(model: L.LightningModule, strategy: PipeTPStrategy) -> dict[str, torc
     return {
         n: p.detach().clone()
         for n, p in model.named_parameters()
-        if strategy._plan.stage_of_key(n) == strategy.pp_rank  # type: ignore[union-attr]
+        if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank  # type: ignore[union-attr]
     }
 
 

@@ -66,7 +66,7 @@ def bn_worker(pp: int, dp: int, checkpoint: str, deferred: bool) -> dict[str, An
         timeout=timedelta(seconds=60),
     )
     result = _fit(strategy, pp * dp, reference=False, batch_size=12 // dp)
-    plan = strategy._plan
+    plan = strategy.runtime.plan
     assert plan is not None
     result["owned"] = {n for n in result["buffers"] if plan.stage_of_key(n) == strategy.pp_rank}
     return result

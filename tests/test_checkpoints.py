@@ -115,7 +115,7 @@ def _fit(
     if single:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
-        state = gather_model_state(model, strategy._plan, strategy.mesh)
+        state = gather_model_state(model, strategy.runtime.plan, strategy.mesh)
     return Run(losses.values, state, trainer.global_step)
 
 

@@ -111,11 +111,11 @@ def layout_worker(kind: str, pp: int) -> dict[str, Any]:
     c = strategy.mesh.coordinates
     return {
         "coords": (c.dp_rank, c.pp_rank),
-        "buckets": strategy._reducer.bucket_sizes if strategy._reducer else [],
+        "buckets": strategy.runtime.reducer.bucket_sizes if strategy.runtime.reducer else [],
         "params": {
             n: p.detach().clone()
             for n, p in model.named_parameters()
-            if strategy._plan.stage_of_key(n) == strategy.pp_rank
+            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank
         },
         "tied_copy": model.head.weight.detach().clone() if kind != "mlp" else None,
     }

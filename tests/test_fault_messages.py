@@ -65,7 +65,7 @@ class Vanish(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == 1:
-            first = list(pl_module.layers)[trainer.strategy._plan.layer_range(1)[0]]  # type: ignore[attr-defined]
+            first = list(pl_module.layers)[trainer.strategy.runtime.plan.layer_range(1)[0]]  # type: ignore[attr-defined]
             first.register_forward_pre_hook(lambda *args: os._exit(3) if trainer.global_step == 2 else None)
 
 

@@ -49,7 +49,7 @@ def tied_worker() -> dict[str, Any]:
     head, embed = model.llama.lm_head, model.llama.model.embed_tokens
     on_last = strategy.is_last_stage
     return {
-        "state": gather_model_state(model, strategy._plan, strategy.mesh),
+        "state": gather_model_state(model, strategy.runtime.plan, strategy.mesh),
         "kinds": (type(embed).__name__, type(head).__name__),
         "tied_here": head.weight is embed.weight,
         "on_last": on_last,
@@ -125,7 +125,7 @@ def test_tied_modules_sharded_along_different_dims_are_refused() -> None:
 class _Initial(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
-        self.state = gather_model_state(pl_module, s._plan, s.mesh)  # type: ignore[attr-defined]
+        self.state = gather_model_state(pl_module, s.runtime.plan, s.mesh)  # type: ignore[attr-defined]
 
 
 def meta_llama_worker() -> dict[str, Any]:
@@ -143,7 +143,7 @@ def meta_llama_worker() -> dict[str, Any]:
     held = [p for p in model.llama.parameters() if not p.is_meta]
     return {
         "initial": initial.state,
-        "final": gather_model_state(model, strategy._plan, strategy.mesh),
+        "final": gather_model_state(model, strategy.runtime.plan, strategy.mesh),
         "held": sum(p.numel() for p in held),
         "whole": sum(p.numel() for p in LlamaForCausalLM(tiny_config(tied=True)).parameters()),
     }

@@ -66,7 +66,7 @@ class Snapshot(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
-        self.initial = gather_model_state(pl_module, s._plan, s.mesh)  # type: ignore[attr-defined]
+        self.initial = gather_model_state(pl_module, s.runtime.plan, s.mesh)  # type: ignore[attr-defined]
         self.local = {
             n: p.detach().clone() for n, p in pl_module.named_parameters() if not p.is_meta
         }  # what this rank holds, before any step
@@ -76,7 +76,7 @@ class Snapshot(L.Callback):
 def _holdings(model: LateGPT, strategy: PipeTPStrategy) -> dict[str, Any]:
     """What this rank holds: per layer, whether its parameters have storage; per tensor-parallel
     parameter, whether its storage is exactly its slice."""
-    own = set(strategy._plan.layer_range(strategy.pp_rank))  # type: ignore[union-attr]
+    own = set(strategy.runtime.plan.layer_range(strategy.pp_rank))  # type: ignore[union-attr]
     assert model.layers is not None
     owned_ids = {id(p) for i in own for p in model.layers[i].parameters()}
     layers = {
@@ -122,7 +122,7 @@ def worker(pp: int, tp: int, dp: int, seeded: bool, how: str, tied: bool) -> dic
         else:
             model = LateGPT(tied)
         trainer.fit(model, DataLoader(DATA, batch_size=8 // dp))
-    final = gather_model_state(model, strategy._plan, strategy.mesh)
+    final = gather_model_state(model, strategy.runtime.plan, strategy.mesh)
     (callback,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]  # type: ignore[attr-defined]
     summary = callback._summary(trainer, model)  # what the callback printed on rank 0
     assert isinstance(summary, PipelineModelSummary)
@@ -299,10 +299,10 @@ def roundtrip_worker(root: str) -> dict[str, Any]:
     first.fit(model, data)
     path = os.path.join(root, "meta.ckpt")
     first.save_checkpoint(path)
-    saved = gather_model_state(model, first.strategy._plan, first.strategy.mesh)  # type: ignore[attr-defined]
+    saved = gather_model_state(model, first.strategy.runtime.plan, first.strategy.mesh)  # type: ignore[attr-defined]
     second, fresh = trainer(), LateGPT(tied=True)
     second.validate(fresh, data, ckpt_path=path, verbose=False)
-    loaded = gather_model_state(fresh, second.strategy._plan, second.strategy.mesh)  # type: ignore[attr-defined]
+    loaded = gather_model_state(fresh, second.strategy.runtime.plan, second.strategy.mesh)  # type: ignore[attr-defined]
     consolidated = None
     if first.is_global_zero:  # one process, no torch.distributed: what a user runs for inference
         consolidate_checkpoint(path, os.path.join(root, "whole.ckpt"))

@@ -37,7 +37,7 @@ TRAIN = llama_data(16)
 class _Initial(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
-        self.state = gather_model_state(pl_module, s._plan, s.mesh)  # type: ignore[attr-defined]
+        self.state = gather_model_state(pl_module, s.runtime.plan, s.mesh)  # type: ignore[attr-defined]
 
 
 def _fit(model: L.LightningModule, strategy: Any, devices: int, data: Any, **kw: Any) -> L.Trainer:
@@ -59,7 +59,10 @@ def llama_worker(path: str) -> dict[str, Any]:
         timeout=timedelta(seconds=90), pretrained=path, pretrained_prefix="llama.",
     )  # fmt: skip
     _fit(model, strategy, 4, TRAIN, callbacks=[initial])
-    return {"initial": initial.state, "final": gather_model_state(model, strategy._plan, strategy.mesh)}
+    return {
+        "initial": initial.state,
+        "final": gather_model_state(model, strategy.runtime.plan, strategy.mesh),
+    }
 
 
 @pytest.mark.parametrize("shards", [False, True], ids=["model.safetensors", "sharded"])
@@ -92,7 +95,7 @@ def gpt_worker(path: str) -> dict[str, Any]:
     trainer = _fit(model, strategy, 2, GPT_DATA, callbacks=[initial])
     sharded = os.path.join(os.path.dirname(path), "sharded.ckpt")
     trainer.save_checkpoint(sharded)
-    trained = gather_model_state(model, strategy._plan, strategy.mesh)
+    trained = gather_model_state(model, strategy.runtime.plan, strategy.mesh)
     again, second = LateGPT(tied=True), _Initial()
     strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, pretrained=sharded)
     _fit(again, strategy, 2, GPT_DATA, callbacks=[second], max_steps=1)

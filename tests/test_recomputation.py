@@ -95,13 +95,13 @@ def fit_worker(root: str) -> dict[str, Any]:
         )
         counts = _count_forwards(list(model.layers))
         _trainer(strategy, 2, root).fit(model, loader(DATA, 8, reference=False))
-        own = strategy._plan.layer_range(strategy.pp_rank)  # type: ignore[union-attr]
+        own = strategy.runtime.plan.layer_range(strategy.pp_rank)  # type: ignore[union-attr]
         out[mode] = {
             "calls": [counts[i] for i in own],
             "params": {
                 n: p.detach().clone()
                 for n, p in model.named_parameters()
-                if strategy._plan.stage_of_key(n) == strategy.pp_rank  # type: ignore[union-attr]
+                if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank  # type: ignore[union-attr]
             },
         }
     # Tensor-parallel dropout cannot be replayed by recomputation: refused at setup.

@@ -122,3 +122,23 @@ def test_sigterm_with_lightnings_launcher_stops_every_rank(target: int) -> None:
         assert (
             "rank 1 has stopped" in output or "The first rank to fail: rank 1 received SIGTERM" in output
         ), output[-3000:]
+
+
+def test_lightnings_sigterm_exception_exits_non_zero_and_names_rank_zero(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Lightning passes rank 0's SIGTERM on to every rank as ``SIGTERMException``, a ``SystemExit``
+    without a code (exit status 0); under pipe_tp it says who received the signal and exits 1
+    (143 on rank 0), whichever of that and the signal watcher wins the race."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_pipe.signals import passed_on_by_rank_zero
+
+    other = SIGTERMException()
+    passed_on_by_rank_zero(other, 1, "rank 1 (dp_rank 0, pp_rank 1, tp_rank 0)")
+    assert other.code == 1
+    assert "global rank 0 received SIGTERM" in capfd.readouterr().err
+    assert any("rank 0 has stopped" in note for note in other.__notes__)
+    zero = SIGTERMException()
+    passed_on_by_rank_zero(zero, 0, "rank 0")
+    assert zero.code == 128 + signal.SIGTERM

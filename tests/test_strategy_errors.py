@@ -161,7 +161,7 @@ def bf16_worker(precision: str) -> dict[str, Any]:
         "params": {
             n: p.detach().float().clone()
             for n, p in model.named_parameters()
-            if strategy._plan.stage_of_key(n) == strategy.pp_rank
+            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank
         },
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,

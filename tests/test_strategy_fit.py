@@ -72,7 +72,7 @@ def fit_worker(pp: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
         owned = {
             n: p.detach().clone()
             for n, p in model.named_parameters()
-            if strategy._plan.stage_of_key(n) == strategy.pp_rank
+            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank
         }
         out[case["id"]] = {
             "params": owned, "metrics": _metrics(trainer), "step": trainer.global_step, "asked": asked
@@ -125,7 +125,7 @@ def dp_worker() -> dict[str, Any]:
         "params": {
             n: p.detach().clone()
             for n, p in model.named_parameters()
-            if strategy._plan.stage_of_key(n) == strategy.pp_rank
+            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank
         },
     }
 

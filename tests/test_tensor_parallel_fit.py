@@ -52,12 +52,12 @@ def tp_worker(pp: int, tp: int, dropout: float, runs: int, dp: int = 1) -> list[
         trainer = _fit(
             model, strategy, pp * tp * dp, reference=False, batch=8 // dp, accumulate=2 if dp > 1 else 1
         )
-        state = gather_model_state(model, strategy._plan, strategy.mesh)  # whole model, on rank 0
+        state = gather_model_state(model, strategy.runtime.plan, strategy.mesh)  # whole model, on rank 0
         kinds = sorted({type(m).__name__ for m in model.modules() if "Parallel" in type(m).__name__})
         replicated = {
             n: p.detach().clone()
             for n, p in model.named_parameters()
-            if strategy._plan.stage_of_key(n) == strategy.pp_rank and tensor_parallel_dim(p) is None
+            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank and tensor_parallel_dim(p) is None
         }
         out.append({
             "state": state,

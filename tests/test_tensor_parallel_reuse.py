@@ -74,9 +74,9 @@ def llama_worker(pp: int, tp: int, root: str) -> dict[str, Any]:
     unsharded = sum(p.numel() for p in model.parameters())
     result = _flow(model, lambda: _strategy(pp, tp), pp * tp, os.path.join(root, f"r{os.environ['RANK']}"))
     strategy = result.pop("trainer").strategy
-    own = [model.pipe[i] for i in strategy._plan.layer_range(strategy.pp_rank)]
+    own = [model.pipe[i] for i in strategy.runtime.plan.layer_range(strategy.pp_rank)]
     result.update(
-        state=gather_model_state(model, strategy._plan, strategy.mesh),
+        state=gather_model_state(model, strategy.runtime.plan, strategy.mesh),
         elements=sum(p.numel() for p in model.parameters()),
         own_elements=sum(p.numel() for layer in own for p in layer.parameters()),
         unsharded=unsharded,
@@ -112,7 +112,7 @@ class _InitialState(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
-        self.state = gather_model_state(pl_module, s._plan, s.mesh)  # type: ignore[attr-defined]
+        self.state = gather_model_state(pl_module, s.runtime.plan, s.mesh)  # type: ignore[attr-defined]
 
 
 def unseeded_worker(root: str) -> dict[str, Any]:
@@ -127,7 +127,7 @@ def unseeded_worker(root: str) -> dict[str, Any]:
     }
     return {
         "initial": initial.state,
-        "final": gather_model_state(model, strategy._plan, strategy.mesh),  # type: ignore[attr-defined]
+        "final": gather_model_state(model, strategy.runtime.plan, strategy.mesh),  # type: ignore[attr-defined]
         "replicated": replicated,
     }
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -26,7 +25,6 @@ from lightning_pipe.strategy.base import PipeTPParts
 class StepAgreement(PipeTPParts):
     """The pre-step checks of ``PipeTPStrategy`` (which provides the mesh, module and layers)."""
 
-    _layers: list[torch.nn.Module]
     _forward_checked: bool
 
     def _check_before_step(self, step_name: str, args: tuple[Any, ...], batch: Any, probe: Any) -> None:
@@ -37,7 +35,7 @@ class StepAgreement(PipeTPParts):
         problem = None
         if not self._forward_checked:
             self._forward_checked = True
-            problem, warning = check_forward(module.forward, self._layers, module, probe)
+            problem, warning = check_forward(module.forward, self.runtime.layers, module, probe)
             if warning is not None:
                 rank_zero_warn(warning)
         if step_name == "training_step":

@@ -14,6 +14,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_pipe.mesh import ParallelMesh
+from lightning_pipe.runtime import ParallelRuntime
 
 
 class PipeTPParts(DDPStrategy):
@@ -21,6 +22,11 @@ class PipeTPParts(DDPStrategy):
 
     @property
     def mesh(self) -> ParallelMesh:
+        raise NotImplementedError
+
+    @property
+    def runtime(self) -> ParallelRuntime:
+        """The plain-torch runtime this strategy adapts Lightning's hooks onto."""
         raise NotImplementedError
 
     @property

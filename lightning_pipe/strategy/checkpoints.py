@@ -18,7 +18,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from typing_extensions import override
@@ -26,27 +25,14 @@ from typing_extensions import override
 from lightning_pipe.checkpoint.collective import fail_together
 from lightning_pipe.checkpoint.consolidate import save_atomically
 from lightning_pipe.checkpoint.full import gather_model_state, gather_optimizer_state
-from lightning_pipe.checkpoint.metadata import CheckpointError, CheckpointMetadata, shard_file_name
-from lightning_pipe.checkpoint.optimizer_view import local_groups, local_to_whole
-from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+from lightning_pipe.checkpoint.metadata import CheckpointError
 from lightning_pipe.checkpoint.replace import recover_leftover, remove_path
 from lightning_pipe.checkpoint.state import (
-    check_keys,
     check_optimizer_cuttable,
-    check_shapes,
-    holds_key,
-    load_model_shard,
-    load_optimizer_shard,
-    model_records,
     model_shard,
-    optimizer_records,
     optimizer_shard,
-    parameter_names,
-    shard_of,
-    slice_optimizer_state,
 )
-from lightning_pipe.checkpoint.writer import RankShard, write_sharded_checkpoint
-from lightning_pipe.pipeline.plan import PipelinePlan
+from lightning_pipe.runtime import checkpointing
 from lightning_pipe.strategy.base import PipeTPParts
 from lightning_pipe.strategy.compat import weights_only_of_running_call
 
@@ -60,8 +46,6 @@ class CheckpointHooks(PipeTPParts):
 
     save_distributed_checkpoint: bool = True
     _timeout: timedelta | None
-    _plan: PipelinePlan | None
-    _owned_params: list[torch.nn.Parameter]
 
     @property
     @override
@@ -73,15 +57,14 @@ class CheckpointHooks(PipeTPParts):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model (sharded format), or the whole model on rank 0."""
-        assert self._plan is not None
         # The first call of a save (dump_checkpoint asks for the model first): every rank must be
         # here, or the save's collectives would wait on ranks that are elsewhere.
         self._every_rank_saves()
         if not self.save_distributed_checkpoint:
             with self._collective("gathering the whole model for a single-file checkpoint"):
-                return gather_model_state(self.module, self._plan, self.mesh)
+                return gather_model_state(self.module, self.runtime.plan, self.mesh)
         c = self.mesh.coordinates
-        return model_shard(self.module, self._plan, c.pp_rank, c.tp_rank)
+        return model_shard(self.module, self.runtime.plan, c.pp_rank, c.tp_rank)
 
     def _every_rank_saves(self) -> None:
         """Fail with a message that names the fix when a save runs on some ranks only (the habit
@@ -106,12 +89,11 @@ class CheckpointHooks(PipeTPParts):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's part of the optimizer state by parameter name (sharded format), or the
         whole optimizer state on rank 0."""
-        assert self._plan is not None
         c = self.mesh.coordinates
         # Every rank learns whether any rank's state cannot be saved, before the gather or the write.
         with fail_together("Saving the optimizer state"):
             if self.save_distributed_checkpoint:
-                return optimizer_shard(optimizer, self.module, self._plan, c.pp_rank, c.tp_rank)
+                return optimizer_shard(optimizer, self.module, self.runtime.plan, c.pp_rank, c.tp_rank)
             check_optimizer_cuttable(optimizer, self.module)
         with self._collective("gathering the optimizer state for a single-file checkpoint"):
             return gather_optimizer_state(optimizer, self.mesh, self.module)
@@ -133,41 +115,8 @@ class CheckpointHooks(PipeTPParts):
                 if self.is_global_zero:
                     save_atomically(checkpoint, path)
             return
-        assert self._plan is not None
-        c, layout = self.mesh.coordinates, self.mesh.layout
-        tp = layout.tensor_parallel_size
-        model = checkpoint.pop("state_dict")
-        optimizers = checkpoint.pop("optimizer_states", None)
-        file = shard_file_name(c.pp_rank, c.tp_rank)
-        shard = None
-        if c.dp_rank == 0:
-            shard = RankShard(
-                file,
-                {"model": model, "optimizers": [o["state"] for o in optimizers or []]},
-                model_records(model, self.module, tp, c.tp_rank, file),
-                [optimizer_records(o["state"], self.module, tp, c.tp_rank, file) for o in optimizers or []],
-            )
-        if optimizers is not None:
-            checkpoint["optimizer_states"] = [
-                {k: v for k, v in o.items() if k != "state"} for o in optimizers
-            ]
-        header = CheckpointMetadata(
-            layout={
-                "data_parallel_size": layout.data_parallel_size,
-                "pipeline_parallel_size": layout.pipeline_parallel_size,
-                "tensor_parallel_size": tp,
-            },
-            layer_names=list(self._plan.layer_names),
-            balance=list(self._plan.balance),
-        )
         with self._collective(f"saving the checkpoint {path}"):
-            write_sharded_checkpoint(
-                path,
-                shard,
-                checkpoint if self.is_global_zero else None,
-                header if self.is_global_zero else None,
-                key_order=list(self.module.state_dict().keys()),
-            )
+            checkpointing.write(self.runtime, path, checkpoint, self.is_global_zero)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -188,77 +137,19 @@ class CheckpointHooks(PipeTPParts):
         with fail_together(f"Loading the checkpoint {path}"):
             if not path.is_dir():
                 return super().load_checkpoint(path, weights_only=weights_only)
-            return self._load_sharded(path, weights_only)
-
-    def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
-        assert self._plan is not None
-        reader = ShardedCheckpoint(path)
-        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
-        checkpoint = reader.lightning_state(weights_only)
-        strict = self.module.strict_loading
-        checkpoint["state_dict"] = load_model_shard(
-            reader, self.module, self._plan, c.pp_rank, tp, c.tp_rank, strict
-        )
-        checkpoint[_SHARDED] = {"keys": list(reader.metadata.model), "layout": reader.metadata.layout}
-        saved_optimizers = checkpoint.get("optimizer_states")
-        if saved_optimizers is not None and self.optimizers:
-            owned = {id(p) for p in self._owned_params}
-            _check_optimizer_count(len(saved_optimizers), len(self.optimizers))
-            checkpoint["optimizer_states"] = [
-                load_optimizer_shard(reader, i, saved, opt, self.module, owned, tp, c.tp_rank)
-                for i, (saved, opt) in enumerate(zip(saved_optimizers, self.optimizers, strict=True))
-            ]
-        return checkpoint
+            strict = self.module.strict_loading
+            return checkpointing.read(self.runtime, path, self.optimizers, strict, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load this stage's entries, cutting full tensors (a plain checkpoint) to this rank's slice."""
-        assert self._plan is not None
-        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
-        current = self.module.state_dict(keep_vars=True)
-        saved = checkpoint["state_dict"]
-        sharded = checkpoint.get(_SHARDED)
         with fail_together("Loading the model weights"):
-            if strict:
-                check_keys(sharded["keys"] if sharded else saved, current, "The checkpoint")
-            if not sharded:  # a plain checkpoint holds full tensors (a sharded one was checked on read)
-                shapes = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}
-                check_shapes(shapes, current, tp, "The checkpoint")
-            state = {
-                k: shard_of(
-                    v, current.get(k) if isinstance(current.get(k), torch.Tensor) else None, tp, c.tp_rank
-                )
-                for k, v in saved.items()
-                if k in current and holds_key(self._plan, k, c.pp_rank)
-            }
-            self.module.load_state_dict(state, strict=False)
+            checkpointing.load_model(self.runtime, dict(checkpoint), strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load this stage's optimizer entries, cutting full tensors to this rank's slice."""
-        c, tp = self.mesh.coordinates, self.mesh.layout.tensor_parallel_size
-        owned = {id(p) for p in self._owned_params}
         with fail_together("Loading the optimizer state"):
-            _check_optimizer_count(len(checkpoint["optimizer_states"]), len(self.optimizers))
-            for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-                params = [p for group in optimizer.param_groups for p in group["params"]]
-                entries, groups = saved["state"], saved["param_groups"]
-                if _SHARDED not in checkpoint:
-                    # One file numbers the whole model's parameters, as one device does (a sharded
-                    # checkpoint was already numbered for this optimizer when it was read).
-                    names = parameter_names(optimizer, self.module)
-                    whole = local_to_whole(optimizer, self.module, names)
-                    entries = {i: entries[w] for i, w in enumerate(whole) if w in entries}
-                    groups = local_groups(optimizer, groups)
-                state = slice_optimizer_state(entries, params, owned, tp, c.tp_rank)
-                optimizer.load_state_dict({"state": state, "param_groups": groups})
+            checkpointing.load_optimizers(self.runtime, dict(checkpoint), self.optimizers)
+            for optimizer in self.optimizers:
                 _optimizer_to_device(optimizer, self.root_device)
-
-
-def _check_optimizer_count(saved: int, current: int) -> None:
-    if saved != current:
-        raise CheckpointError(
-            f"The checkpoint holds {saved} optimizer states but configure_optimizers returned {current} "
-            "optimizers. Resume with the configure_optimizers that saved it, or load the weights only "
-            "(LightningModule.load_state_dict on the consolidated checkpoint)."
-        )

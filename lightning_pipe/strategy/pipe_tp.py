@@ -35,48 +35,45 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_pipe.checkpoint.full import to_cpu
-from lightning_pipe.checkpoint.optimizer_view import keep_own
-from lightning_pipe.construction.meta import parameters_on_meta
-from lightning_pipe.data_parallel.reducer import GradientReducer
+from lightning_pipe.construction.meta import meta_tensors_set_aside, parameters_on_meta
+from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.uneven import EvenBatches
 from lightning_pipe.failures import FailureBoard
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
-from lightning_pipe.pipeline.actions import PipelineSchedule
-from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm
-from lightning_pipe.pipeline.executor import CheckpointMode, PipelineExecutor
+from lightning_pipe.pipeline.executor import CheckpointMode
 from lightning_pipe.pipeline.fingerprint import StepIdentity
 from lightning_pipe.pipeline.microbatch import batch_size, microbatch_sizes, signature, split_microbatches
 from lightning_pipe.pipeline.p2p import PipelineCommunicationError, lost_connection
 from lightning_pipe.pipeline.partition import check_partition
-from lightning_pipe.pipeline.plan import PipelinePlan
-from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
+from lightning_pipe.pipeline.schedules import ScheduleKind
 from lightning_pipe.pipeline.timeline import (
     TimelineRecorder,
     gather_timeline,
     plot_timeline,
     write_chrome_trace,
 )
-from lightning_pipe.signals import StopOnSignal
+from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
+from lightning_pipe.runtime.prepare import prepared_record
+from lightning_pipe.signals import StopOnSignal, passed_on_by_rank_zero
 from lightning_pipe.strategy import logging as pipe_logging
 from lightning_pipe.strategy.agreement import StepAgreement
 from lightning_pipe.strategy.checkpoints import CheckpointHooks
 from lightning_pipe.strategy.compat import use_pipeline_summary
 from lightning_pipe.strategy.outputs import concat_outputs, default_pipeline_input, forward_returns
-from lightning_pipe.strategy.preparation import ModelPreparation
-from lightning_pipe.strategy.summary import Holdings, PipelineModelSummary
-from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
+from lightning_pipe.strategy.summary import PipelineModelSummary
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 _TIMELINE_STEPS = (1, 9)  # skip step 0 (first-step allocations), record the next eight
 _SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
 
 
-class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
+class PipeTPStrategy(CheckpointHooks, StepAgreement):
     """Pipeline (GPipe / 1F1B) x tensor x data parallelism for Lightning.
 
     Args:
@@ -206,21 +203,14 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             )
         self.pretrained = None if pretrained is None else os.fspath(pretrained)
         self.pretrained_prefix = pretrained_prefix
-        self._batch_norm: DeferredBatchNorm | None = None
         self._forward_checked = False
         self.timeline = timeline or os.environ.get("LIGHTNING_PIPE_TIMELINE") or None
         self._recorder: TimelineRecorder | None = None
-        self._reducer: GradientReducer | None = None
-        self._tied: list[tuple[torch.nn.Parameter, dist.ProcessGroup, bool]] = []
         self._mesh: ParallelMesh | None = None
-        self._plan: PipelinePlan | None = None
-        self._executor: PipelineExecutor | None = None
-        self._owned_params: list[torch.nn.Parameter] = []
-        self._schedules: dict[tuple[int, bool], PipelineSchedule] = {}
+        self._runtime: ParallelRuntime | None = None
         self._warned_small_batch = False
         self._signals: StopOnSignal | None = None
         self._failures: FailureBoard | None = None
-        self._holdings: Holdings | None = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -235,6 +225,14 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         if self._mesh is None:
             raise RuntimeError("The pipe_tp mesh exists only after the processes have started.")
         return self._mesh
+
+    @property
+    def runtime(self) -> ParallelRuntime:
+        """The plain-torch :class:`~lightning_pipe.runtime.ParallelRuntime` this strategy drives
+        (built at setup, once per Trainer call)."""
+        if self._runtime is None:
+            raise RuntimeError("The pipe_tp runtime exists only after the strategy's setup.")
+        return self._runtime
 
     @property
     def pp_rank(self) -> int:
@@ -291,6 +289,9 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Record this rank's failure, so that the ranks that lose it can name it."""
+        if isinstance(exception, SIGTERMException):
+            where = f" ({self._mesh.coordinates})" if self._mesh is not None else ""
+            passed_on_by_rank_zero(exception, self.global_rank, f"rank {self.global_rank}{where}")
         if self._failures is not None:
             summary = str(exception).strip().splitlines()[0][:300] if str(exception).strip() else ""
             self._failures.report(f"raised {type(exception).__name__}: {summary}")
@@ -305,12 +306,6 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             and hasattr(err, "add_note")
         ):
             err.add_note(f"The first rank to fail: {first}.")
-
-    @override
-    def teardown(self) -> None:
-        if self._signals is not None:
-            self._signals.uninstall()
-        super().teardown()
 
     @property
     @override
@@ -364,10 +359,11 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(module)
-        self._build_pipeline(module)
-        holdings, plan = self._holdings, self._plan
-        assert holdings is not None and plan is not None
-        use_pipeline_summary(trainer, lambda m, depth: PipelineModelSummary(m, holdings, plan, depth))
+        self._build_runtime(module)
+        runtime = self.runtime
+        use_pipeline_summary(
+            trainer, lambda m, depth: PipelineModelSummary(m, runtime.holdings, runtime.plan, depth)
+        )
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -379,17 +375,76 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_global_clipping()
 
+    def _build_runtime(self, module: LightningModule) -> None:
+        """Build this call's runtime: on the module's first setup it splits, shards and
+        materialises the model; later calls reuse that (see :mod:`lightning_pipe.runtime.prepare`)."""
+        if self._runtime is not None:
+            self._runtime.close()
+        try:
+            self._runtime = self._new_runtime(module)
+        except ConfigurationError as err:
+            raise MisconfigurationException(str(err)) from err
+        # torchmetrics sync over the data axis only: ranks of one pipeline hold the same state.
+        for sub in module.modules():
+            if isinstance(sub, Metric):
+                sub.process_group = self.mesh.group(MeshAxis.DATA)
+        for warning in self._runtime.warnings:
+            rank_zero_warn(warning)
+        self._forward_checked = False
+        if self._runtime.first_setup:
+            rank_zero_info(self._runtime.describe(self.num_microbatches))
+
+    def _new_runtime(self, module: LightningModule) -> ParallelRuntime:
+        layout = self.mesh.layout
+        first = prepared_record(module, layout, self.partition) is None
+        tp_plan = self.tensor_parallel_plan
+        if first and tp_plan is None and layout.tensor_parallel_size > 1:
+            hook = getattr(module, "tensor_parallel_plan", None)
+            tp_plan = hook() if callable(hook) else None
+        options = RuntimeOptions(
+            schedule=self.schedule, partition=self.partition, recomputation=self.checkpoint,
+            tensor_parallel_plan=tp_plan, bucket_cap_mb=self.bucket_cap_mb, timeout=self._timeout,
+            check_finite=self.check_finite, deferred_batch_norm=self.deferred_batch_norm,
+        )  # fmt: skip
+        # Lightning's global seed when one was set (seed_everything); the runtime uses rank 0's.
+        env = os.environ.get("PL_GLOBAL_SEED")
+        init = getattr(module, "init_module_weights", None)
+        weights = WeightFiles(self.pretrained, self.pretrained_prefix) if first and self.pretrained else None
+        return ParallelRuntime(
+            module, module.configure_pipeline() if first else [],  # type: ignore[operator]
+            self.mesh, self.root_device, options,
+            seed=int(env) if env is not None else None, init=init if callable(init) else None,
+            weights=weights, naming=self._collective,
+        )  # fmt: skip
+
+    @override
+    def model_to_device(self) -> None:
+        # Only this stage's layers (and the module's own non-layer state) go to the device: the
+        # other stages' layers stay where they were built (meta, or off the accelerator).
+        assert self.model is not None
+        skip = self.runtime.other_stages_tensors()
+        device = self.root_device
+        self.model._apply(lambda t: t if id(t) in skip else t.to(device))
+
+    @override
+    def teardown(self) -> None:
+        if self._signals is not None:
+            self._signals.uninstall()
+        if self._runtime is not None:
+            self._runtime.close()
+        module = self.lightning_module
+        # Other stages' tensors have nothing to move (there may be no module after a failed setup).
+        with meta_tensors_set_aside(module) if module is not None else nullcontext():
+            super().teardown()
+
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         """``configure_optimizers`` as written (``self.parameters()`` lists every stage's); each
         optimizer then keeps only this rank's parameters (issue 16), its groups still described in
         whole-model terms for checkpoints (:mod:`lightning_pipe.checkpoint.optimizer_view`)."""
         super().setup_optimizers(trainer)
-        assert self._plan is not None
-        others = self._other_stages_tensors(self._plan, self._layers)
-        own = {id(p) for p in self.module.parameters() if id(p) not in others and not p.is_meta}
         for optimizer in self.optimizers:
-            keep_own(optimizer, self.module, own)
+            self.runtime.keep_own(optimizer)
 
     def _check_module(self, module: LightningModule, trainer: Trainer) -> None:
         if not module.automatic_optimization:
@@ -425,26 +480,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
 
     def clip_gradients_global_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every stage's gradients, as one device would; returns the norm."""
-        grads = [p.grad for p in self._owned_params if p.grad is not None]
-        # A tied parameter's copies hold the same (summed) gradient: count it on one stage only.
-        not_counted = {id(p) for p, _, counts in self._tied if not counts}
-        device = self.root_device
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        # Replicated parameters (not sharded across the tensor group) are counted on tp_rank 0.
-        replicas_counted = self.mesh.coordinates.tp_rank == 0
-        for p in self._owned_params:
-            if p.grad is None or id(p) in not_counted:
-                continue
-            if tensor_parallel_dim(p) is None and not replicas_counted:
-                continue
-            local += p.grad.detach().float().pow(2).sum()
-        with self._collective("summing the gradient norm over the model's ranks"):
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
-        total = local.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
-        return total
+        return self.runtime.clip_grad_norm_(max_norm)
 
     # ------------------------------------------------------------------ collectives
     @contextmanager
@@ -501,6 +537,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
         epoch_loop = trainer.fit_loop.epoch_loop
         batch_idx = epoch_loop.batch_idx
         optimizer = trainer.optimizers[0]
+        runtime = self.runtime
         if batch_idx % trainer.accumulate_grad_batches == 0:
             # What the closure would have done (after the step, too late for us): zero the grads.
             call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
@@ -508,36 +545,11 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             call._call_lightning_module_hook(
                 trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
             )
-            if self._reducer is not None:
-                self._reducer.attach()
+            runtime.begin_accumulation()
         final = not trainer.fit_loop._should_accumulate()
-        assert self._executor is not None
-        # Only the last backward of an optimizer step communicates, overlapped with that backward.
-        self._executor.before_last_backward = self._reducer.arm if final and self._reducer else None
-        self._executor.recorder = self._timeline_recorder(trainer.global_step)
-        deferred = self._batch_norm
-        if deferred is not None:
-            deferred.begin()
-        try:
-            with self.precision_plugin.train_step_context():
-                loss = self._run_step("training_step", args, training=True)
-        except BaseException:
-            if deferred is not None:
-                deferred.end()  # no commit of a failed step's statistics
-            raise
-        if deferred is not None:  # commit ends the deferral
-            dp = self.mesh.layout.data_parallel_size > 1
-            with self._collective("summing BatchNorm statistics over the data-parallel group"):
-                deferred.commit(self.mesh.group(MeshAxis.DATA) if dp else None)
-        if final:
-            if self._reducer is not None:
-                with self._collective("averaging gradients over the data-parallel group"):
-                    self._reducer.finish()
-            with self._collective("summing the gradients of tied parameters across stages"):
-                for param, group, _ in self._tied:
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+        runtime.executor.recorder = self._timeline_recorder(trainer.global_step)
+        with self.precision_plugin.train_step_context():
+            loss = self._run_step("training_step", args, training=True, final=final)
         call._call_callback_hooks(trainer, "on_after_backward")
         call._call_lightning_module_hook(trainer, "on_after_backward")
         return loss
@@ -553,7 +565,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        recorder = self._executor.recorder if self._executor is not None else None
+        recorder = self._runtime.executor.recorder if self._runtime is not None else None
         if recorder is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # The closure (this step's whole pipeline) runs inside optimizer.step: time what follows it.
@@ -621,15 +633,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             return size
         return self.num_microbatches
 
-    def _schedule_for(self, m: int, training: bool) -> PipelineSchedule:
-        key = (m, training)
-        if key not in self._schedules:
-            self._schedules[key] = build_schedule(
-                self.schedule, self.mesh.layout.pipeline_parallel_size, m, training
-            )
-        return self._schedules[key]
-
-    def _run_step(self, step_name: str, args: tuple[Any, ...], training: bool) -> Any:
+    def _run_step(self, step_name: str, args: tuple[Any, ...], training: bool, final: bool = False) -> Any:
         """Run one schedule over the batch's micro-batches; return the same result on every rank."""
         module = self.module
         trainer = module.trainer
@@ -669,20 +673,15 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, ModelPreparation):
             return loss
 
         self._check_before_step(step_name, args, batch, inputs[0])
-        assert self._executor is not None
         with (
             pipe_logging.capturing(trainer, capture),
             pipe_logging.batch_level_metrics(module, self.is_last_stage),
             self._naming_first_failure(PipelineCommunicationError),
         ):
-            result = self._executor.run(
-                self._schedule_for(m, training),
-                self.pp_rank,
-                inputs=inputs if self.is_first_stage else None,
-                head=head if self.is_last_stage else None,
-                weights=weights,
+            result = self.runtime.step(
+                m, inputs, head, training=training, final=final, weights=weights,
                 signatures=[signature(x) for x in inputs],
-            )
+            )  # fmt: skip
 
         payload: dict[str, Any] = {}
         if self.is_last_stage:

@@ -1,0 +1,57 @@
+"""What a :class:`~lightning_pipe.runtime.ParallelRuntime` is asked to do, in one dataclass.
+
+The Lightning strategy fills it from its constructor arguments; a plain-torch training loop builds
+it directly. Nothing here depends on the processes: it is checked when it is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from lightning_pipe.pipeline.executor import CheckpointMode
+from lightning_pipe.pipeline.partition import PartitionMethod, check_partition
+from lightning_pipe.pipeline.schedules import ScheduleKind
+
+
+class ConfigurationError(ValueError):
+    """A model, plan or option the runtime cannot train as asked, with what to do instead."""
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How to split, schedule and synchronise one model."""
+
+    schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B
+    """``"1f1b"`` or ``"gpipe"``."""
+    partition: PartitionMethod | str | Sequence[int] = "parameters"
+    """``"parameters"``, ``"uniform"`` or layer counts per stage."""
+    recomputation: CheckpointMode | str = CheckpointMode.NEVER
+    """Activation recomputation (the strategy's ``checkpoint=`` option): ``"never"``,
+    ``"except_last"`` or ``"always"``."""
+    tensor_parallel_plan: Mapping[str, str] | None = None
+    """Module-name pattern -> style; needed when the tensor axis has more than one rank."""
+    bucket_cap_mb: float = 25.0
+    """Size of the data-parallel reducer's gradient buckets."""
+    timeout: timedelta | None = None
+    """Deadline of every pipeline exchange (``None``: the process group's)."""
+    check_finite: bool = False
+    """Raise at the first stage output or loss holding NaN/Inf, naming where."""
+    deferred_batch_norm: bool = True
+    """BatchNorm running statistics from the whole batch (torchgpipe's deferred batch norm)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule))
+        object.__setattr__(self, "recomputation", CheckpointMode.parse(self.recomputation))
+        check_partition(self.partition)
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}.")
+
+    @property
+    def schedule_kind(self) -> ScheduleKind:
+        return ScheduleKind.parse(self.schedule)
+
+    @property
+    def recomputation_mode(self) -> CheckpointMode:
+        return CheckpointMode.parse(self.recomputation)
