@@ -11,7 +11,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import run_distributed
@@ -83,7 +82,6 @@ def single_process_worker() -> dict[str, Any]:
         "no_pipeline": _error(NoPipeline(), strategy()),
         "two_calls": _error(TwoCalls(), strategy()),
         "stray": _error(StrayParameter(), strategy()),
-        "fp16": _error(Regressor(), strategy(), plugins=[MixedPrecision("16-mixed", "cpu")]),
         "too_many_stages": _error(Regressor(), strategy(pipeline_parallel_size=2)),
     }
 
@@ -111,7 +109,6 @@ def test_one_process_equals_one_device(single: dict[str, Any]) -> None:
         ("no_pipeline", r"NoPipeline has no configure_pipeline\(\).*return list\(self.layers\)"),
         ("two_calls", r"TwoCalls.training_step called self\(\.\.\.\) 2 times.*exactly once"),
         ("stray", r"\['temperature'\] belong to no layer returned by configure_pipeline\(\)"),
-        ("fp16", r"precision='16-mixed' is not supported.*'bf16-mixed'"),
         (
             "too_many_stages",
             r"pipeline_parallel_size \(2\) x tensor_parallel_size \(1\) = 2 does not divide the world size 1",

@@ -53,14 +53,14 @@ def _gather_to_rank0(part: dict[Any, Any], mesh: ParallelMesh, into: dict[Any, A
 
 def gather_model_state(module: nn.Module, plan: PipelinePlan, mesh: ParallelMesh) -> dict[str, Any]:
     """Collective: the unsharded module's state dict on global rank 0 (``{}`` elsewhere)."""
-    pp_rank = mesh.coordinates.pp_rank
+    stages = plan.stages_of_rank(mesh.coordinates.pp_rank, mesh.layout.pipeline_parallel_size)
     current = module.state_dict(keep_vars=True)
     group = mesh.group(MeshAxis.TENSOR)
     # Every tensor rank of a stage gathers the same keys in the same order.
     own = {
         k: unshard(v, v if isinstance(v, torch.Tensor) else None, group)
         for k, v in current.items()
-        if writes_key(plan, k, pp_rank)
+        if writes_key(plan, k, stages)
     }
     return _gather_to_rank0(
         own, mesh, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in current.items()}

@@ -15,7 +15,7 @@ an optimizer whose parameters differ) is reported before anything is loaded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -30,22 +30,30 @@ from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 _SHOWN = 8  # names listed in an error before "and N more"
 
 
-def holds_key(plan: PipelinePlan, key: str, pp_rank: int) -> bool:
-    """Whether stage ``pp_rank`` uses the state-dict entry ``key``: its owner's stage, or every
-    stage for a key outside the layers."""
+Stages = int | Collection[int]
+"""The stage indices a rank holds (one, or several), as :meth:`PipelinePlan.stages_of_rank` gives them."""
+
+
+def _stage_set(stages: Stages) -> frozenset[int]:
+    return frozenset((stages,)) if isinstance(stages, int) else frozenset(stages)
+
+
+def holds_key(plan: PipelinePlan, key: str, stages: Stages) -> bool:
+    """Whether a rank holding ``stages`` uses the state-dict entry ``key``: its owner's stage, or
+    every stage for a key outside the layers."""
     stage = plan.stage_of_key(key)
-    return stage is None or stage == pp_rank
+    return stage is None or stage in _stage_set(stages)
 
 
-def writes_key(plan: PipelinePlan, key: str, pp_rank: int) -> bool:
-    """Whether stage ``pp_rank`` saves ``key``: its owner, or stage 0 for keys outside layers.
+def writes_key(plan: PipelinePlan, key: str, stages: Stages) -> bool:
+    """Whether a rank holding ``stages`` saves ``key``: its owner, or stage 0's for keys outside layers.
 
     An alias of a layer's tensor (``self.head = self.layers[-1]``) is owned by that layer's stage
     (:attr:`PipelinePlan.aliases`): only it trains the tensor, so stage 0's copy would be stale,
     and loading it would overwrite the trained one.
     """
-    stage = plan.stage_of_key(key)
-    return stage == pp_rank if stage is not None else pp_rank == 0
+    stage, held = plan.stage_of_key(key), _stage_set(stages)
+    return stage in held if stage is not None else 0 in held
 
 
 def full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
@@ -97,11 +105,11 @@ def _is_sharded(value: Any, param: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- saving
-def model_shard(module: nn.Module, plan: PipelinePlan, pp_rank: int, tp_rank: int) -> dict[str, Any]:
+def model_shard(module: nn.Module, plan: PipelinePlan, stages: Stages, tp_rank: int) -> dict[str, Any]:
     """The model state this rank saves: its stage's keys, split ones always, replicated on tp 0."""
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        if not writes_key(plan, key, pp_rank):
+        if not writes_key(plan, key, stages):
             continue
         if tp_rank != 0 and not (isinstance(value, torch.Tensor) and tensor_parallel_dim(value) is not None):
             continue
@@ -131,7 +139,7 @@ def parameter_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list
 
 
 def optimizer_shard(
-    optimizer: torch.optim.Optimizer, module: nn.Module, plan: PipelinePlan, pp_rank: int, tp_rank: int
+    optimizer: torch.optim.Optimizer, module: nn.Module, plan: PipelinePlan, stages: Stages, tp_rank: int
 ) -> dict[str, Any]:
     """This rank's part of the optimizer state, keyed by parameter name, with the param groups."""
     saved = optimizer.state_dict()
@@ -140,7 +148,7 @@ def optimizer_shard(
     state: dict[str, dict[str, Any]] = {}
     for index, entry in saved["state"].items():
         name, param = names[index], params[index]
-        if not writes_key(plan, name, pp_rank):
+        if not writes_key(plan, name, stages):
             continue
         check_cuttable(entry, param, name)
         kept = {k: v for k, v in entry.items() if tp_rank == 0 or _is_sharded(v, param)}
@@ -242,10 +250,10 @@ def check_shapes(
 
 
 def load_model_shard(
-    reader: ShardedCheckpoint, module: nn.Module, plan: PipelinePlan, pp_rank: int, tp: int, tp_rank: int,
+    reader: ShardedCheckpoint, module: nn.Module, plan: PipelinePlan, stages: Stages, tp: int, tp_rank: int,
     strict: bool,
 ) -> dict[str, Any]:  # fmt: skip
-    """The state-dict entries stage ``pp_rank`` holds, read from ``reader`` and cut for ``tp_rank``."""
+    """The state-dict entries a rank holding ``stages`` uses, read from ``reader`` and cut for ``tp_rank``."""
     current = module.state_dict(keep_vars=True)
     saved = reader.metadata.model
     if strict:
@@ -256,7 +264,7 @@ def load_model_shard(
             reader.model_value(key), value if isinstance(value, torch.Tensor) else None, tp, tp_rank
         )
         for key, value in current.items()
-        if key in saved and holds_key(plan, key, pp_rank)
+        if key in saved and holds_key(plan, key, stages)
     }
 
 

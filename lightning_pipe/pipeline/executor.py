@@ -167,6 +167,9 @@ class PipelineExecutor:
         self.before_last_backward: Callable[[], None] | None = None
         """Called once per step right before the rank's last backward action (where a
         data-parallel reducer arms itself to overlap its all-reduce with that backward)."""
+        self.scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Applied to each weighted micro-batch loss before its backward (a gradient scaler's
+        ``scale`` under fp16); ``None``: the loss as it is."""
         self.measure_activation_memory = False
         """Count the bytes autograd saves per micro-batch (a hook per saved tensor when on)."""
 
@@ -350,8 +353,11 @@ class PipelineExecutor:
                     "the pipeline output or the model's parameters."
                 )
             # Forwards recomputed inside backward must not count twice in BatchNorm statistics.
+            weighted = loss * self._weights[i]  # type: ignore[operator]
+            if self.scale_loss is not None:  # fp16: gradients scaled, unscaled before the step
+                weighted = self.scale_loss(weighted)
             with running_backward():
-                (loss * self._weights[i]).backward()  # type: ignore[operator]
+                weighted.backward()
         else:
             meta = self._output_meta.pop((s, i))
             grads = self._received.pop((s, i)).result

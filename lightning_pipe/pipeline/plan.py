@@ -48,6 +48,16 @@ class PipelinePlan:
         start = sum(self.balance[:stage_index])
         return range(start, start + self.balance[stage_index])
 
+    def stages_of_rank(self, pp_rank: int, pipeline_parallel_size: int) -> tuple[int, ...]:
+        """The stage indices pipeline rank ``pp_rank`` holds: the one mapping every part of the
+        runtime reads (one stage per rank when there are as many stages as ranks; in loop
+        placement, stages r, r + p, ..., when each rank holds several)."""
+        return tuple(range(pp_rank, self.num_stages, pipeline_parallel_size))
+
+    def rank_of_stage(self, stage_index: int, pipeline_parallel_size: int) -> int:
+        """The pipeline rank that holds ``stage_index`` (the inverse of :meth:`stages_of_rank`)."""
+        return stage_index % pipeline_parallel_size
+
     def stage_of_layer(self, layer_index: int) -> int:
         for stage in range(self.num_stages):
             if layer_index in self.layer_range(stage):

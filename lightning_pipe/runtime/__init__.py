@@ -1,6 +1,6 @@
 """The Lightning-free runtime: one object that trains a model over a dp x pp x tp mesh."""
 
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
-from lightning_pipe.runtime.runtime import ParallelRuntime, stages_of_rank
+from lightning_pipe.runtime.runtime import ParallelRuntime
 
-__all__ = ["ConfigurationError", "ParallelRuntime", "RuntimeOptions", "stages_of_rank"]
+__all__ = ["ConfigurationError", "ParallelRuntime", "RuntimeOptions"]

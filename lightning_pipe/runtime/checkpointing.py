@@ -47,13 +47,13 @@ SHARDED = "pipe_tp_sharded_checkpoint"
 def model_state(runtime: ParallelRuntime) -> dict[str, Any]:
     """This rank's part of the model state, keyed by the unsharded model's names."""
     c = runtime.mesh.coordinates
-    return model_shard(runtime.module, runtime.plan, c.pp_rank, c.tp_rank)
+    return model_shard(runtime.module, runtime.plan, runtime.stage_indices, c.tp_rank)
 
 
 def optimizer_state(runtime: ParallelRuntime, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's part of ``optimizer``'s state, keyed by parameter name, with its groups."""
     c = runtime.mesh.coordinates
-    return optimizer_shard(optimizer, runtime.module, runtime.plan, c.pp_rank, c.tp_rank)
+    return optimizer_shard(optimizer, runtime.module, runtime.plan, runtime.stage_indices, c.tp_rank)
 
 
 def write(runtime: ParallelRuntime, path: str | Path, checkpoint: dict[str, Any], is_writer: bool) -> None:
@@ -107,7 +107,7 @@ def read(
     c, tp = runtime.mesh.coordinates, runtime.mesh.layout.tensor_parallel_size
     checkpoint = reader.lightning_state(weights_only)
     checkpoint["state_dict"] = load_model_shard(
-        reader, runtime.module, runtime.plan, c.pp_rank, tp, c.tp_rank, strict
+        reader, runtime.module, runtime.plan, runtime.stage_indices, tp, c.tp_rank, strict
     )
     checkpoint[SHARDED] = {"keys": list(reader.metadata.model), "layout": reader.metadata.layout}
     saved = checkpoint.get("optimizer_states")
@@ -137,7 +137,7 @@ def load_model(runtime: ParallelRuntime, checkpoint: dict[str, Any], strict: boo
     state = {
         k: shard_of(v, current.get(k) if isinstance(current.get(k), torch.Tensor) else None, tp, c.tp_rank)
         for k, v in saved.items()
-        if k in current and holds_key(plan, k, c.pp_rank)
+        if k in current and holds_key(plan, k, runtime.stage_indices)
     }
     module.load_state_dict(state, strict=False)
 

@@ -7,6 +7,7 @@ all-gathers the descriptions; the layout log and the model summary read them (is
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -33,32 +34,34 @@ class Holdings:
 def gather_holdings(
     module: nn.Module,
     plan: PipelinePlan,
-    stage_index: int,
+    stages: Collection[int],
     tensor_parallel_size: int,
     group: dist.ProcessGroup | None,
 ) -> Holdings:
-    """Describe this stage's parameters (after tensor-parallel sharding) and all-gather the
-    description over the pipeline ``group`` (``None``: one stage)."""
-    mine: dict[str, tuple[int, int]] = {}
-    seen: set[int] = set()
-    whole = held = 0
-    for path, param in module.named_parameters(remove_duplicate=False):
-        if plan.stage_of_key(path) != stage_index:
-            continue
-        local = param.numel()
-        full = local * tensor_parallel_size if tensor_parallel_dim(param) is not None else local
-        mine[path] = (full, local)
-        if id(param) not in seen:
-            seen.add(id(param))
-            whole, held = whole + full, held + local
-    entries: list[tuple[int, dict[str, tuple[int, int]], tuple[int, int]]] = [
-        (stage_index, mine, (whole, held))
-    ]
+    """Describe the parameters of this rank's ``stages`` (after tensor-parallel sharding) and
+    all-gather the descriptions over the pipeline ``group`` (``None``: one rank)."""
+    Entry = tuple[int, dict[str, tuple[int, int]], tuple[int, int]]
+    mine: list[Entry] = []
+    for stage_index in sorted(stages):
+        parameters: dict[str, tuple[int, int]] = {}
+        seen: set[int] = set()
+        whole = held = 0
+        for path, param in module.named_parameters(remove_duplicate=False):
+            if plan.stage_of_key(path) != stage_index:
+                continue
+            local = param.numel()
+            full = local * tensor_parallel_size if tensor_parallel_dim(param) is not None else local
+            parameters[path] = (full, local)
+            if id(param) not in seen:
+                seen.add(id(param))
+                whole, held = whole + full, held + local
+        mine.append((stage_index, parameters, (whole, held)))
+    gathered: list[list[Entry]] = [mine]
     if group is not None and dist.get_world_size(group) > 1:
-        entries = [(0, {}, (0, 0))] * dist.get_world_size(group)
-        dist.all_gather_object(entries, (stage_index, mine, (whole, held)), group=group)
-    entries.sort(key=lambda entry: entry[0])
-    parameters: dict[str, tuple[int, int]] = {}
+        gathered = [[] for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(gathered, mine, group=group)
+    entries = sorted((entry for rank in gathered for entry in rank), key=lambda entry: entry[0])
+    everything: dict[str, tuple[int, int]] = {}
     for _, stage_parameters, _ in entries:
-        parameters.update(stage_parameters)
-    return Holdings(parameters, tuple(totals for _, _, totals in entries))
+        everything.update(stage_parameters)
+    return Holdings(everything, tuple(totals for _, _, totals in entries))

@@ -13,7 +13,7 @@ error); a later one with another layout is refused, naming the fix.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,9 +88,8 @@ class Preparation:
     naming: Naming
     tied: list[tuple[str, dist.ProcessGroup, bool]]
 
-    @property
-    def stage_index(self) -> int:
-        return self.mesh.coordinates.pp_rank
+    stages: tuple[int, ...]
+    """The stages this rank holds (``PipelinePlan.stages_of_rank``)."""
 
     def run(self, plan: PipelinePlan, layers: Sequence[nn.Module]) -> tuple[PreparedModel, frozenset[int]]:
         """Equalise tied copies, shard, materialise by ``plan``; returns the record and the
@@ -115,7 +114,7 @@ class Preparation:
             record.built_on_meta = True
         with self.naming("gathering what each stage holds"):
             tp, pipeline = mesh.layout.tensor_parallel_size, mesh.group(MeshAxis.PIPELINE)
-            record.holdings = gather_holdings(module, plan, self.stage_index, tp, pipeline)
+            record.holdings = gather_holdings(module, plan, self.stages, tp, pipeline)
         module.__dict__[_RECORD] = record
         return record, materialized
 
@@ -135,14 +134,14 @@ class Preparation:
         canonical = {id(module.get_parameter(name)): name for name, _, _ in self.tied}
         for path, param in module.named_parameters(remove_duplicate=False):
             tied_name = canonical.get(id(param))
-            if tied_name is not None and plan.stage_of_key(path) == self.stage_index:
+            if tied_name is not None and plan.stage_of_key(path) in self.stages:
                 record.tied_paths.setdefault(tied_name, path)
 
     def _materialize(self, plan: PipelinePlan, layers: Sequence[nn.Module]) -> frozenset[int]:
         """Give this rank's stage (and the module's tensors outside every layer) storage on its
         device and layout-independent initial values; other stages' tensors stay meta, and their
         buffers (built for real) are released."""
-        others = other_stages_tensors(plan, layers, self.stage_index)
+        others = other_stages_tensors(plan, layers, self.stages)
         with self.naming("initialising this stage's parameters"):
             done = materialize(self.module, self.device, self.seed, others, self.init, self.weights)
         released = release(self.module, others)
@@ -175,7 +174,7 @@ class Preparation:
             )
         stage_of_layer = [plan.stage_of_layer(i) for i in range(len(layers))]
         counts = count_sharding(self.module, resolved, layers, stage_of_layer, plan.num_stages)
-        own = [layers[i] for i in plan.layer_range(self.stage_index)]
+        own = [layers[i] for s in self.stages for i in plan.layer_range(s)]
         c = self.mesh.coordinates
         with self.naming("making the full weights equal across the tensor group before sharding"):
             shard_stage(
@@ -189,10 +188,12 @@ class Preparation:
         return counts.describe(tp)
 
 
-def other_stages_tensors(plan: PipelinePlan, layers: Sequence[nn.Module], stage_index: int) -> set[int]:
-    """``id()`` of the tensors that only other stages' layers hold (a tied parameter this stage
-    also holds is not among them)."""
-    own = set(plan.layer_range(stage_index))
+def other_stages_tensors(
+    plan: PipelinePlan, layers: Sequence[nn.Module], stages: Collection[int]
+) -> set[int]:
+    """``id()`` of the tensors that only other stages' layers hold (a tied parameter one of
+    ``stages`` also holds is not among them)."""
+    own = {i for s in stages for i in plan.layer_range(s)}
 
     def tensors(indices: set[int]) -> set[int]:
         chosen = [layer for i, layer in enumerate(layers) if i in indices]

@@ -65,12 +65,6 @@ def _no_naming(what: str, peers: Sequence[int] = ()) -> AbstractContextManager[N
     return nullcontext()
 
 
-def stages_of_rank(pp_rank: int, num_stages: int, pipeline_parallel_size: int) -> tuple[int, ...]:
-    """The stage indices ``pp_rank`` holds: the one mapping every part of the runtime reads
-    (one stage per rank today; loop placement, stages r, r + p, ..., when ranks hold several)."""
-    return tuple(range(pp_rank, num_stages, pipeline_parallel_size))
-
-
 class ParallelRuntime:
     """dp x pp x tp training of ``module`` on this rank (see the module docstring).
 
@@ -112,15 +106,17 @@ class ParallelRuntime:
             plan = make_plan(module, layers, layout.pipeline_parallel_size, self.options.partition)
             tied = self._tied_groups(plan)
             seed = self._agreed_seed(seed)
-            preparation = Preparation(module, mesh, device, self.options, seed, init, weights, naming, tied)
+            stages = plan.stages_of_rank(mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
+            preparation = Preparation(
+                module, mesh, device, self.options, seed, init, weights, naming, tied, stages
+            )
             record, materialized = preparation.run(plan, layers)
         else:
             tied = self._tied_groups(record.plan)
         self.record: PreparedModel = record
         self.plan: PipelinePlan = record.plan
-        self.stage_indices = stages_of_rank(
-            mesh.coordinates.pp_rank, self.plan.num_stages, layout.pipeline_parallel_size
-        )
+        self.stage_indices = self.plan.stages_of_rank(mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
+        """The stages this rank holds; every stage-dependent choice reads this."""
         self.layers: list[nn.Module] = [module.get_submodule(name) for name in self.plan.layer_names]
         own = [self.layers[i] for s in self.stage_indices for i in self.plan.layer_range(s)]
         owned = {id(p): p for layer in own for p in layer.parameters() if p.requires_grad}
@@ -169,10 +165,17 @@ class ParallelRuntime:
         assert self.record.holdings is not None
         return self.record.holdings
 
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.plan.num_stages - 1 in self.stage_indices
+
     def other_stages_tensors(self) -> set[int]:
         """``id()`` of the tensors only other ranks' stages hold (meta, or never trained here)."""
-        assert len(self.stage_indices) == 1, "several stages per rank: not built yet (issue 18)"
-        return other_stages_tensors(self.plan, self.layers, self.stage_indices[0])
+        return other_stages_tensors(self.plan, self.layers, self.stage_indices)
 
     def keep_own(self, optimizer: OptimizerT) -> OptimizerT:
         """``optimizer``, built over the whole module's parameters (other stages' meta tensors
@@ -226,14 +229,19 @@ class ParallelRuntime:
         final: bool = True,
         weights: Sequence[float] | None = None,
         signatures: Sequence[Any] | None = None,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> StepResult:
         """Run one schedule over a batch's micro-batches on this rank.
 
         ``inputs`` are needed where stage 0 lives, ``head`` (the loss, when training) where the
         last stage lives. ``final``: the last batch of the accumulation window; its backward
         overlaps the data-parallel all-reduce, and the gradients are finished after it.
+        ``scale_loss``: applied to each weighted loss before its backward (fp16: a gradient
+        scaler's ``scale``; unscale with :class:`~lightning_pipe.runtime.grad_scaler.AgreedGradScaler`
+        so that every rank skips or steps together).
         """
         executor = self.executor
+        executor.scale_loss = scale_loss if training else None
         executor.before_last_backward = self.reducer.arm if training and final and self.reducer else None
         deferred = self.batch_norm if training else None
         if deferred is not None:
@@ -269,6 +277,22 @@ class ParallelRuntime:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+
+    def from_last_stage(self, payload: Any) -> Any:
+        """Every rank of this pipeline gets the last stage's ``payload`` (any picklable object:
+        the step's loss, logged values, predictions), so that all ranks return the same result."""
+        layout = self.mesh.layout
+        if layout.pipeline_parallel_size == 1:
+            return payload
+        c = self.mesh.coordinates
+        last = self.plan.rank_of_stage(self.plan.num_stages - 1, layout.pipeline_parallel_size)
+        src = layout.rank_of(c.dp_rank, last, c.tp_rank)
+        box = [payload]
+        device = self.device if self.device.type == "cuda" else None
+        peers = [r for r in self.mesh.pipeline_peers if r != self.mesh.rank]
+        with self._naming(f"receiving the step's results from the last stage (rank {src})", peers):
+            dist.broadcast_object_list(box, src=src, group=self.mesh.group(MeshAxis.PIPELINE), device=device)
+        return box[0]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every stage's and tensor slice's gradients, as one device would
@@ -345,16 +369,20 @@ class ParallelRuntime:
         """For each tied parameter this rank holds: its name, the group of its copies' ranks, and
         whether this rank counts it in the gradient norm (the first stage does)."""
         layout = self.mesh.layout
-        pp_rank = self.mesh.coordinates.pp_rank
+        held = plan.stages_of_rank(self.mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
         groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         # new_group is collective: every rank creates every group, in the same order.
         for stages in sorted({stages for _, stages in plan.tied}):
             for dp in range(layout.data_parallel_size):
                 for tp in range(layout.tensor_parallel_size):
-                    ranks = [layout.rank_of(dp, s, tp) for s in stages]
+                    # The ranks holding those stages (one rank may hold several of them).
+                    pp_ranks = sorted({plan.rank_of_stage(s, layout.pipeline_parallel_size) for s in stages})
+                    ranks = [layout.rank_of(dp, r, tp) for r in pp_ranks]
                     group = dist.new_group(ranks)
                     if self.mesh.rank in ranks:
                         groups[stages] = group
         return [
-            (name, groups[stages], pp_rank == stages[0]) for name, stages in plan.tied if pp_rank in stages
+            (name, groups[stages], stages[0] in held)
+            for name, stages in plan.tied
+            if any(s in held for s in stages)
         ]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_pipe.mesh import ParallelMesh
+from lightning_pipe.pipeline.timeline import TimelineRecorder
 from lightning_pipe.runtime import ParallelRuntime
 
 
@@ -35,6 +37,19 @@ class PipeTPParts(DDPStrategy):
 
     @property
     def pp_rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def is_last_stage(self) -> bool:
+        raise NotImplementedError
+
+    def _check_before_step(self, step_name: str, args: tuple[Any, ...], batch: Any, probe: Any) -> None:
+        raise NotImplementedError
+
+    def _naming_first_failure(self, kind: type[BaseException]) -> AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _timeline_recorder(self, step: int) -> TimelineRecorder | None:
         raise NotImplementedError
 
     def _collective(self, what: str, peers: Sequence[int] = ()) -> AbstractContextManager[None]:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from typing_extensions import override
 
 from lightning_pipe.checkpoint.collective import fail_together
@@ -29,12 +28,14 @@ from lightning_pipe.checkpoint.metadata import CheckpointError
 from lightning_pipe.checkpoint.replace import recover_leftover, remove_path
 from lightning_pipe.checkpoint.state import (
     check_optimizer_cuttable,
-    model_shard,
-    optimizer_shard,
 )
 from lightning_pipe.runtime import checkpointing
 from lightning_pipe.strategy.base import PipeTPParts
-from lightning_pipe.strategy.compat import weights_only_of_running_call
+from lightning_pipe.strategy.compat import (
+    load_checkpoint_file,
+    optimizers_to_device,
+    weights_only_of_running_call,
+)
 
 _SHARDED = "pipe_tp_sharded_checkpoint"  # marks a checkpoint dict read from a sharded directory
 _SAVE_JOIN_LIMIT = timedelta(seconds=60)
@@ -63,8 +64,7 @@ class CheckpointHooks(PipeTPParts):
         if not self.save_distributed_checkpoint:
             with self._collective("gathering the whole model for a single-file checkpoint"):
                 return gather_model_state(self.module, self.runtime.plan, self.mesh)
-        c = self.mesh.coordinates
-        return model_shard(self.module, self.runtime.plan, c.pp_rank, c.tp_rank)
+        return checkpointing.model_state(self.runtime)
 
     def _every_rank_saves(self) -> None:
         """Fail with a message that names the fix when a save runs on some ranks only (the habit
@@ -89,11 +89,10 @@ class CheckpointHooks(PipeTPParts):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's part of the optimizer state by parameter name (sharded format), or the
         whole optimizer state on rank 0."""
-        c = self.mesh.coordinates
         # Every rank learns whether any rank's state cannot be saved, before the gather or the write.
         with fail_together("Saving the optimizer state"):
             if self.save_distributed_checkpoint:
-                return optimizer_shard(optimizer, self.module, self.runtime.plan, c.pp_rank, c.tp_rank)
+                return checkpointing.optimizer_state(self.runtime, optimizer)
             check_optimizer_cuttable(optimizer, self.module)
         with self._collective("gathering the optimizer state for a single-file checkpoint"):
             return gather_optimizer_state(optimizer, self.mesh, self.module)
@@ -136,7 +135,7 @@ class CheckpointHooks(PipeTPParts):
                 recover_leftover(path)  # a save that crashed between its renames
         with fail_together(f"Loading the checkpoint {path}"):
             if not path.is_dir():
-                return super().load_checkpoint(path, weights_only=weights_only)
+                return load_checkpoint_file(super().load_checkpoint, path, weights_only)
             strict = self.module.strict_loading
             return checkpointing.read(self.runtime, path, self.optimizers, strict, weights_only)
 
@@ -151,5 +150,4 @@ class CheckpointHooks(PipeTPParts):
         """Load this stage's optimizer entries, cutting full tensors to this rank's slice."""
         with fail_together("Loading the optimizer state"):
             checkpointing.load_optimizers(self.runtime, dict(checkpoint), self.optimizers)
-            for optimizer in self.optimizers:
-                _optimizer_to_device(optimizer, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)

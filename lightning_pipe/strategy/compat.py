@@ -1,19 +1,151 @@
-"""Where ``PipeTPStrategy`` has to read Lightning's private state, in one place.
+"""Every place where ``PipeTPStrategy`` touches Lightning's or torchmetrics' private state.
 
-Each function names the Lightning behaviour it works around, so that it can be removed when
-Lightning changes.
+A strategy that runs forward and backward of all micro-batches inside one ``training_step`` has
+no public hook for some things Lightning's loops do around a step (zeroing gradients, backward,
+accumulation, logging), so it reaches into them here, and only here. Each function says what it
+works around and since which version it holds; the package declares ``lightning>=2.4`` and CI
+runs a smoke subset against 2.4 and the suite against the newest release, so a change in one of
+these shows up as a failing test that points here.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
+import torch
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
+from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.model_summary import ModelSummary
+from torchmetrics import Metric
 
 from lightning_pipe.strategy.summary import SummaryFactory
+
+
+# ------------------------------------------------------------------ the training step (Lightning 2.4-2.6)
+def skip_closure_backward(trainer: Trainer) -> None:
+    """Automatic optimization's closure runs ``training_step``, then zero-grad and backward; the
+    executor has already run backward for every micro-batch by then, so both are switched off
+    with the loop's own flag (``_AutomaticOptimization._skip_backward``, used by Lightning for
+    steps that return ``None``). The strategy zeroes gradients itself at the start of each
+    accumulation window."""
+    trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
+
+
+def should_accumulate(trainer: Trainer) -> bool:
+    """Whether this batch is not the last of its accumulation window, as the fit loop decides it
+    (``_FitLoop._should_accumulate``): only the last batch's backward may overlap the
+    data-parallel all-reduce."""
+    return bool(trainer.fit_loop._should_accumulate())
+
+
+def run_hooks(trainer: Trainer, name: str, *args: Any, callbacks: bool = True) -> None:
+    """Run the callbacks' and then the LightningModule's hook ``name`` exactly as the loop does
+    (profiled, with Lightning's ``_current_fx_name`` set for ``self.log``):
+    ``trainer.call._call_callback_hooks`` and ``_call_lightning_module_hook``. Used for the
+    zero-grad and after-backward hooks, which the closure would have run."""
+    if callbacks:
+        call._call_callback_hooks(trainer, name, *args)
+    call._call_lightning_module_hook(trainer, name, *args)
+
+
+def sync_ddp(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+    """Lightning's own all-reduce with its ``"mean"``/``"sum"`` names
+    (``lightning.fabric.utilities.distributed._sync_ddp_if_available``, 2.0-2.6), as ``DDPStrategy``
+    uses it, over a group of our choosing (the data axis)."""
+    return cast(torch.Tensor, _sync_ddp_if_available(tensor, group, reduce_op=reduce_op))
+
+
+def optimizers_to_device(optimizers: list[Any], device: torch.device) -> None:
+    """Move optimizer state to the device as Lightning's strategies do after loading
+    (``lightning.fabric.utilities.optimizer._optimizers_to_device``, 2.0-2.6)."""
+    _optimizers_to_device(optimizers, device)
+
+
+# ------------------------------------------------------------------ logging (Lightning 2.4-2.6)
+@contextmanager
+def results_replaced_by(trainer: Trainer, stand_in: Any) -> Iterator[bool]:
+    """While the pipeline runs, ``self.log`` goes to ``stand_in`` instead of the active loop's
+    ``_ResultCollection`` (``loop._results``; the fit loop forwards it to its epoch loop), and the
+    logger connector's ``_current_fx`` is restored afterwards, so that the replay decides about
+    resets as if nothing had been logged. Yields whether there was a collection to replace."""
+    loop: Any = trainer._active_loop
+    if loop is None or getattr(loop, "_results", None) is None:
+        yield False
+        return
+    while isinstance(getattr(type(loop), "_results", None), property):
+        loop = loop.epoch_loop
+    connector = trainer._logger_connector
+    real, current_fx = loop._results, connector._current_fx
+    loop._results = stand_in
+    try:
+        yield True
+    finally:
+        loop._results = real
+        connector._current_fx = current_fx
+
+
+def result_collection(trainer: Trainer) -> Any:
+    """The active loop's ``_ResultCollection`` (``Trainer._results``), or ``None``."""
+    return trainer._results
+
+
+def reset_before_first_log(trainer: Trainer, results: Any, fx: str) -> None:
+    """What ``LightningModule.log`` does before a hook's first value: reset the hook's tensors
+    (``_LoggerConnector.should_reset_tensors``), then mark the hook as current."""
+    connector = trainer._logger_connector
+    if connector.should_reset_tensors(fx):
+        results.reset(metrics=False, fx=fx)
+
+
+def mark_logged(trainer: Trainer, fx: str) -> None:
+    trainer._logger_connector._current_fx = fx
+
+
+# ------------------------------------------------------------------ torchmetrics (1.x)
+def metric_step_value(metric: Metric) -> Any:
+    """What logging a Metric ``on_step`` reports: ``Metric._forward_cache``, the value of its last
+    ``forward``."""
+    return metric._forward_cache
+
+
+def set_metric_step_value(metric: Metric, value: Any) -> None:
+    metric._forward_cache = value
+
+
+def metric_update_count(metric: Metric) -> int:
+    """How many updates a Metric has seen (``Metric._update_count``): ``compute()`` warns at 0."""
+    return int(metric._update_count)
+
+
+def restore_metric_counts(metric: Metric, update_count: int, step_value: Any) -> None:
+    """After copying another rank's state into ``metric``: its update count, its step value, and no
+    stale ``compute()`` cache (``_update_count``, ``_forward_cache``, ``_computed``)."""
+    metric._update_count = update_count
+    metric._computed = None
+    metric._forward_cache = step_value
+
+
+def never_sync(metric: Metric) -> None:
+    """A per-batch copy of a Metric must not all-reduce in ``compute()``: ``sync_on_compute`` is
+    public, ``_to_sync`` (set by ``forward``) is not."""
+    metric.sync_on_compute = False
+    metric._to_sync = False
+
+
+def load_checkpoint_file(
+    load: Callable[..., dict[str, Any]], path: Any, weights_only: bool | None
+) -> dict[str, Any]:
+    """``Strategy.load_checkpoint`` (Lightning's, for a single file) with ``weights_only`` where it
+    takes one: Lightning 2.5 added the argument; 2.4 loads with ``torch.load``'s default."""
+    if "weights_only" in inspect.signature(load).parameters:
+        return load(path, weights_only=weights_only)
+    return load(path)
 
 
 def weights_only_of_running_call() -> bool | None:

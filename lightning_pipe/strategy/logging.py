@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torchmetrics import Metric
 
+from lightning_pipe.strategy import compat
+
 
 @dataclass
 class LogRecord:
@@ -71,22 +73,11 @@ class LogCapture:
 @contextmanager
 def capturing(trainer: Any, capture: LogCapture | None) -> Iterator[None]:
     """Route ``self.log`` to ``capture`` during the pipeline (no-op for ``None``)."""
-    loop = trainer._active_loop
-    if capture is None or loop is None or getattr(loop, "_results", None) is None:
+    if capture is None:
         yield
         return
-    # The fit loop only forwards `_results` to its epoch loop, which owns the collection.
-    while isinstance(getattr(type(loop), "_results", None), property):
-        loop = loop.epoch_loop
-    connector = trainer._logger_connector
-    real, current_fx = loop._results, connector._current_fx
-    loop._results = capture
-    try:
+    with compat.results_replaced_by(trainer, capture):
         yield
-    finally:
-        loop._results = real
-        # Replay decides about resets as if no log had happened yet, identically on every rank.
-        connector._current_fx = current_fx
 
 
 @contextmanager
@@ -102,7 +93,6 @@ def batch_level_metrics(module: torch.nn.Module, active: bool) -> Iterator[None]
         yield
         return
     copies: dict[int, Metric] = {}  # made on a metric's first forward of the step, not for every metric
-    patched: list[Metric] = []
 
     def batch_copy(metric: Metric) -> Metric:
         if id(metric) not in copies:
@@ -113,28 +103,27 @@ def batch_level_metrics(module: torch.nn.Module, active: bool) -> Iterator[None]
                 metric.process_group = group
             copy.reset()
             # This batch's value, from this replica's data only: no collective in its compute().
-            copy.sync_on_compute = False
-            copy._to_sync = False
+            compat.never_sync(copy)
             copies[id(metric)] = copy
         return copies[id(metric)]
 
-    for metric in module.modules():
-        if not isinstance(metric, Metric):
-            continue
+    def update_copy(metric: Metric, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        batch_copy(metric).update(*args, **kwargs)
 
-        def forward(*args: Any, _metric: Metric = metric, _orig: Any = metric.forward, **kwargs: Any) -> Any:
-            batch_copy(_metric).update(*args, **kwargs)
-            return _orig(*args, **kwargs)
-
-        metric.forward = forward  # type: ignore[method-assign]
-        patched.append(metric)
+    # A forward pre-hook sees every input the metric's forward gets (public nn.Module API).
+    handles = [
+        metric.register_forward_pre_hook(update_copy, with_kwargs=True)  # type: ignore[arg-type]
+        for metric in module.modules()
+        if isinstance(metric, Metric)
+    ]
     try:
         yield
     finally:
-        for metric in patched:
-            del metric.forward
-            if id(metric) in copies:
-                metric._forward_cache = copies[id(metric)].compute()
+        for handle in handles:
+            handle.remove()
+        for metric in module.modules():
+            if isinstance(metric, Metric) and id(metric) in copies:
+                compat.set_metric_step_value(metric, copies[id(metric)].compute())
 
 
 def metric_states(module: torch.nn.Module, records: list[LogRecord]) -> dict[str, Any]:
@@ -151,10 +140,10 @@ def metric_states(module: torch.nn.Module, records: list[LogRecord]) -> dict[str
             k: ([t.cpu() for t in v] if isinstance(v, list) else v.cpu())
             for k, v in metric.metric_state.items()
         }
-        cache = metric._forward_cache
+        cache = compat.metric_step_value(metric)
         states[attr] = (
             state,
-            metric._update_count,
+            compat.metric_update_count(metric),
             cache.cpu() if isinstance(cache, torch.Tensor) else cache,
         )
     return states
@@ -169,9 +158,9 @@ def load_metric_states(module: torch.nn.Module, states: dict[str, Any], device: 
                 setattr(metric, key, [t.to(device) for t in value])
             else:
                 setattr(metric, key, value.to(device))
-        metric._update_count = update_count
-        metric._computed = None
-        metric._forward_cache = cache.to(device) if isinstance(cache, torch.Tensor) else cache
+        compat.restore_metric_counts(
+            metric, update_count, cache.to(device) if isinstance(cache, torch.Tensor) else cache
+        )
 
 
 def replay(
@@ -189,13 +178,11 @@ def replay(
     neither communicates nor recommends ``sync_dist=True`` for epoch-level values (issue 17,
     item 7). With several replicas the user's ``sync_dist`` applies, as under DDP.
     """
-    results = trainer._results
+    results = compat.result_collection(trainer)
     if results is None:
         return
-    connector = trainer._logger_connector
     for record in records:
-        if connector.should_reset_tensors(record.fx):
-            results.reset(metrics=False, fx=record.fx)
+        compat.reset_before_first_log(trainer, results, record.fx)
         if record.metric_attribute is not None:
             value: Any = module.get_submodule(record.metric_attribute)
         else:
@@ -209,7 +196,7 @@ def replay(
             metric_attribute=record.metric_attribute,
             **options,
         )
-        connector._current_fx = record.fx
+        compat.mark_logged(trainer, record.fx)
 
 
 def _unchanged(value: Any, group: Any = None, reduce_op: Any = None) -> Any:

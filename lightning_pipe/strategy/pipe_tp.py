@@ -17,10 +17,7 @@ unchanged.
 from __future__ import annotations
 
 import os
-import signal
-import time
-import types
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, cast
@@ -28,52 +25,50 @@ from typing import Any, Literal, cast
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer import call
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_pipe.checkpoint.full import to_cpu
 from lightning_pipe.construction.meta import meta_tensors_set_aside, parameters_on_meta
 from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.uneven import EvenBatches
 from lightning_pipe.failures import FailureBoard
-from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
+from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
 from lightning_pipe.pipeline.executor import CheckpointMode
 from lightning_pipe.pipeline.fingerprint import StepIdentity
-from lightning_pipe.pipeline.microbatch import batch_size, microbatch_sizes, signature, split_microbatches
-from lightning_pipe.pipeline.p2p import PipelineCommunicationError, lost_connection
 from lightning_pipe.pipeline.partition import check_partition
 from lightning_pipe.pipeline.schedules import ScheduleKind
 from lightning_pipe.pipeline.timeline import (
     TimelineRecorder,
-    gather_timeline,
-    plot_timeline,
-    write_chrome_trace,
 )
 from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
+from lightning_pipe.runtime.grad_scaler import AgreedGradScaler
 from lightning_pipe.runtime.prepare import prepared_record
-from lightning_pipe.signals import StopOnSignal, passed_on_by_rank_zero
-from lightning_pipe.strategy import logging as pipe_logging
+from lightning_pipe.signals import StopOnSignal
 from lightning_pipe.strategy.agreement import StepAgreement
 from lightning_pipe.strategy.checkpoints import CheckpointHooks
-from lightning_pipe.strategy.compat import use_pipeline_summary
-from lightning_pipe.strategy.outputs import concat_outputs, default_pipeline_input, forward_returns
+from lightning_pipe.strategy.compat import (
+    optimizers_to_device,
+    skip_closure_backward,
+    sync_ddp,
+    use_pipeline_summary,
+)
+from lightning_pipe.strategy.faults import FaultHandling
+from lightning_pipe.strategy.precision import GlobalNormClipping, PipeTPPrecision, with_global_clipping
+from lightning_pipe.strategy.recording import TimelineHooks
+from lightning_pipe.strategy.steps import PipelineSteps
 from lightning_pipe.strategy.summary import PipelineModelSummary
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-_TIMELINE_STEPS = (1, 9)  # skip step 0 (first-step allocations), record the next eight
-_SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-true")
+_SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
-class PipeTPStrategy(CheckpointHooks, StepAgreement):
+class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHooks, FaultHandling):
     """Pipeline (GPipe / 1F1B) x tensor x data parallelism for Lightning.
 
     Args:
@@ -240,11 +235,11 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement):
 
     @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        return self.runtime.holds_first_stage
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.mesh.layout.pipeline_parallel_size - 1
+        return self.runtime.holds_last_stage
 
     @property
     def data_parallel_rank(self) -> int:
@@ -256,56 +251,6 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement):
     def data_parallel_world_size(self) -> int:
         """The number of data-parallel replicas, each loading its own part of the data."""
         return self.mesh.layout.data_parallel_size
-
-    @override
-    def setup_distributed(self) -> None:
-        super().setup_distributed()
-        layout = ParallelLayout.resolve(
-            self.world_size, self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size
-        )
-        global _SETUP_CALLS
-        _SETUP_CALLS += 1  # every rank counts the same Trainer calls: a prefix all ranks agree on
-        self._failures = FailureBoard.of_default_group(f"lightning_pipe/failures/{_SETUP_CALLS}")
-        self._mesh = None
-        with self._collective(f"creating the process groups of the {layout} mesh"):
-            self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
-        if self.world_size > 1 and self._signals is None:
-            self._signals = StopOnSignal(
-                f"rank {self.global_rank} ({self._mesh.coordinates})",
-                before_exit=self._kill_launched_processes,
-            )
-        if self._signals is not None:
-            self._signals.install()
-
-    def _kill_launched_processes(self, signum: int) -> None:
-        """Record the signal for the other ranks' errors; the processes Lightning's launcher started
-        from this one (ranks 1.. under ``popen``) go at once: each would otherwise print its own
-        line and wait to lose a peer."""
-        if self._failures is not None:
-            self._failures.report(f"received {signal.Signals(signum).name}")
-        if self.launcher is not None:
-            self.launcher.kill(signal.SIGKILL)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        """Record this rank's failure, so that the ranks that lose it can name it."""
-        if isinstance(exception, SIGTERMException):
-            where = f" ({self._mesh.coordinates})" if self._mesh is not None else ""
-            passed_on_by_rank_zero(exception, self.global_rank, f"rank {self.global_rank}{where}")
-        if self._failures is not None:
-            summary = str(exception).strip().splitlines()[0][:300] if str(exception).strip() else ""
-            self._failures.report(f"raised {type(exception).__name__}: {summary}")
-        super().on_exception(exception)
-
-    def _first_failure_note(self, err: BaseException) -> None:
-        """Add to ``err`` which rank failed first, when another rank's failure is recorded."""
-        first = self._failures.first() if self._failures is not None else None
-        if (
-            first is not None
-            and not first.startswith(f"rank {self.global_rank} ")
-            and hasattr(err, "add_note")
-        ):
-            err.add_note(f"The first rank to fail: {first}.")
 
     @property
     @override
@@ -369,11 +314,11 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement):
             self.setup_optimizers(trainer)
             # The executor runs backward inside training_step; the closure must neither zero the
             # gradients afterwards nor run backward again.
-            trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward = True
+            skip_closure_backward(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-        self._install_global_clipping()
+            optimizers_to_device(self.optimizers, self.root_device)
+        self._install_global_clipping(trainer)
 
     def _build_runtime(self, module: LightningModule) -> None:
         """Build this call's runtime: on the module's first setup it splits, shards and
@@ -428,8 +373,6 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement):
 
     @override
     def teardown(self) -> None:
-        if self._signals is not None:
-            self._signals.uninstall()
         if self._runtime is not None:
             self._runtime.close()
         module = self.lightning_module
@@ -470,254 +413,58 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement):
     def configure_ddp(self) -> None:
         """No DDP wrapper: data-parallel gradients are averaged by the strategy itself."""
 
-    def _install_global_clipping(self) -> None:
-        strategy = self
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else PipeTPPrecision()
 
-        def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float) -> None:
-            strategy.clip_gradients_global_norm(float(clip_val))
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # Lightning builds the plugin from Trainer(precision=...) and hands it to the strategy:
+        # its pipe_tp subclass clips by the whole model's norm (see strategy/precision.py).
+        self._precision_plugin = with_global_clipping(precision_plugin)
 
-        self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)  # type: ignore[method-assign]
+    def _install_global_clipping(self, trainer: Trainer) -> None:
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            # fp16: every rank of the model skips or steps together (runtime/grad_scaler.py).
+            if not isinstance(plugin.scaler, AgreedGradScaler):
+                device = self.root_device.type
+                plugin.scaler = AgreedGradScaler.like(plugin.scaler, device, self.mesh.model_group)
+            else:
+                plugin.scaler.group = self.mesh.model_group
+        if isinstance(plugin, GlobalNormClipping):
+            plugin.clip_by_global_norm = self.clip_gradients_global_norm
+        elif trainer.gradient_clip_val:
+            raise MisconfigurationException(
+                f"gradient_clip_val={trainer.gradient_clip_val} under pipe_tp clips by the norm over every "
+                f"stage, which the precision plugin {type(plugin).__name__} cannot do (it would clip each "
+                "stage by its own norm, unlike one device). Use Trainer(precision=...) with one of "
+                f"{list(_SUPPORTED_PRECISION)}, or clip inside the model."
+            )
 
     def clip_gradients_global_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every stage's gradients, as one device would; returns the norm."""
         return self.runtime.clip_grad_norm_(max_norm)
-
-    # ------------------------------------------------------------------ collectives
-    @contextmanager
-    def _collective(self, what: str, peers: Sequence[int] = ()) -> Iterator[None]:
-        """Name this rank and the operation in any error a collective raises (a peer that failed
-        first, or a deadline that passed); ``peers``, the other ranks of the collective's group,
-        are named when the error is a lost connection."""
-        try:
-            yield
-        except Exception as err:
-            if peers and lost_connection(str(err)) and hasattr(err, "add_note"):
-                who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {list(peers)}"
-                err.add_note(f"{who} has stopped (its own error, in its log, is the cause).")
-            where = f" ({self._mesh.coordinates})" if self._mesh is not None else ""
-            note = (
-                f"Rank {self.global_rank}{where} failed while {what}; if another rank failed first, its "
-                "error is the cause."
-            )
-            if hasattr(err, "add_note"):
-                err.add_note(note)
-            self._first_failure_note(err)
-            raise
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        with self._collective(f"waiting for every rank at Lightning's barrier {name!r}"):
-            super().barrier(name)
-
-    @contextmanager
-    def _naming_first_failure(self, kind: type[BaseException]) -> Iterator[None]:
-        try:
-            yield
-        except kind as err:
-            self._first_failure_note(err)
-            raise
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Reduce over the data axis by default: ranks of one pipeline hold the same logged values."""
         if not isinstance(tensor, torch.Tensor):
             return tensor
-        return _sync_ddp_if_available(tensor, group or self.mesh.group(MeshAxis.DATA), reduce_op=reduce_op)
+        return sync_ddp(tensor, group or self.mesh.group(MeshAxis.DATA), reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)
-        flag = _sync_ddp_if_available(flag, dist.group.WORLD, reduce_op="sum")
+        flag = sync_ddp(flag, dist.group.WORLD, "sum")
         return bool(flag == self.world_size) if all else bool(flag)
-
-    # ------------------------------------------------------------------ steps
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.module.trainer
-        epoch_loop = trainer.fit_loop.epoch_loop
-        batch_idx = epoch_loop.batch_idx
-        optimizer = trainer.optimizers[0]
-        runtime = self.runtime
-        if batch_idx % trainer.accumulate_grad_batches == 0:
-            # What the closure would have done (after the step, too late for us): zero the grads.
-            call._call_callback_hooks(trainer, "on_before_zero_grad", optimizer)
-            call._call_lightning_module_hook(trainer, "on_before_zero_grad", optimizer)
-            call._call_lightning_module_hook(
-                trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer
-            )
-            runtime.begin_accumulation()
-        final = not trainer.fit_loop._should_accumulate()
-        runtime.executor.recorder = self._timeline_recorder(trainer.global_step)
-        with self.precision_plugin.train_step_context():
-            loss = self._run_step("training_step", args, training=True, final=final)
-        call._call_callback_hooks(trainer, "on_after_backward")
-        call._call_lightning_module_hook(trainer, "on_after_backward")
-        return loss
-
-    def _timeline_recorder(self, step: int) -> TimelineRecorder | None:
-        """The recorder for training step ``step`` if it is in the recorded window (steps 1-8)."""
-        if self.timeline is None or not _TIMELINE_STEPS[0] <= step < _TIMELINE_STEPS[1]:
-            return None
-        if self._recorder is None:
-            self._recorder = TimelineRecorder(self.global_rank)
-            self._recorder.start()  # collective: one time origin for all ranks
-        return self._recorder
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        recorder = self._runtime.executor.recorder if self._runtime is not None else None
-        if recorder is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # The closure (this step's whole pipeline) runs inside optimizer.step: time what follows it.
-        closure_end: list[float] = []
-
-        def timed_closure() -> Any:
-            result = closure()
-            closure_end.append(time.perf_counter())
-            return result
-
-        output = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
-        if closure_end:
-            recorder.add_span("optimizer step", closure_end[-1], time.perf_counter())  # type: ignore[attr-defined]
-        return output
 
     @override
     def on_train_end(self) -> None:
-        """Write the recorded timeline (a collective: every rank gathers to rank 0)."""
         self._agree(StepIdentity("end of training", -1), None)
         super().on_train_end()
-        if self._recorder is None:
-            return
-        events = gather_timeline(self._recorder)
-        self._recorder = None
-        if self.global_rank == 0 and self.timeline is not None:
-            if self.timeline.endswith(".png"):
-                stats = plot_timeline(
-                    events, self.timeline, title=f"pipe_tp {self.mesh.layout}, {self.schedule.value}"
-                )
-                rank_zero_info(
-                    f"pipe_tp: timeline plot written to {self.timeline} (bubble {stats.bubble_fraction:.1%})"
-                )
-            else:
-                write_chrome_trace(events, self.timeline)
-                rank_zero_info(f"pipe_tp: Chrome trace written to {self.timeline} (open it in Perfetto)")
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._run_step("validation_step", args, training=False)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._run_step("test_step", args, training=False)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._run_step("predict_step", args, training=False)
-
-    def _microbatches(self, batch: Any) -> int:
-        size = batch_size(batch)
-        if self.num_microbatches is None:
-            return max(1, min(2 * self.mesh.layout.pipeline_parallel_size, size))
-        if size < self.num_microbatches:
-            # The last batch of an epoch (drop_last=False) may be smaller than num_microbatches:
-            # one sample per micro-batch still gives the whole batch's gradient, as on one device.
-            if not self._warned_small_batch:
-                self._warned_small_batch = True
-                rank_zero_warn(
-                    f"pipe_tp: a batch of {size} samples is smaller than num_microbatches="
-                    f"{self.num_microbatches}; it runs as {size} micro-batches (warned once)."
-                )
-            return size
-        return self.num_microbatches
-
-    def _run_step(self, step_name: str, args: tuple[Any, ...], training: bool, final: bool = False) -> Any:
-        """Run one schedule over the batch's micro-batches; return the same result on every rank."""
-        module = self.module
-        trainer = module.trainer
-        batch, rest = args[0], args[1:]
-        m = self._microbatches(batch)
-        sizes = microbatch_sizes(batch_size(batch), m)
-        microbatches = split_microbatches(batch, m)
-        to_input = getattr(module, "pipeline_input", default_pipeline_input)
-        inputs = [to_input(mb) for mb in microbatches]
-        total = sum(sizes)
-        weights = [n / total / trainer.accumulate_grad_batches for n in sizes] if training else None
-        capture = pipe_logging.LogCapture() if self.is_last_stage else None
-
-        def head(output: Any, i: int) -> Any:
-            if capture is not None:
-                capture.microbatch_size = sizes[i]
-            with forward_returns(module, output, step_name):
-                value = getattr(module, step_name)(microbatches[i], *rest)
-            if not training:
-                return value
-            loss = value.get("loss") if isinstance(value, dict) else value
-            if loss is None:
-                raise MisconfigurationException(
-                    f"training_step returned None for micro-batch {i} of batch "
-                    f"{trainer.fit_loop.epoch_loop.batch_idx} (to skip the batch, as on one device). "
-                    "Under pipe_tp the other stages have already run "
-                    "this micro-batch and wait for its gradient, so a batch cannot be skipped from inside "
-                    "training_step. Instead, drop such samples before they reach the model (in the Dataset, "
-                    "a collate_fn or the DataLoader's sampler), or return a zero loss (`return loss * 0.0`: "
-                    "no gradient, but the optimizer still steps, so momentum and Adam still move weights)."
-                )
-            if not isinstance(loss, torch.Tensor):
-                raise MisconfigurationException(
-                    f"training_step must return the loss tensor (or a dict with a 'loss' key) for every "
-                    f"micro-batch under pipe_tp, got {type(value).__name__} for micro-batch {i}."
-                )
-            return loss
-
-        self._check_before_step(step_name, args, batch, inputs[0])
-        with (
-            pipe_logging.capturing(trainer, capture),
-            pipe_logging.batch_level_metrics(module, self.is_last_stage),
-            self._naming_first_failure(PipelineCommunicationError),
-        ):
-            result = self.runtime.step(
-                m, inputs, head, training=training, final=final, weights=weights,
-                signatures=[signature(x) for x in inputs],
-            )  # fmt: skip
-
-        payload: dict[str, Any] = {}
-        if self.is_last_stage:
-            outputs = [result.outputs[i] for i in range(m)]
-            records = list(capture.records.values()) if capture is not None else []
-            payload["records"] = records
-            payload["metrics"] = pipe_logging.metric_states(module, records)
-            if training:
-                payload["loss"] = sum(
-                    float(o.detach().double()) * n / total for o, n in zip(outputs, sizes, strict=True)
-                )
-            elif step_name == "predict_step":
-                payload["predictions"] = to_cpu(concat_outputs(outputs))
-        payload = self._from_last_stage(payload)
-        pipe_logging.load_metric_states(module, payload["metrics"], self.root_device)
-        replicated = self.mesh.layout.data_parallel_size == 1
-        pipe_logging.replay(trainer, module, payload["records"], self.reduce, self.root_device, replicated)
-        if training:
-            return torch.tensor(payload["loss"], dtype=torch.float32, device=self.root_device)
-        return payload.get("predictions")
-
-    def _from_last_stage(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Send the last stage's ``payload`` to every rank of this pipeline."""
-        layout = self.mesh.layout
-        if layout.pipeline_parallel_size == 1:
-            return payload
-        c = self.mesh.coordinates
-        src = layout.rank_of(c.dp_rank, layout.pipeline_parallel_size - 1, c.tp_rank)
-        box = [payload]
-        device = self.root_device if self.root_device.type == "cuda" else None
-        with self._collective(
-            f"receiving the step's results from the last stage (rank {src})",
-            [r for r in self.mesh.pipeline_peers if r != self.global_rank],
-        ):
-            dist.broadcast_object_list(box, src=src, group=self.mesh.group(MeshAxis.PIPELINE), device=device)
-        return box[0]
+        self._write_timeline()
 
 
 def _check_timeout(timeout: timedelta | float | None) -> timedelta | None:
@@ -733,10 +480,6 @@ def _check_timeout(timeout: timedelta | float | None) -> timedelta | None:
             f"{given!r}; e.g. PipeTPStrategy(timeout=600) or timeout=timedelta(minutes=10)."
         )
     return timeout
-
-
-_SETUP_CALLS = 0
-"""Trainer calls set up in this process; the same count on every rank of the job."""
 
 
 def _min_world(pp: int | str, tp: int, dp: int | str) -> int:
