@@ -1,10 +1,12 @@
 """How close the engine gets to a schedule's ideal step time, with stages of known cost.
 
-Four ranks (gloo, one process each), one :class:`FixedTimeLayer` per stage taking exactly ``t_f``
-forward and ``t_b`` backward. With equal stages both GPipe and 1F1B take, on paper,
-``(m + p - 1) * (t_f + t_b)`` per step; efficiency is the measured step time over that (1.0 is
-ideal, lower is impossible). Step time: median over back-to-back steps after warm-up of the first
-rank's ``executor.run`` (that rank starts each step first and finishes it last).
+Four ranks (gloo, one process each), each rank's work one :class:`FixedTimeLayer` taking exactly
+``t_f`` forward and ``t_b`` backward (interleaved 1F1B: ``v`` stages per rank of ``t_f / v`` and
+``t_b / v``). With equal stages GPipe and 1F1B take, on paper, ``(m + p - 1) * (t_f + t_b)`` per
+step and interleaved 1F1B ``(v m + p - 1) * (t_f + t_b) / v`` when p divides m (the simulated
+makespan); efficiency is the measured step time over that (1.0 is ideal, lower is impossible).
+Step time: median over back-to-back steps after warm-up of the first rank's ``executor.run``
+(that rank starts each step first and finishes it last).
 
 Run: ``python benchmarks/schedule_efficiency.py`` (table) or ``--json`` (one JSON object);
 ``--timeline DIR`` also writes each configuration's recorded timeline as PNG and Chrome trace.
@@ -31,19 +33,30 @@ from lightning_pipe.pipeline.timeline import TimelineRecorder, gather_timeline
 TARGET = 1.02
 
 
-def worker(kinds: list[str], ms: list[int], tf: float, tb: float, warmup: int, steps: int) -> dict[str, Any]:
+def _virtual(kind: str, v: int) -> int:
+    return v if kind == "interleaved_1f1b" else 1
+
+
+def worker(
+    kinds: list[str], ms: list[int], tf: float, tb: float, warmup: int, steps: int, v: int
+) -> dict[str, Any]:
     rank, p = dist.get_rank(), dist.get_world_size()
-    stage = [FixedTimeLayer(tf, tb)]
-    executor = PipelineExecutor({rank: stage}, p, list(range(p)), torch.device("cpu"))
     out: dict[str, Any] = {}
     for kind in kinds:
+        # A rank's work is the same for every schedule: interleaved splits it into v stages.
+        k = _virtual(kind, v)
+        stages = {s: [FixedTimeLayer(tf / k, tb / k)] for s in range(rank, p * k, p)}
+        executor = PipelineExecutor(stages, p * k, list(range(p)), torch.device("cpu"))
         for m in ms:
-            schedule = build_schedule(kind, p, m)
+            schedule = build_schedule(kind, p * k, m, virtual_stages=k)
             inputs = [torch.randn(4, 64) for _ in range(m)]
             sigs = [signature(x) for x in inputs]
 
             def step(
-                inputs: list[torch.Tensor] = inputs, sigs: list[Any] = sigs, sch: Any = schedule
+                inputs: list[torch.Tensor] = inputs,
+                sigs: list[Any] = sigs,
+                sch: Any = schedule,
+                executor: PipelineExecutor = executor,
             ) -> None:
                 executor.run(
                     sch,
@@ -78,7 +91,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b"])
+    parser.add_argument("--virtual-stages", type=int, default=2, help="stages per rank (interleaved)")
     parser.add_argument("--forward-ms", type=float, default=10.0)
     parser.add_argument("--backward-ms", type=float, default=20.0)
     parser.add_argument("--warmup", type=int, default=2)
@@ -87,18 +101,21 @@ def main() -> None:
     args = parser.parse_args()
     warn_if_busy()
     tf, tb, p = args.forward_ms / 1e3, args.backward_ms / 1e3, args.stages
-    results = launch(worker, p, args.schedules, args.microbatches, tf, tb, args.warmup, args.steps)
+    v = args.virtual_stages
+    results = launch(worker, p, args.schedules, args.microbatches, tf, tb, args.warmup, args.steps, v)
 
     rows, efficiency, step_ms, compute_ms = [], {}, {}, {}
     for kind in args.schedules:
         for m in args.microbatches:
             key = f"{kind}/{m}"
             measured = median(results[0][key]["durations"])
-            ideal = (m + p - 1) * (tf + tb)
+            k = _virtual(kind, v)
+            # The simulated makespan with equal stages: (k m + p - 1) stage slots of (tf + tb) / k.
+            ideal = (k * m + p - 1) * (tf + tb) / k
             events = results[0][key]["events"]
             fwd = [e.duration for e in events if e.kind == "F"]
             bwd = [e.duration for e in events if e.kind == "B"]
-            actual_ideal = (m + p - 1) * (median(fwd) + median(bwd))
+            actual_ideal = (k * m + p - 1) * (median(fwd) + median(bwd))
             efficiency[key] = measured / ideal
             step_ms[key] = measured * 1e3
             compute_ms[key] = {"forward": median(fwd) * 1e3, "backward": median(bwd) * 1e3}
@@ -110,7 +127,7 @@ def main() -> None:
                     measured * 1e3,
                     measured / ideal,
                     measured / actual_ideal,
-                    (p - 1) / (m + p - 1),
+                    (p - 1) / (k * m + p - 1),
                 ]
             )
             if args.timeline is not None:

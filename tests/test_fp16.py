@@ -108,3 +108,18 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank_like_one_device(
         assert result["resumed_scale"] == expected_scales[-1], f"rank {rank}"
     for key, value in model.state_dict().items():
         torch.testing.assert_close(got[0]["final"][key], value, atol=TOL, rtol=0, msg=key)
+
+
+def test_the_pipe_tp_precision_plugins_pickle_for_spawn_and_keep_lightnings_checkpoint_key() -> None:
+    """Lightning pickles the trainer for start_method="spawn"; the fp16 scaler's state is stored
+    under "MixedPrecision", as one device stores it."""
+    import pickle
+
+    from lightning_pipe.strategy.precision import with_global_clipping
+
+    plugin = with_global_clipping(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu")))
+    assert type(pickle.loads(pickle.dumps(plugin))) is type(plugin)
+    assert plugin is not None
+    checkpoint = {type(plugin).__qualname__: plugin.state_dict()}
+    plugin.on_save_checkpoint(checkpoint)
+    assert list(checkpoint) == ["MixedPrecision"]

@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import run_distributed
@@ -37,6 +38,11 @@ def _fit(
         )
         trainer.fit(model, loader(TRAIN, 8, reference), loader(VAL, 8, reference))
     return trainer
+
+
+class FusedAdam(Regressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01, fused=True)
 
 
 class ManualOpt(Regressor):
@@ -83,6 +89,9 @@ def single_process_worker() -> dict[str, Any]:
         "two_calls": _error(TwoCalls(), strategy()),
         "stray": _error(StrayParameter(), strategy()),
         "too_many_stages": _error(Regressor(), strategy(pipeline_parallel_size=2)),
+        "fused_fp16": _error(
+            FusedAdam(), strategy(), plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]
+        ),
     }
 
 
@@ -109,6 +118,7 @@ def test_one_process_equals_one_device(single: dict[str, Any]) -> None:
         ("no_pipeline", r"NoPipeline has no configure_pipeline\(\).*return list\(self.layers\)"),
         ("two_calls", r"TwoCalls.training_step called self\(\.\.\.\) 2 times.*exactly once"),
         ("stray", r"\['temperature'\] belong to no layer returned by configure_pipeline\(\)"),
+        ("fused_fp16", r"fused optimizer\(s\) \['Adam'\] bypass .*without fused=True"),
         (
             "too_many_stages",
             r"pipeline_parallel_size \(2\) x tensor_parallel_size \(1\) = 2 does not divide the world size 1",

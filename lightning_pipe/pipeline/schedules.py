@@ -27,6 +27,8 @@ class ScheduleKind(enum.Enum):
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    """Several stages per rank (``virtual_stages``), see :mod:`lightning_pipe.pipeline.interleaved`."""
 
     @classmethod
     def parse(cls, value: ScheduleKind | str) -> ScheduleKind:
@@ -110,30 +112,54 @@ def add_communication(
 
 
 def build_schedule(
-    kind: ScheduleKind | str, num_stages: int, num_microbatches: int, training: bool = True
+    kind: ScheduleKind | str,
+    num_stages: int,
+    num_microbatches: int,
+    training: bool = True,
+    virtual_stages: int = 1,
 ) -> PipelineSchedule:
-    """Build and validate the schedule ``kind`` for ``num_stages`` stages, one per pipeline rank.
+    """Build and validate the schedule ``kind`` for ``num_stages`` stages on
+    ``num_stages // virtual_stages`` pipeline ranks (one stage per rank unless interleaved).
 
-    With ``training=False`` every kind becomes the same forward-only schedule (evaluation and
-    prediction have no backward to interleave).
+    With ``training=False`` every kind becomes a forward-only schedule (evaluation and prediction
+    have no backward to interleave).
     """
     # Imported here: the validator simulates schedules and so depends on this module's types.
+    from lightning_pipe.pipeline.interleaved import interleaved_actions, loop_placement
     from lightning_pipe.pipeline.validate import validate_schedule
 
     kind = ScheduleKind.parse(kind)
-    builder = {
-        ScheduleKind.GPIPE: gpipe_compute_order,
-        ScheduleKind.ONE_F_ONE_B: one_f_one_b_compute_order,
-    }[kind]
-    stage_to_rank = tuple(range(num_stages))
-    orders = (
-        builder(num_stages, num_microbatches)
-        if training
-        else forward_only_compute_order(num_stages, num_microbatches)
-    )
-    actions = add_communication(orders, num_stages, stage_to_rank)
+    _check_sizes(num_stages, num_microbatches)
+    if not isinstance(virtual_stages, int) or virtual_stages < 1 or num_stages % virtual_stages:
+        raise ValueError(
+            f"virtual_stages must be an integer >= 1 that divides num_stages ({num_stages}), "
+            f"got {virtual_stages!r}."
+        )
+    if virtual_stages > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B:
+        raise ValueError(
+            f'Several stages per rank (virtual_stages={virtual_stages}) need schedule="interleaved_1f1b", '
+            f"not {kind.value!r}."
+        )
+    if kind is ScheduleKind.INTERLEAVED_1F1B:
+        ranks = num_stages // virtual_stages
+        stage_to_rank = loop_placement(ranks, virtual_stages)
+        actions = interleaved_actions(ranks, virtual_stages, num_microbatches, training)
+        name = kind.value if training else "forward (interleaved)"
+    else:
+        builder = {
+            ScheduleKind.GPIPE: gpipe_compute_order,
+            ScheduleKind.ONE_F_ONE_B: one_f_one_b_compute_order,
+        }[kind]
+        stage_to_rank = tuple(range(num_stages))
+        orders = (
+            builder(num_stages, num_microbatches)
+            if training
+            else forward_only_compute_order(num_stages, num_microbatches)
+        )
+        actions = add_communication(orders, num_stages, stage_to_rank)
+        name = kind.value if training else "forward"
     schedule = PipelineSchedule(
-        name=kind.value if training else "forward",
+        name=name,
         num_stages=num_stages,
         num_microbatches=num_microbatches,
         stage_to_rank=stage_to_rank,

@@ -27,6 +27,9 @@ class RuntimeOptions:
     """``"1f1b"`` or ``"gpipe"``."""
     partition: PartitionMethod | str | Sequence[int] = "parameters"
     """``"parameters"``, ``"uniform"`` or layer counts per stage."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (``schedule="interleaved_1f1b"``; loop placement: rank ``r`` holds
+    stages ``r, r + p, ...``)."""
     recomputation: CheckpointMode | str = CheckpointMode.NEVER
     """Activation recomputation (the strategy's ``checkpoint=`` option): ``"never"``,
     ``"except_last"`` or ``"always"``."""
@@ -45,6 +48,14 @@ class RuntimeOptions:
         object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule))
         object.__setattr__(self, "recomputation", CheckpointMode.parse(self.recomputation))
         check_partition(self.partition)
+        v = self.virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"virtual_stages must be an integer >= 1, got {v!r}.")
+        if v > 1 and ScheduleKind.parse(self.schedule) is not ScheduleKind.INTERLEAVED_1F1B:
+            raise ValueError(
+                f'virtual_stages={v} (several stages per rank) needs schedule="interleaved_1f1b", '
+                f"not {ScheduleKind.parse(self.schedule).value!r}."
+            )
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}.")
 

@@ -48,6 +48,7 @@ class PreparedModel:
     layout: ParallelLayout
     partition: Any
     plan: PipelinePlan
+    virtual_stages: int = 1
     sharding: str = ""
     """What every stage shards, for the start-of-run log."""
     tied_paths: dict[str, str] = field(default_factory=dict)
@@ -59,17 +60,23 @@ class PreparedModel:
     built_on_meta: bool = False
 
 
-def prepared_record(module: nn.Module, layout: ParallelLayout, partition: Any) -> PreparedModel | None:
+def prepared_record(
+    module: nn.Module, layout: ParallelLayout, partition: Any, virtual_stages: int = 1
+) -> PreparedModel | None:
     """The record of an earlier preparation of ``module``; an error if it was for another layout."""
     record: PreparedModel | None = module.__dict__.get(_RECORD)
-    if record is not None and (record.layout != layout or record.partition != partition):
+    if record is not None and (
+        record.layout != layout or record.partition != partition or record.virtual_stages != virtual_stages
+    ):
+        split = "" if record.virtual_stages == 1 else f" and {record.virtual_stages} stages per rank"
+        asked = "" if virtual_stages == 1 else f" and {virtual_stages} stages per rank"
         raise ConfigurationError(
             f"{type(module).__name__} was already split for the pipe_tp layout {record.layout} with "
-            f"partition={record.partition!r} by an earlier Trainer call; this call asks for {layout} with "
-            f"partition={partition!r}. Each rank now holds (and has trained) only its own stage and "
-            "tensor slice, so the model cannot be split again. To change the layout, save a checkpoint "
-            "(trainer.save_checkpoint) and load it into a freshly built model under the new layout "
-            "(trainer.fit/validate(new_model, ckpt_path=...))."
+            f"partition={record.partition!r}{split} by an earlier Trainer call; this call asks for "
+            f"{layout} with partition={partition!r}{asked}. Each rank now holds (and has trained) only its "
+            "own stage and tensor slice, so the model cannot be split again. To change the layout, save a "
+            "checkpoint (trainer.save_checkpoint) and load it into a freshly built model under the new "
+            "layout (trainer.fit/validate(new_model, ckpt_path=...))."
         )
     return record
 
@@ -95,7 +102,7 @@ class Preparation:
         """Equalise tied copies, shard, materialise by ``plan``; returns the record and the
         ``id()`` of every tensor materialised here (equal on every replica by construction)."""
         mesh, module = self.mesh, self.module
-        record = PreparedModel(mesh.layout, self.options.partition, plan)
+        record = PreparedModel(mesh.layout, self.options.partition, plan, self.options.virtual_stages)
         self._equalise_tied(record)
         on_meta = has_meta_tensors(module)
         if self.weights is not None and not on_meta:
@@ -129,7 +136,8 @@ class Preparation:
             for name, group, _ in self.tied:
                 param = module.get_parameter(name)
                 if not param.is_meta:
-                    src = mesh.layout.rank_of(c.dp_rank, first_stage[name], c.tp_rank)
+                    holder = plan.rank_of_stage(first_stage[name], mesh.layout.pipeline_parallel_size)
+                    src = mesh.layout.rank_of(c.dp_rank, holder, c.tp_rank)
                     broadcast_parameters([param], group, src)
         canonical = {id(module.get_parameter(name)): name for name, _, _ in self.tied}
         for path, param in module.named_parameters(remove_duplicate=False):

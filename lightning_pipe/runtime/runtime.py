@@ -99,11 +99,12 @@ class ParallelRuntime:
         self.options = options or RuntimeOptions()
         self._naming = naming
         layout = mesh.layout
-        record = prepared_record(module, layout, self.options.partition)
+        v = self.options.virtual_stages
+        record = prepared_record(module, layout, self.options.partition, v)
         self.first_setup = record is None
         materialized: frozenset[int] = frozenset()
         if record is None:
-            plan = make_plan(module, layers, layout.pipeline_parallel_size, self.options.partition)
+            plan = make_plan(module, layers, layout.pipeline_parallel_size * v, self.options.partition)
             tied = self._tied_groups(plan)
             seed = self._agreed_seed(seed)
             stages = plan.stages_of_rank(mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
@@ -211,7 +212,8 @@ class ParallelRuntime:
         key = (num_microbatches, training)
         if key not in self._schedules:
             kind = ScheduleKind.parse(self.options.schedule)
-            self._schedules[key] = build_schedule(kind, self.mesh.layout.pipeline_parallel_size, *key)
+            v = self.options.virtual_stages
+            self._schedules[key] = build_schedule(kind, self.plan.num_stages, *key, virtual_stages=v)
         return self._schedules[key]
 
     def begin_accumulation(self) -> None:

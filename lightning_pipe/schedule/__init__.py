@@ -33,7 +33,13 @@ def parser() -> argparse.ArgumentParser:
         description="Render and simulate a pipeline schedule; write its planned timeline.",
     )
     p.add_argument("--schedule", default="1f1b", choices=[k.value for k in ScheduleKind])
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages (one per rank)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline ranks (one stage each unless interleaved)")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="stages per rank for interleaved_1f1b (default 2); times are then per rank's whole work",
+    )
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per batch")
     p.add_argument("--forward-time", type=float, default=1.0, help="forward time per stage (ms)")
     p.add_argument("--backward-time", type=float, default=2.0, help="backward time per stage (ms)")
@@ -48,10 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tf, tb = args.forward_time, args.backward_time
     if tf <= 0 or tb <= 0 or args.comm_time < 0:
         parser().error("--forward-time and --backward-time must be > 0 and --comm-time >= 0")
+    v = args.virtual_stages or (2 if args.schedule == ScheduleKind.INTERLEAVED_1F1B.value else 1)
     try:
-        schedule = build_schedule(args.schedule, args.stages, args.microbatches)
+        schedule = build_schedule(args.schedule, args.stages * v, args.microbatches, virtual_stages=v)
     except ValueError as err:
         parser().error(str(err))
+    tf, tb = tf / v, tb / v  # a rank's v stages together do one stage's work of the other schedules
     integral = float(tf).is_integer() and float(tb).is_integer()
     # The text grid needs whole cells; with fractional times it shows the order at unit times.
     if integral:
@@ -61,15 +69,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("(drawn with unit times: the grid needs whole cells)")
     result = simulate(schedule, tf, tb, args.comm_time)
     p, m = args.stages, args.microbatches
-    ideal = (m + p - 1) * (tf + tb)
+    ideal = (v * m + p - 1) * (tf + tb)
     print()
     print(f"simulated: forward {tf:g} ms, backward {tb:g} ms, exchange {args.comm_time:g} ms per stage")
-    print(f"  makespan   {result.makespan:g} ms  ((m + p - 1) x (tf + tb) = {ideal:g} ms)")
-    print(f"  bubble     {result.bubble_fraction:.1%}  ((p - 1) / (m + p - 1) = {(p - 1) / (m + p - 1):.1%})")
+    print(f"  makespan   {result.makespan:g} ms  ((v m + p - 1) x (tf + tb) = {ideal:g} ms, v = {v})")
+    bubble = (p - 1) / (v * m + p - 1)
+    print(f"  bubble     {result.bubble_fraction:.1%}  ((p - 1) / (v m + p - 1) = {bubble:.1%})")
     peaks = "  ".join(f"stage {s}: {n}" for s, n in enumerate(result.peak_inflight))
     print(f"  peak micro-batches in flight  {peaks}")
     events = events_from_simulation(result, unit=1e-3)
-    title = f"{schedule.name} planned: {p} stages, {m} micro-batches"
+    title = f"{schedule.name} planned: {schedule.num_stages} stages on {p} ranks, {m} micro-batches"
     if args.trace:
         path = write_chrome_trace(events, args.trace, name=title)
         print(f"wrote {path} (Chrome trace: open in https://ui.perfetto.dev)")

@@ -81,7 +81,12 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             capped at the batch size. Batches that do not divide evenly are split like
             ``torch.tensor_split`` and their losses weighted by size.
         schedule: ``"1f1b"`` (default; at most ``pipeline_parallel_size`` micro-batches of
-            activations alive per stage) or ``"gpipe"`` (all forwards, then all backwards).
+            activations alive per stage), ``"gpipe"`` (all forwards, then all backwards) or
+            ``"interleaved_1f1b"`` (``virtual_stages`` stages per rank in loop placement; a
+            bubble ``virtual_stages`` times smaller, more activations held: Megatron's virtual
+            pipeline).
+        virtual_stages: stages per pipeline rank for ``"interleaved_1f1b"`` (default 2); the
+            model is split into ``pipeline_parallel_size x virtual_stages`` stages.
         partition: ``"parameters"`` (default: balance parameter counts), ``"uniform"`` (balance
             layer counts) or a list of layer counts per stage.
         checkpoint: activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``.
@@ -129,7 +134,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         num_microbatches: int | None = None,
-        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
+        virtual_stages: int | None = None,
         partition: Literal["parameters", "uniform"] | list[int] = "parameters",
         checkpoint: Literal["never", "except_last", "always"] = "never",
         process_group_backend: str | None = None,
@@ -182,6 +188,9 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         self.data_parallel_size = data_parallel_size
         self.num_microbatches = num_microbatches
         self.schedule = ScheduleKind.parse(schedule)
+        interleaved = self.schedule is ScheduleKind.INTERLEAVED_1F1B
+        self.virtual_stages = virtual_stages if virtual_stages is not None else (2 if interleaved else 1)
+        RuntimeOptions(schedule=self.schedule, virtual_stages=self.virtual_stages)  # checked before launch
         self.partition = partition
         self.checkpoint = CheckpointMode.parse(checkpoint)
         self.check_finite = check_finite
@@ -235,11 +244,15 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
 
     @property
     def is_first_stage(self) -> bool:
-        return self.runtime.holds_first_stage
+        if self._runtime is None:  # before setup: stage 0 is on pipeline rank 0 in every placement
+            return self.pp_rank == 0
+        return self._runtime.holds_first_stage
 
     @property
     def is_last_stage(self) -> bool:
-        return self.runtime.holds_last_stage
+        if self._runtime is None:  # the last stage is on the last pipeline rank in every placement
+            return self.pp_rank == self.mesh.layout.pipeline_parallel_size - 1
+        return self._runtime.holds_last_stage
 
     @property
     def data_parallel_rank(self) -> int:
@@ -307,7 +320,10 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         self._build_runtime(module)
         runtime = self.runtime
         use_pipeline_summary(
-            trainer, lambda m, depth: PipelineModelSummary(m, runtime.holdings, runtime.plan, depth)
+            trainer,
+            lambda m, depth: PipelineModelSummary(
+                m, runtime.holdings, runtime.plan, depth, self.mesh.layout.pipeline_parallel_size
+            ),
         )
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -341,13 +357,14 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
 
     def _new_runtime(self, module: LightningModule) -> ParallelRuntime:
         layout = self.mesh.layout
-        first = prepared_record(module, layout, self.partition) is None
+        first = prepared_record(module, layout, self.partition, self.virtual_stages) is None
         tp_plan = self.tensor_parallel_plan
         if first and tp_plan is None and layout.tensor_parallel_size > 1:
             hook = getattr(module, "tensor_parallel_plan", None)
             tp_plan = hook() if callable(hook) else None
         options = RuntimeOptions(
             schedule=self.schedule, partition=self.partition, recomputation=self.checkpoint,
+            virtual_stages=self.virtual_stages,
             tensor_parallel_plan=tp_plan, bucket_cap_mb=self.bucket_cap_mb, timeout=self._timeout,
             check_finite=self.check_finite, deferred_batch_norm=self.deferred_batch_norm,
         )  # fmt: skip
@@ -426,7 +443,18 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
 
     def _install_global_clipping(self, trainer: Trainer) -> None:
         plugin = self.precision_plugin
+        fitting = trainer.state.fn == TrainerFn.FITTING
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            fused = [
+                type(o).__name__ for o in self.optimizers if getattr(o, "_step_supports_amp_scaling", False)
+            ]
+            if fitting and fused:
+                # Such an optimizer unscales inside its own step, where no rank can agree the check.
+                raise MisconfigurationException(
+                    f'precision="16-mixed" under pipe_tp agrees the gradient scaler\'s inf check over every '
+                    f"stage before stepping, which the fused optimizer(s) {fused} bypass (they unscale "
+                    "inside their own step). Use the optimizer without fused=True, or precision='bf16-mixed'."
+                )
             # fp16: every rank of the model skips or steps together (runtime/grad_scaler.py).
             if not isinstance(plugin.scaler, AgreedGradScaler):
                 device = self.root_device.type
@@ -435,7 +463,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
                 plugin.scaler.group = self.mesh.model_group
         if isinstance(plugin, GlobalNormClipping):
             plugin.clip_by_global_norm = self.clip_gradients_global_norm
-        elif trainer.gradient_clip_val:
+        elif fitting and trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
             raise MisconfigurationException(
                 f"gradient_clip_val={trainer.gradient_clip_val} under pipe_tp clips by the norm over every "
                 f"stage, which the precision plugin {type(plugin).__name__} cannot do (it would clip each "

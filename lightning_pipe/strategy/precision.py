@@ -31,6 +31,22 @@ class GlobalNormClipping:
             raise RuntimeError("The pipe_tp precision plugin clips only after the strategy's setup.")
         self.clip_by_global_norm(float(clip_val))
 
+    # Lightning keeps a plugin's state (an fp16 scaler's) under its class's ``__qualname__``: stored
+    # under the Lightning base's name instead, a checkpoint moves between pipe_tp and one device.
+    def _base_name(self) -> str:
+        base = next(c for c in type(self).__mro__ if c.__module__.startswith("lightning."))
+        return base.__qualname__
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if type(self).__qualname__ in checkpoint:
+            checkpoint[self._base_name()] = checkpoint.pop(type(self).__qualname__)
+        super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._base_name() in checkpoint:
+            checkpoint[type(self).__qualname__] = checkpoint[self._base_name()]
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+
 
 class PipeTPPrecision(GlobalNormClipping, Precision):
     """``precision="32-true"``."""
@@ -46,13 +62,6 @@ class PipeTPHalfPrecision(GlobalNormClipping, HalfPrecision):
 
 class PipeTPDoublePrecision(GlobalNormClipping, DoublePrecision):
     """``precision="64-true"``."""
-
-
-# Lightning saves a plugin's state under its class's ``__qualname__`` and restores it from there:
-# the subclasses answer to their bases' names, so that a one-device checkpoint's fp16 scaler
-# state loads under pipe_tp and the other way round.
-for _subclass in (PipeTPPrecision, PipeTPMixedPrecision, PipeTPHalfPrecision, PipeTPDoublePrecision):
-    _subclass.__qualname__ = _subclass.__mro__[2].__qualname__
 
 
 def with_global_clipping(plugin: Precision | None) -> Precision | None:

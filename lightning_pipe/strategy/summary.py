@@ -30,9 +30,15 @@ class PipelineModelSummary(ModelSummary):
     forward (sizes and FLOPs) is skipped: no rank can run the whole model."""
 
     def __init__(
-        self, model: LightningModule, holdings: Holdings, plan: PipelinePlan, max_depth: int = 1
+        self,
+        model: LightningModule,
+        holdings: Holdings,
+        plan: PipelinePlan,
+        max_depth: int = 1,
+        pipeline_parallel_size: int | None = None,
     ) -> None:
         self._holdings, self._plan = holdings, plan
+        self._ranks = pipeline_parallel_size or plan.num_stages
         super().__init__(model, max_depth=max_depth)
 
     def _rows(self) -> Iterable[tuple[str, nn.Module]]:
@@ -40,8 +46,9 @@ class PipelineModelSummary(ModelSummary):
         return ((name, modules[name]) for name in self._layer_summary)
 
     def _stages_and_sizes(self, name: str, module: nn.Module) -> tuple[set[int], bool, dict[int, int], int]:
-        """Stages holding ``module``, whether every rank holds some of it, the elements one rank of
-        each stage holds, and its whole-model elements (a shared tensor counted once)."""
+        """Stages holding ``module``, whether every rank holds some of it, the elements each
+        pipeline rank holding some of it holds (one tensor rank's; a rank may hold several of its
+        stages), and its whole-model elements (a shared tensor counted once)."""
         held: dict[int | None, dict[int, int]] = {}  # stage (None: every rank) -> id -> elements
         whole: dict[int, int] = {}
         for path, param in module.named_parameters(prefix=name, remove_duplicate=False):
@@ -53,8 +60,16 @@ class PipelineModelSummary(ModelSummary):
         own = self._plan.stage_of_key(f"{name}.")
         if own is not None:
             stages.add(own)
-        per_stage = {s: sum({**held.get(s, {}), **everywhere}.values()) for s in stages}
-        return stages, bool(everywhere), per_stage, sum(whole.values())
+        per_rank: dict[int, dict[int, int]] = {}
+        for stage in stages:
+            rank = self._plan.rank_of_stage(stage, self._ranks)
+            per_rank.setdefault(rank, dict(everywhere)).update(held.get(stage, {}))
+        return (
+            stages,
+            bool(everywhere),
+            {r: sum(ids.values()) for r, ids in per_rank.items()},
+            sum(whole.values()),
+        )
 
     @property
     @override
@@ -84,8 +99,8 @@ class PipelineModelSummary(ModelSummary):
         arrays = super()._get_summary_data()
         column: list[str] = []
         for name, module in self._rows():
-            stages, everywhere, per_stage, _ = self._stages_and_sizes(name, module)
-            column.append(_per_device(stages, everywhere, per_stage, module))
+            stages, everywhere, per_rank, _ = self._stages_and_sizes(name, module)
+            column.append(_per_device(stages, everywhere, per_rank, module))
         column.extend("-" for _ in range(len(arrays[0][1]) - len(column)))  # the leftover row
         # Lightning's column name for ZeRO-3 (DeepSpeedSummary): RichModelSummary shows it too.
         at = 1 + [title for title, _ in arrays].index("Params")
@@ -93,12 +108,12 @@ class PipelineModelSummary(ModelSummary):
         return arrays
 
 
-def _per_device(stages: set[int], everywhere: bool, per_stage: dict[int, int], module: nn.Module) -> str:
+def _per_device(stages: set[int], everywhere: bool, per_rank: dict[int, int], module: nn.Module) -> str:
     """The most one rank holds of a row, and which stages hold it."""
     if everywhere or not stages:
-        held = max(per_stage.values(), default=sum(p.numel() for p in module.parameters()))
+        held = max(per_rank.values(), default=sum(p.numel() for p in module.parameters()))
         return f"{get_human_readable_count(held)} (all)" if everywhere else get_human_readable_count(held)
-    held = max(per_stage.values(), default=0)
+    held = max(per_rank.values(), default=0)
     if len(stages) == 1:
         return f"{get_human_readable_count(held)} (stage {next(iter(stages))})"
     return f"up to {get_human_readable_count(held)} (stages {_describe_stages(stages)})"
