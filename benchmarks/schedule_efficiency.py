@@ -44,11 +44,11 @@ def worker(
     out: dict[str, Any] = {}
     for kind in kinds:
         # A rank's work is the same for every schedule: interleaved splits it into v stages.
-        k = _virtual(kind, v)
-        stages = {s: [FixedTimeLayer(tf / k, tb / k)] for s in range(rank, p * k, p)}
-        executor = PipelineExecutor(stages, p * k, list(range(p)), torch.device("cpu"))
+        per_rank = _virtual(kind, v)
+        stages = {s: [FixedTimeLayer(tf / per_rank, tb / per_rank)] for s in range(rank, p * per_rank, p)}
+        executor = PipelineExecutor(stages, p * per_rank, list(range(p)), torch.device("cpu"))
         for m in ms:
-            schedule = build_schedule(kind, p * k, m, virtual_stages=k)
+            schedule = build_schedule(kind, p * per_rank, m, virtual_stages=per_rank)
             inputs = [torch.randn(4, 64) for _ in range(m)]
             sigs = [signature(x) for x in inputs]
 
