@@ -3,7 +3,8 @@
 Both run in the same processes, alternating in rounds (ours then theirs, theirs then ours, ...) so
 that machine noise hits both alike: the same stage modules (separate copies with equal weights), the same
 whole batch split into the same micro-batches, mean-squared-error loss on the last stage, GPipe
-and 1F1B (``ScheduleGPipe`` / ``Schedule1F1B`` over a ``PipelineStage``). Step time: median over
+1F1B and interleaved 1F1B with two stages per rank (``ScheduleGPipe`` / ``Schedule1F1B`` over a
+``PipelineStage``, ``ScheduleInterleaved1F1B`` over two). Step time: median over
 the steps after warm-up of the first rank's step (it starts each step first and ends it last);
 the ratio is the median over rounds of each round's ours / theirs.
 Gradients after one step of each engine are compared as a check that both do the same work.
@@ -33,7 +34,12 @@ import torch.nn.functional as F
 from _launch import emit_json, launch, median, print_table, warn_if_busy
 from _stages import FixedTimeLayer, mlp_layers, sleep_overshoot
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from lightning_pipe.pipeline.executor import PipelineExecutor
 from lightning_pipe.pipeline.microbatch import signature, split_microbatches
@@ -41,16 +47,24 @@ from lightning_pipe.pipeline.partition import split_layers
 from lightning_pipe.pipeline.schedules import build_schedule
 
 TARGET = 0.95
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+VIRTUAL = {"interleaved_1f1b": 2}  # stages per rank; one for the others
 
 
-def _stage_layers(workload: str, rank: int, p: int, cfg: dict[str, Any]) -> list[nn.Module]:
+def _stage_layers(
+    workload: str, rank: int, p: int, cfg: dict[str, Any], v: int
+) -> dict[int, list[nn.Module]]:
+    """This rank's stages (loop placement) and their layers; a rank's work is the same for every v."""
+    stages = list(range(rank, p * v, p))
     if workload in ("compute", "tiny"):
+        torch.manual_seed(0)  # every rank builds the same whole stack, then keeps its stages
         layers = mlp_layers(cfg["width"], cfg["depth"])
-        balance = [cfg["depth"] // p] * p
+        n = p * v
+        balance = [cfg["depth"] // n] * n
         balance[-1] += cfg["depth"] - sum(balance)
-        return split_layers(layers, balance)[rank]
-    return [FixedTimeLayer(cfg["forward_ms"] / 1e3, cfg["backward_ms"] / 1e3)]
+        split = split_layers(layers, balance)
+        return {s: split[s] for s in stages}
+    return {s: [FixedTimeLayer(cfg["forward_ms"] / 1e3 / v, cfg["backward_ms"] / 1e3 / v)] for s in stages}
 
 
 def _batch(workload: str, cfg: dict[str, Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,17 +77,22 @@ def worker(workload: str, kinds: list[str], cfg: dict[str, Any]) -> dict[str, An
     rank, p = dist.get_rank(), dist.get_world_size()
     m, first, last = cfg["microbatches"], rank == 0, rank == p - 1
     sleep_overshoot()  # calibrate before timing
-    base = _stage_layers(workload, rank, p, cfg)
     out: dict[str, Any] = {}
     for kind in kinds:
-        ours_layers = copy.deepcopy(base)
-        theirs_module = nn.Sequential(*copy.deepcopy(base))
-        executor = PipelineExecutor({rank: ours_layers}, p, list(range(p)), torch.device("cpu"))
-        schedule = build_schedule(kind, p, m)
-        stage = PipelineStage(theirs_module, rank, p, torch.device("cpu"))
-        theirs = TORCH_SCHEDULES[kind](stage, n_microbatches=m, loss_fn=F.mse_loss)
-        ours_params = [q for layer in ours_layers for q in layer.parameters()]
-        theirs_params = list(theirs_module.parameters())
+        v = VIRTUAL.get(kind, 1)
+        base = _stage_layers(workload, rank, p, cfg, v)
+        ours_stages = {s: copy.deepcopy(layers) for s, layers in base.items()}
+        theirs_modules = {s: nn.Sequential(*copy.deepcopy(layers)) for s, layers in base.items()}
+        executor = PipelineExecutor(ours_stages, p * v, list(range(p)), torch.device("cpu"))
+        schedule = build_schedule(kind, p * v, m, virtual_stages=v)
+        torch_stages = [
+            PipelineStage(module, s, p * v, torch.device("cpu")) for s, module in theirs_modules.items()
+        ]
+        theirs = TORCH_SCHEDULES[kind](
+            torch_stages if v > 1 else torch_stages[0], n_microbatches=m, loss_fn=F.mse_loss
+        )
+        ours_params = [q for layers in ours_stages.values() for layer in layers for q in layer.parameters()]
+        theirs_params = [q for module in theirs_modules.values() for q in module.parameters()]
 
         def run_ours(
             step: int,
@@ -168,7 +187,7 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b"])
     args = parser.parse_args()
     warn_if_busy()
 
