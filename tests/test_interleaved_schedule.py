@@ -81,3 +81,15 @@ def test_virtual_stages_need_the_interleaved_schedule() -> None:
     with pytest.raises(ValueError, match="at least 2 pipeline ranks"):
         build_schedule("interleaved_1f1b", 2, 4, virtual_stages=2)
     assert issubclass(ScheduleError, ValueError)
+
+
+def test_schedule_cli_compares_every_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_pipe.schedule import main
+
+    assert main(["--compare", "--stages", "4", "--microbatches", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert rows["gpipe"][1:3] == ["27.3%", "33"] and rows["gpipe"][3:] == ["8"] * 4
+    assert rows["1f1b"][1:3] == ["27.3%", "33"] and rows["1f1b"][3:] == ["4", "3", "2", "1"]
+    # Interleaved: (p - 1) / (v m + p - 1) = 3 / 19; rank 0 holds (2 (p - 1) + (v - 1) p + 1) / v.
+    assert rows["interleaved_1f1b"][2:] == ["15.8%", "28.5", "5.5", "4.5", "3.5", "2.5"]

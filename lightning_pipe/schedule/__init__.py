@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from lightning_pipe.pipeline.actions import Action, ActionType
 from lightning_pipe.pipeline.render import render_schedule
 from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
 from lightning_pipe.pipeline.simulate import simulate
@@ -44,9 +45,43 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-time", type=float, default=1.0, help="forward time per stage (ms)")
     p.add_argument("--backward-time", type=float, default=2.0, help="backward time per stage (ms)")
     p.add_argument("--comm-time", type=float, default=0.0, help="time of one exchange (ms)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="print one line per schedule instead (bubble, makespan, peak activations per rank)",
+    )
     p.add_argument("--png", help="write the planned timeline as a PNG here (needs matplotlib)")
     p.add_argument("--trace", help="write the planned timeline as a Chrome trace JSON here")
     return p
+
+
+def _most_ahead(actions: Sequence[Action]) -> int:
+    ahead = most = 0
+    for action in actions:
+        if action.kind is ActionType.FORWARD:
+            ahead += 1
+            most = max(most, ahead)
+        elif action.kind in (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT):
+            ahead -= 1
+    return most
+
+
+def compare(p: int, m: int, tf: float, tb: float, comm: float, v: int) -> str:
+    """Every schedule for ``p`` ranks and ``m`` micro-batches, one line each: simulated bubble and
+    makespan, and the most micro-batches of a whole rank's activations alive on each rank."""
+    lines = [f"{p} ranks, {m} micro-batches; a rank's work: forward {tf:g}, backward {tb:g} ms"]
+    lines.append(f"{'schedule':>22}  {'bubble':>7}  {'makespan':>9}  peak activations per rank")
+    for kind in ScheduleKind:
+        k = v if kind is ScheduleKind.INTERLEAVED_1F1B else 1
+        schedule = build_schedule(kind, p * k, m, virtual_stages=k)
+        result = simulate(schedule, tf / k, tb / k, comm)
+        # Micro-batches whose activations a rank holds at once (forwards run, backwards not yet),
+        # each counting 1/k: a stage of an interleaved rank holds 1/k of the rank's layers.
+        per_rank = [_most_ahead(schedule.actions[r]) / k for r in range(p)]
+        name = kind.value if k == 1 else f"{kind.value} (v={k})"
+        peaks = " ".join(f"{x:g}" for x in per_rank)
+        lines.append(f"{name:>22}  {result.bubble_fraction:7.1%}  {result.makespan:9g}  {peaks}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,6 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tf, tb = args.forward_time, args.backward_time
     if tf <= 0 or tb <= 0 or args.comm_time < 0:
         parser().error("--forward-time and --backward-time must be > 0 and --comm-time >= 0")
+    if args.compare:
+        print(compare(args.stages, args.microbatches, tf, tb, args.comm_time, args.virtual_stages or 2))
+        return 0
     v = args.virtual_stages or (2 if args.schedule == ScheduleKind.INTERLEAVED_1F1B.value else 1)
     try:
         schedule = build_schedule(args.schedule, args.stages * v, args.microbatches, virtual_stages=v)
