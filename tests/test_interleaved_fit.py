@@ -118,3 +118,21 @@ def test_interleaved_dp2_with_weights_tied_across_ranks_matches_one_device() -> 
                 value, expected[name].detach(), atol=TOL, rtol=0, msg=f"rank {rank}: {name}"
             )
     assert {n for r in got for n in r} == set(expected)
+
+
+def too_few_layers_worker() -> str:
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=2, schedule="interleaved_1f1b", virtual_stages=4, timeout=timedelta(seconds=60)
+    )
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            _trainer(strategy, 2, root, 1, None).fit(Regressor(), loader(TRAIN, 8, reference=False))
+    except Exception as err:  # the message is what the test checks
+        return str(err)
+    return "no error"
+
+
+def test_too_few_layers_for_the_stages_names_virtual_stages() -> None:
+    for message in run_distributed(too_few_layers_worker, 2, timeout=120, init_group=False):
+        assert "7 pipeline layers but interleaved 1F1B asks for pipeline_parallel_size (2) x" in message
+        assert "virtual_stages (4) = 8 stages" in message and "Lower virtual_stages" in message

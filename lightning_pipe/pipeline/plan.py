@@ -76,18 +76,27 @@ class PipelinePlan:
     def _alias_stages(self) -> dict[str, int]:
         return dict(self.aliases)
 
-    def describe(self, layers: Sequence[nn.Module], per_rank: Callable[[int], int] | None = None) -> str:
+    def describe(
+        self,
+        layers: Sequence[nn.Module],
+        per_rank: Callable[[int], int] | None = None,
+        pipeline_parallel_size: int | None = None,
+    ) -> str:
         """A table of stages, their layers and parameter counts, for the start-of-run log;
         ``per_rank(stage_index)``: the elements one rank of that stage holds (under tensor
-        parallelism, less than the stage's)."""
+        parallelism, less than the stage's); with more stages than ``pipeline_parallel_size``
+        ranks, each line names the rank that holds the stage."""
         lines = []
         for stage in range(self.num_stages):
             rng = self.layer_range(stage)
             kinds = ", ".join(type(layers[i]).__name__ for i in rng)
             params = sum(self.parameter_counts[i] for i in rng)
             held = "" if per_rank is None else f" ({per_rank(stage):,} per rank)"
+            p = pipeline_parallel_size
+            where = f" on pp_rank {self.rank_of_stage(stage, p)}" if p and p != self.num_stages else ""
             lines.append(
-                f"  stage {stage}: layers {rng.start}-{rng.stop - 1} ({kinds}), {params:,} parameters{held}"
+                f"  stage {stage}{where}: layers {rng.start}-{rng.stop - 1} ({kinds}), {params:,} "
+                f"parameters{held}"
             )
         return "\n".join(lines)
 

@@ -37,7 +37,7 @@ from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
 from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
 from lightning_pipe.runtime import checkpointing
 from lightning_pipe.runtime.holdings import Holdings
-from lightning_pipe.runtime.options import RuntimeOptions
+from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.runtime.prepare import (
     Naming,
     Preparation,
@@ -104,6 +104,14 @@ class ParallelRuntime:
         self.first_setup = record is None
         materialized: frozenset[int] = frozenset()
         if record is None:
+            if v > 1 and len(layers) < layout.pipeline_parallel_size * v:
+                raise ConfigurationError(
+                    f"The model has {len(layers)} pipeline layers but interleaved 1F1B asks for "
+                    f"pipeline_parallel_size ({layout.pipeline_parallel_size}) x virtual_stages ({v}) = "
+                    f"{layout.pipeline_parallel_size * v} stages, each needing at least one layer. Lower "
+                    "virtual_stages or pipeline_parallel_size, or return finer-grained layers from "
+                    "configure_pipeline()."
+                )
             plan = make_plan(module, layers, layout.pipeline_parallel_size * v, self.options.partition)
             tied = self._tied_groups(plan)
             seed = self._agreed_seed(seed)
@@ -193,10 +201,13 @@ class ParallelRuntime:
         layout, record = self.mesh.layout, self.record
         per_rank = self.holdings.per_rank if layout.tensor_parallel_size > 1 else None
         m = num_microbatches or f"auto (2 x {layout.pipeline_parallel_size})"
+        v = self.options.virtual_stages
+        virtual = f" ({v} stages per rank)" if v > 1 else ""
         text = (
             f"pipe_tp: layout {layout} (world {layout.world_size}), schedule "
-            f"{ScheduleKind.parse(self.options.schedule).value}, micro-batches {m}, checkpoint "
-            f"{self.executor.checkpoint.value}\n{self.plan.describe(self.layers, per_rank)}"
+            f"{ScheduleKind.parse(self.options.schedule).value}{virtual}, micro-batches {m}, checkpoint "
+            f"{self.executor.checkpoint.value}\n"
+            + self.plan.describe(self.layers, per_rank, layout.pipeline_parallel_size)
         )
         if record.sharding:
             text += f"\n{record.sharding}"
