@@ -323,6 +323,8 @@ def plot_timeline(
     fig = Figure(figsize=(width, 0.8 + 0.6 * max(1, len(ranks))), dpi=100)
     ax = fig.add_subplot()
     span_total = stats.makespan * scale
+    # A rank holding several stages (interleaved) labels each box with its stage too.
+    several = len({(e.rank, e.stage) for e in events if e.is_compute}) > len(ranks)
     for e in events:
         y = row[e.rank]
         x0, w = (e.start - origin) * scale, max(e.duration, 0.0) * scale
@@ -335,7 +337,7 @@ def plot_timeline(
                 ax.text(
                     x0 + w / 2,
                     y,
-                    e.name,
+                    f"{e.name}\ns{e.stage}" if several and e.stage is not None else e.name,
                     ha="center",
                     va="center",
                     fontsize=7,
