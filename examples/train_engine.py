@@ -81,8 +81,10 @@ def main() -> None:
     box = [losses]
     dist.broadcast_object_list(box, src=last)
     if dist.get_rank() == 0:
-        for step, loss in sorted(box[0].items())[::10]:
-            print(f"step {step:3d}  loss {loss:.5f}")
+        ran = sorted(box[0].items())
+        for k, (step, loss) in enumerate(ran):
+            if k < 3 or step % 10 == 0 or k == len(ran) - 1:  # the first steps (after a resume too)
+                print(f"step {step:3d}  loss {loss:.5f}")
         if args.losses:
             with open(args.losses, "w") as f:
                 json.dump(box[0], f)

@@ -30,8 +30,9 @@ def render_schedule(schedule: PipelineSchedule, forward_time: int = 1, backward_
         for t in range(round(timed.start), round(timed.end)):
             grid[timed.rank][t] = label
     width = max([len(c) for row in grid for c in row] + [1])
+    ranks = "" if schedule.num_stages == schedule.num_ranks else f" on {schedule.num_ranks} ranks"
     header = (
-        f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} micro-batches, "
+        f"{schedule.name}: {schedule.num_stages} stages{ranks}, {schedule.num_microbatches} micro-batches, "
         f"bubble {result.bubble_fraction:.1%}"
     )
     rows = [

@@ -213,8 +213,8 @@ class ParallelRuntime:
             text += f"\n{record.sharding}"
         if record.built_on_meta:
             text += (
-                "\n  built on the meta device: each rank holds only its own stage's tensors (and tensor "
-                "slice); other stages' parameters are meta tensors, without storage"
+                "\n  built on the meta device: each rank holds only its own stages' tensors (and tensor "
+                "slices); other stages' parameters are meta tensors, without storage"
             )
         return text
 

@@ -114,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bubble = (p - 1) / (v * m + p - 1)
     print(f"  bubble     {result.bubble_fraction:.1%}  ((p - 1) / (v m + p - 1) = {bubble:.1%})")
     peaks = "  ".join(f"stage {s}: {n}" for s, n in enumerate(result.peak_inflight))
-    print(f"  peak micro-batches in flight  {peaks}")
+    per = " (a stage is 1/v of a rank's layers; --compare gives it per rank)" if v > 1 else ""
+    print(f"  peak micro-batches in flight per stage{per}  {peaks}")
     events = events_from_simulation(result, unit=1e-3)
     title = f"{schedule.name} planned: {schedule.num_stages} stages on {p} ranks, {m} micro-batches"
     if args.trace:
