@@ -51,18 +51,20 @@ class RuntimeOptions:
         v = self.virtual_stages
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"virtual_stages must be an integer >= 1, got {v!r}.")
-        if v > 1 and ScheduleKind.parse(self.schedule) is not ScheduleKind.INTERLEAVED_1F1B:
+        if v > 1 and self.schedule_kind is not ScheduleKind.INTERLEAVED_1F1B:
             raise ValueError(
                 f'virtual_stages={v} (several stages per rank) needs schedule="interleaved_1f1b", '
-                f"not {ScheduleKind.parse(self.schedule).value!r}."
+                f"not {self.schedule_kind.value!r}."
             )
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}.")
 
     @property
     def schedule_kind(self) -> ScheduleKind:
+        """``schedule`` as the enum (``__post_init__`` stored it so; typed for readers)."""
         return ScheduleKind.parse(self.schedule)
 
     @property
     def recomputation_mode(self) -> CheckpointMode:
+        """``recomputation`` as the enum."""
         return CheckpointMode.parse(self.recomputation)

@@ -83,7 +83,7 @@ def prepared_record(
 
 @dataclass
 class Preparation:
-    """The first preparation of one module on this rank (see :func:`prepare`)."""
+    """The first preparation of one module on this rank (see the module docstring)."""
 
     module: nn.Module
     mesh: ParallelMesh
@@ -174,7 +174,7 @@ class Preparation:
                 "PipeTPStrategy(tensor_parallel_plan=...)."
             )
         resolved = resolve_plan(self.module, tp_plan, tp)
-        recomputation = CheckpointMode.parse(self.options.recomputation)
+        recomputation = self.options.recomputation_mode
         if recomputation is not CheckpointMode.NEVER and ShardStyle.DROPOUT in resolved.values():
             raise ConfigurationError(
                 f'checkpoint="{recomputation.value}" cannot replay the per-rank random stream of '

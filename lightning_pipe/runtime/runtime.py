@@ -34,7 +34,7 @@ from lightning_pipe.pipeline.actions import PipelineSchedule
 from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm, batch_norm_layers
 from lightning_pipe.pipeline.executor import PipelineExecutor, StepResult
 from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
-from lightning_pipe.pipeline.schedules import ScheduleKind, build_schedule
+from lightning_pipe.pipeline.schedules import build_schedule
 from lightning_pipe.runtime import checkpointing
 from lightning_pipe.runtime.holdings import Holdings
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
@@ -103,29 +103,30 @@ class ParallelRuntime:
         record = prepared_record(module, layout, self.options.partition, v)
         self.first_setup = record is None
         materialized: frozenset[int] = frozenset()
+        if record is None and v > 1 and len(layers) < layout.pipeline_parallel_size * v:
+            raise ConfigurationError(
+                f"The model has {len(layers)} pipeline layers but interleaved 1F1B asks for "
+                f"pipeline_parallel_size ({layout.pipeline_parallel_size}) x virtual_stages ({v}) = "
+                f"{layout.pipeline_parallel_size * v} stages, each needing at least one layer. Lower "
+                "virtual_stages or pipeline_parallel_size, or return finer-grained layers from "
+                "configure_pipeline()."
+            )
+        plan = (
+            make_plan(module, layers, layout.pipeline_parallel_size * v, self.options.partition)
+            if record is None
+            else record.plan
+        )
+        self.stage_indices = plan.stages_of_rank(mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
+        """The stages this rank holds; every stage-dependent choice reads this."""
+        tied = self._tied_groups(plan)  # collective (new_group): before the seed's broadcast
         if record is None:
-            if v > 1 and len(layers) < layout.pipeline_parallel_size * v:
-                raise ConfigurationError(
-                    f"The model has {len(layers)} pipeline layers but interleaved 1F1B asks for "
-                    f"pipeline_parallel_size ({layout.pipeline_parallel_size}) x virtual_stages ({v}) = "
-                    f"{layout.pipeline_parallel_size * v} stages, each needing at least one layer. Lower "
-                    "virtual_stages or pipeline_parallel_size, or return finer-grained layers from "
-                    "configure_pipeline()."
-                )
-            plan = make_plan(module, layers, layout.pipeline_parallel_size * v, self.options.partition)
-            tied = self._tied_groups(plan)
             seed = self._agreed_seed(seed)
-            stages = plan.stages_of_rank(mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
             preparation = Preparation(
-                module, mesh, device, self.options, seed, init, weights, naming, tied, stages
+                module, mesh, device, self.options, seed, init, weights, naming, tied, self.stage_indices
             )
             record, materialized = preparation.run(plan, layers)
-        else:
-            tied = self._tied_groups(record.plan)
         self.record: PreparedModel = record
-        self.plan: PipelinePlan = record.plan
-        self.stage_indices = self.plan.stages_of_rank(mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
-        """The stages this rank holds; every stage-dependent choice reads this."""
+        self.plan: PipelinePlan = plan
         self.layers: list[nn.Module] = [module.get_submodule(name) for name in self.plan.layer_names]
         own = [self.layers[i] for s in self.stage_indices for i in self.plan.layer_range(s)]
         owned = {id(p): p for layer in own for p in layer.parameters() if p.requires_grad}
@@ -205,7 +206,7 @@ class ParallelRuntime:
         virtual = f" ({v} stages per rank)" if v > 1 else ""
         text = (
             f"pipe_tp: layout {layout} (world {layout.world_size}), schedule "
-            f"{ScheduleKind.parse(self.options.schedule).value}{virtual}, micro-batches {m}, checkpoint "
+            f"{self.options.schedule_kind.value}{virtual}, micro-batches {m}, checkpoint "
             f"{self.executor.checkpoint.value}\n"
             + self.plan.describe(self.layers, per_rank, layout.pipeline_parallel_size)
         )
@@ -222,8 +223,7 @@ class ParallelRuntime:
     def schedule(self, num_microbatches: int, training: bool) -> PipelineSchedule:
         key = (num_microbatches, training)
         if key not in self._schedules:
-            kind = ScheduleKind.parse(self.options.schedule)
-            v = self.options.virtual_stages
+            kind, v = self.options.schedule_kind, self.options.virtual_stages
             self._schedules[key] = build_schedule(kind, self.plan.num_stages, *key, virtual_stages=v)
         return self._schedules[key]
 
@@ -263,8 +263,8 @@ class ParallelRuntime:
             result = executor.run(
                 self.schedule(num_microbatches, training),
                 self.mesh.coordinates.pp_rank,
-                inputs=inputs if 0 in self.stage_indices else None,
-                head=head if self.plan.num_stages - 1 in self.stage_indices else None,
+                inputs=inputs if self.holds_first_stage else None,
+                head=head if self.holds_last_stage else None,
                 weights=weights,
                 signatures=signatures,
             )
@@ -381,15 +381,14 @@ class ParallelRuntime:
     def _tied_groups(self, plan: PipelinePlan) -> list[tuple[str, dist.ProcessGroup, bool]]:
         """For each tied parameter this rank holds: its name, the group of its copies' ranks, and
         whether this rank counts it in the gradient norm (the first stage does)."""
-        layout = self.mesh.layout
-        held = plan.stages_of_rank(self.mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
+        layout, held = self.mesh.layout, self.stage_indices
         groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         # new_group is collective: every rank creates every group, in the same order.
         for stages in sorted({stages for _, stages in plan.tied}):
+            # The ranks holding those stages (one rank may hold several of them).
+            pp_ranks = sorted({plan.rank_of_stage(s, layout.pipeline_parallel_size) for s in stages})
             for dp in range(layout.data_parallel_size):
                 for tp in range(layout.tensor_parallel_size):
-                    # The ranks holding those stages (one rank may hold several of them).
-                    pp_ranks = sorted({plan.rank_of_stage(s, layout.pipeline_parallel_size) for s in stages})
                     ranks = [layout.rank_of(dp, r, tp) for r in pp_ranks]
                     group = dist.new_group(ranks)
                     if self.mesh.rank in ranks:

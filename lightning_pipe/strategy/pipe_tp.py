@@ -16,6 +16,7 @@ unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -39,9 +40,7 @@ from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.uneven import EvenBatches
 from lightning_pipe.failures import FailureBoard
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
-from lightning_pipe.pipeline.executor import CheckpointMode
 from lightning_pipe.pipeline.fingerprint import StepIdentity
-from lightning_pipe.pipeline.partition import check_partition
 from lightning_pipe.pipeline.schedules import ScheduleKind
 from lightning_pipe.pipeline.timeline import (
     TimelineRecorder,
@@ -182,20 +181,27 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             raise ValueError(
                 f"num_microbatches must be an integer >= 1 or None (automatic), got {num_microbatches!r}."
             )
-        check_partition(partition)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_size = data_parallel_size
         self.num_microbatches = num_microbatches
-        self.schedule = ScheduleKind.parse(schedule)
-        interleaved = self.schedule is ScheduleKind.INTERLEAVED_1F1B
-        self.virtual_stages = virtual_stages if virtual_stages is not None else (2 if interleaved else 1)
-        RuntimeOptions(schedule=self.schedule, virtual_stages=self.virtual_stages)  # checked before launch
+        interleaved = ScheduleKind.parse(schedule) is ScheduleKind.INTERLEAVED_1F1B
+        # The runtime's options, checked here, before any process is launched; the tensor-parallel
+        # plan (possibly from the module) and the deadline are filled in at setup.
+        self._options = RuntimeOptions(
+            schedule=schedule,
+            partition=partition,
+            recomputation=checkpoint,
+            virtual_stages=virtual_stages if virtual_stages is not None else (2 if interleaved else 1),
+            bucket_cap_mb=bucket_cap_mb,
+            check_finite=check_finite,
+            deferred_batch_norm=deferred_batch_norm,
+        )
+        self.schedule = self._options.schedule_kind
+        self.virtual_stages = self._options.virtual_stages
         self.partition = partition
-        self.checkpoint = CheckpointMode.parse(checkpoint)
+        self.checkpoint = self._options.recomputation_mode
         self.check_finite = check_finite
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}.")
         self.bucket_cap_mb = bucket_cap_mb
         self.tensor_parallel_plan = tensor_parallel_plan
         self.save_distributed_checkpoint = save_distributed_checkpoint
@@ -362,12 +368,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         if first and tp_plan is None and layout.tensor_parallel_size > 1:
             hook = getattr(module, "tensor_parallel_plan", None)
             tp_plan = hook() if callable(hook) else None
-        options = RuntimeOptions(
-            schedule=self.schedule, partition=self.partition, recomputation=self.checkpoint,
-            virtual_stages=self.virtual_stages,
-            tensor_parallel_plan=tp_plan, bucket_cap_mb=self.bucket_cap_mb, timeout=self._timeout,
-            check_finite=self.check_finite, deferred_batch_norm=self.deferred_batch_norm,
-        )  # fmt: skip
+        options = dataclasses.replace(self._options, tensor_parallel_plan=tp_plan, timeout=self._timeout)
         # Lightning's global seed when one was set (seed_everything); the runtime uses rank 0's.
         env = os.environ.get("PL_GLOBAL_SEED")
         init = getattr(module, "init_module_weights", None)
