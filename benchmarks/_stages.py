@@ -39,23 +39,26 @@ def precise_sleep(seconds: float) -> None:
     time.sleep(max(0.0, seconds - sleep_overshoot()))
 
 
-class _FixedTime(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, tf: float, tb: float) -> torch.Tensor:
-        precise_sleep(tf)
-        ctx.save_for_backward(x, weight)
-        ctx.tb = tb
-        return x * weight
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps ``forward`` seconds in forward and ``backward`` in backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        precise_sleep(ctx.tb)
-        x, weight = ctx.saved_tensors
-        return grad * weight, (grad * x).sum().reshape(weight.shape), None, None
+    def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
+        if forward > 0:
+            precise_sleep(forward)
+        ctx.backward = backward
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        precise_sleep(ctx.backward)
+        return grad, None, None
 
 
 class FixedTimeLayer(nn.Module):
-    """``x * w`` that takes ``forward_time`` s forward and ``backward_time`` s backward."""
+    """``x * w`` that takes ``forward_time`` s forward and ``backward_time`` s backward: half of it
+    for the input's gradient, half for the weight's, so that a zero-bubble schedule's input- and
+    weight-gradient passes (I and W) take ``backward_time / 2`` each, as the simulator assumes."""
 
     def __init__(self, forward_time: float, backward_time: float) -> None:
         super().__init__()
@@ -63,7 +66,8 @@ class FixedTimeLayer(nn.Module):
         self.forward_time, self.backward_time = forward_time, backward_time
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FixedTime.apply(x, self.weight, self.forward_time, self.backward_time)
+        half = self.backward_time / 2
+        return _Sleep.apply(x, self.forward_time, half) * _Sleep.apply(self.weight, 0.0, half)
 
 
 def square_loss(output: Any, microbatch: int) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 Four ranks (gloo, one process each), each rank's work one :class:`FixedTimeLayer` taking exactly
 ``t_f`` forward and ``t_b`` backward (interleaved 1F1B: ``v`` stages per rank of ``t_f / v`` and
-``t_b / v``). With equal stages GPipe and 1F1B take, on paper, ``(m + p - 1) * (t_f + t_b)`` per
-step and interleaved 1F1B ``(v m + p - 1) * (t_f + t_b) / v`` when p divides m (the simulated
-makespan); efficiency is the measured step time over that (1.0 is ideal, lower is impossible).
+``t_b / v``; zero-bubble: the backward's two halves, input and weight gradient, as separate
+actions). The ideal is the schedule's simulated makespan with those times: with equal stages
+``(m + p - 1)(t_f + t_b)`` for GPipe and 1F1B, ``(v m + p - 1)(t_f + t_b) / v`` for interleaved
+1F1B when p divides m, ``m (t_f + t_b) + (p - 1) t_f`` for ZB-H1 when m >= p. Efficiency is the
+measured step time over it (1.0 is ideal, lower is impossible).
 Step time: median over back-to-back steps after warm-up of the first rank's ``executor.run``
 (that rank starts each step first and finishes it last).
 
@@ -28,6 +30,7 @@ from _stages import FixedTimeLayer, square_loss
 from lightning_pipe.pipeline.executor import PipelineExecutor
 from lightning_pipe.pipeline.microbatch import signature
 from lightning_pipe.pipeline.schedules import build_schedule
+from lightning_pipe.pipeline.simulate import simulate
 from lightning_pipe.pipeline.timeline import TimelineRecorder, gather_timeline
 
 TARGET = 1.02
@@ -91,7 +94,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
     parser.add_argument("--virtual-stages", type=int, default=2, help="stages per rank (interleaved)")
     parser.add_argument("--forward-ms", type=float, default=10.0)
     parser.add_argument("--backward-ms", type=float, default=20.0)
@@ -110,15 +113,22 @@ def main() -> None:
             key = f"{kind}/{m}"
             measured = median(results[0][key]["durations"])
             k = _virtual(kind, v)
-            # The simulated makespan with equal stages: (k m + p - 1) stage slots of (tf + tb) / k.
-            ideal = (k * m + p - 1) * (tf + tb) / k
+            schedule = build_schedule(kind, p * k, m, virtual_stages=k)
+            plan = simulate(schedule, tf / k, tb / k)
+            ideal = plan.makespan
             events = results[0][key]["events"]
-            fwd = [e.duration for e in events if e.kind == "F"]
-            bwd = [e.duration for e in events if e.kind == "B"]
-            actual_ideal = (k * m + p - 1) * (median(fwd) + median(bwd))
+            fwd = median([e.duration for e in events if e.kind == "F"])
+            # A rank's backward: one B, or (zero-bubble) its I and W halves.
+            if any(e.kind == "I" for e in events):
+                bwd = median([e.duration for e in events if e.kind == "I"]) + median(
+                    [e.duration for e in events if e.kind == "W"]
+                )
+            else:
+                bwd = median([e.duration for e in events if e.kind == "B"])
+            actual_ideal = simulate(schedule, fwd, bwd).makespan
             efficiency[key] = measured / ideal
             step_ms[key] = measured * 1e3
-            compute_ms[key] = {"forward": median(fwd) * 1e3, "backward": median(bwd) * 1e3}
+            compute_ms[key] = {"forward": fwd * 1e3, "backward": bwd * 1e3}
             rows.append(
                 [
                     kind,
@@ -127,7 +137,7 @@ def main() -> None:
                     measured * 1e3,
                     measured / ideal,
                     measured / actual_ideal,
-                    (p - 1) / (k * m + p - 1),
+                    plan.bubble_fraction,
                 ]
             )
             if args.timeline is not None:
@@ -160,7 +170,7 @@ def main() -> None:
         f"median of {args.steps} steps"
     )
     print_table(
-        ["schedule", "m", "ideal ms", "step ms", "efficiency", "vs actual F/B", "bubble (theory)"],
+        ["schedule", "m", "ideal ms", "step ms", "efficiency", "vs actual F/B", "bubble (plan)"],
         rows,
     )
     if met is not None:

@@ -3,8 +3,9 @@
 Both run in the same processes, alternating in rounds (ours then theirs, theirs then ours, ...) so
 that machine noise hits both alike: the same stage modules (separate copies with equal weights), the same
 whole batch split into the same micro-batches, mean-squared-error loss on the last stage, GPipe
-1F1B and interleaved 1F1B with two stages per rank (``ScheduleGPipe`` / ``Schedule1F1B`` over a
-``PipelineStage``, ``ScheduleInterleaved1F1B`` over two). Step time: median over
+1F1B, interleaved 1F1B with two stages per rank and zero-bubble ZB-H1 (``ScheduleGPipe`` /
+``Schedule1F1B`` over a ``PipelineStage``, ``ScheduleInterleaved1F1B`` over two,
+``ScheduleInterleavedZeroBubble`` over one, which is ZB-H1). Step time: median over
 the steps after warm-up of the first rank's step (it starts each step first and ends it last);
 the ratio is the median over rounds of each round's ours / theirs.
 Gradients after one step of each engine are compared as a check that both do the same work.
@@ -39,6 +40,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 
 from lightning_pipe.pipeline.executor import PipelineExecutor
@@ -47,8 +49,15 @@ from lightning_pipe.pipeline.partition import split_layers
 from lightning_pipe.pipeline.schedules import build_schedule
 
 TARGET = 0.95
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+TORCH_SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    # torch's zero-bubble "ZB1P" over one stage per rank is ZB-H1: the same order as ours.
+    "zb_h1": ScheduleInterleavedZeroBubble,
+}
 VIRTUAL = {"interleaved_1f1b": 2}  # stages per rank; one for the others
+MULTI = {"interleaved_1f1b", "zb_h1"}  # torch schedules that take a list of stages
 
 
 def _stage_layers(
@@ -89,7 +98,7 @@ def worker(workload: str, kinds: list[str], cfg: dict[str, Any]) -> dict[str, An
             PipelineStage(module, s, p * v, torch.device("cpu")) for s, module in theirs_modules.items()
         ]
         theirs = TORCH_SCHEDULES[kind](
-            torch_stages if v > 1 else torch_stages[0], n_microbatches=m, loss_fn=F.mse_loss
+            torch_stages if kind in MULTI else torch_stages[0], n_microbatches=m, loss_fn=F.mse_loss
         )
         ours_params = [q for layers in ours_stages.values() for layer in layers for q in layer.parameters()]
         theirs_params = [q for module in theirs_modules.values() for q in module.parameters()]
@@ -187,7 +196,7 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
     args = parser.parse_args()
     warn_if_busy()
 

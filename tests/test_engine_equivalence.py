@@ -1,6 +1,7 @@
 """The pipeline engine on real processes (gloo) equals the same network on one process.
 
-For p in {2, 4}, both schedules, m in {1, 3, 8} and checkpoint in {never, always} (plus
+For p in {2, 4}, GPipe, 1F1B and zero-bubble ZB-H1 (backward split into input and weight
+gradients), m in {1, 3, 8} and checkpoint in {never, always} (plus
 except_last), the loss and every parameter's gradient match a single-device run on the whole batch
 within 1e-6; sequence lengths that change between micro-batches and between steps, and weights
 after several optimizer steps, are checked too. All cases of one pipeline size share one spawned
@@ -25,6 +26,7 @@ from tests.distributed import run_distributed
 from tests.models import make_batch, tuple_net
 
 TOL = 1e-6
+KINDS = ["gpipe", "1f1b", "zb_h1"]
 BATCH, SEQ = 24, 5
 
 
@@ -44,17 +46,16 @@ def _case(kind: str, m: int, checkpoint: str, **extra: Any) -> dict[str, Any]:
 
 def _cases() -> list[dict[str, Any]]:
     cases = [
-        _case(kind, m, ckpt)
-        for kind, m, ckpt in itertools.product(["gpipe", "1f1b"], [1, 3, 8], ["never", "always"])
+        _case(kind, m, ckpt) for kind, m, ckpt in itertools.product(KINDS, [1, 3, 8], ["never", "always"])
     ]
-    cases += [_case(kind, 3, "except_last") for kind in ["gpipe", "1f1b"]]
+    cases += [_case(kind, 3, "except_last") for kind in KINDS]
     # Sequence length changes between micro-batches and between steps; shapes repeat in step 3,
     # so the header cache must make step 3 send no header at all.
     varlen_steps = []
     for step, seqs in enumerate([(3, 5, 4, 3), (7, 7, 2, 7), (3, 5, 4, 3)]):
         mbs = [make_batch(3, s, seed=100 + 10 * step + i) for i, s in enumerate(seqs)]
         varlen_steps.append(mbs)
-    for kind in ["gpipe", "1f1b"]:
+    for kind in KINDS:
         cases.append(
             {
                 "id": f"{kind}-varlen",

@@ -45,8 +45,11 @@ def _count_forwards(layers: list[nn.Module]) -> list[int]:
     return counts
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 @pytest.mark.parametrize("mode", list(EXPECTED_CALLS))
-def test_recomputation_runs_forward_again_and_keeps_less(mode: str) -> None:
+def test_recomputation_runs_forward_again_and_keeps_less(mode: str, schedule: str) -> None:
+    """Zero-bubble runs the forward again itself at the input-gradient action (torch's checkpoint
+    would recompute once per backward call, and W makes several): the same counts."""
     torch.manual_seed(0)
     layers = [nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2)]
     counts = _count_forwards(layers)
@@ -55,7 +58,7 @@ def test_recomputation_runs_forward_again_and_keeps_less(mode: str) -> None:
     x, y = torch.randn(M * 4, 8), torch.randn(M * 4, 2)
     xs, ys = x.chunk(M), y.chunk(M)
     result = executor.run(
-        build_schedule("1f1b", 1, M), 0, inputs=list(xs), head=lambda out, i: F.mse_loss(out, ys[i])
+        build_schedule(schedule, 1, M), 0, inputs=list(xs), head=lambda out, i: F.mse_loss(out, ys[i])
     )
     # torch stops recomputing once backward has every tensor it needs, which spares the last
     # layer(s); the first layer always runs again for a recomputed micro-batch.
@@ -73,6 +76,30 @@ def test_recomputation_runs_forward_again_and_keeps_less(mode: str) -> None:
     F.mse_loss(reference(x), y).backward()
     for got, expected in zip(grads, [p.grad for p in reference.parameters()], strict=True):
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def _dropout_grads(schedule: str, mode: str, seed: int = 0) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 64), nn.Dropout(0.5), nn.Tanh(), nn.Linear(64, 2)]
+    executor = PipelineExecutor({0: layers}, 1, [0], torch.device("cpu"), checkpoint=mode)
+    x, y = torch.randn(M * 4, 8), torch.randn(M * 4, 2)
+    xs, ys = x.chunk(M), y.chunk(M)
+    torch.manual_seed(seed)  # the dropout masks' draw
+    executor.run(
+        build_schedule(schedule, 1, M), 0, inputs=list(xs), head=lambda out, i: F.mse_loss(out, ys[i])
+    )
+    return [p.grad for layer in layers for p in layer.parameters()]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_recomputation_replays_dropout_masks(schedule: str) -> None:
+    """The forward run again draws the same dropout masks: gradients equal those without
+    recomputation (and differ from another draw, so the comparison can fail)."""
+    expected = _dropout_grads(schedule, "never")
+    for mode in ("always", "except_last"):
+        for got, want in zip(_dropout_grads(schedule, mode), expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert not torch.allclose(_dropout_grads(schedule, "always", seed=1)[0], expected[0], atol=1e-3)
 
 
 def _trainer(strategy: Any, devices: int, root: str) -> L.Trainer:

@@ -4,8 +4,8 @@ Schedules are data (as in ``torch.distributed.pipelining``'s action IR): a pure 
 them, :mod:`lightning_pipe.pipeline.validate` checks them, the simulator times them and one
 executor runs any of them. Every action names the *stage* it belongs to (not the rank), so a rank
 that holds several stages (interleaved 1F1B) needs no new action kinds, and backward is split
-into ``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT`` kinds beside ``BACKWARD`` so that zero-bubble
-schedules can be expressed later without changing the IR.
+into ``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT`` kinds beside ``BACKWARD`` for zero-bubble
+schedules.
 
 Communication actions are written from the point of view of the stage that owns them:
 
@@ -31,9 +31,9 @@ class ActionType(enum.Enum):
     BACKWARD = "B"
     """Full backward: gradients of the stage input and of the weights together."""
     BACKWARD_INPUT = "I"
-    """Zero-bubble split: gradient of the stage input only (reserved; not run yet)."""
+    """Zero-bubble split: gradient of the stage input only (see :mod:`.split_backward`)."""
     BACKWARD_WEIGHT = "W"
-    """Zero-bubble split: gradient of the weights only (reserved; not run yet)."""
+    """Zero-bubble split: gradient of the weights, after the stage's ``BACKWARD_INPUT``."""
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -102,6 +102,11 @@ class PipelineSchedule:
     @property
     def num_ranks(self) -> int:
         return len(self.actions)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backward is split into input- and weight-gradient actions (zero-bubble)."""
+        return any(a.kind is ActionType.BACKWARD_INPUT for actions in self.actions for a in actions)
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages that ``pp_rank`` runs, in increasing order."""

@@ -29,6 +29,7 @@ from lightning_pipe.options import parse_option
 from lightning_pipe.pipeline.actions import Action, ActionType, PipelineSchedule, comm_batches
 from lightning_pipe.pipeline.batchnorm import running_backward
 from lightning_pipe.pipeline.p2p import ActivationMeta, P2PTransport, RecvRequest, SendRequest
+from lightning_pipe.pipeline.split_backward import WeightGradients, backward_input
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -84,6 +85,13 @@ def _as_tuple(value: Activation) -> tuple[torch.Tensor, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
+def _stand_in(value: Activation) -> Activation:
+    """Leaves with ``value``'s data and grad-requirement, without its graph."""
+    if isinstance(value, tuple):
+        return tuple(t.detach().requires_grad_(t.requires_grad) for t in value)
+    return value.detach().requires_grad_(value.requires_grad)
+
+
 def _counting_pack(saved: dict[tuple[int, int], int]) -> Callable[[torch.Tensor], torch.Tensor]:
     """A saved-tensor hook that records each distinct saved tensor's bytes and keeps the tensor."""
 
@@ -127,6 +135,32 @@ def _check_finite(value: Activation, where: str) -> None:
         if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
             part = f" (tensor {k})" if isinstance(value, tuple) else ""
             raise FloatingPointError(f"NaN or Inf first appeared in {where}{part}.")
+
+
+@dataclass
+class _Replay:
+    """What running a stage's forward again needs: its input and the random state before it
+    (so that dropout draws the same masks, as :func:`torch.utils.checkpoint.checkpoint` does)."""
+
+    inputs: Any
+    cpu_state: torch.Tensor
+    cuda: tuple[torch.device, torch.Tensor] | None
+    output: Activation | None = None
+    """On the last stage: the leaves standing for the first forward's output, which the loss was
+    computed from (its gradient at them starts the replayed forward's backward)."""
+
+    @classmethod
+    def capture(cls, inputs: Any, device: torch.device) -> _Replay:
+        cuda = (device, torch.cuda.get_rng_state(device)) if device.type == "cuda" else None
+        return cls(inputs, torch.get_rng_state(), cuda)
+
+    def run(self, layers: Sequence[nn.Module], stage_index: int) -> Activation:
+        devices = [self.cuda[0]] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            torch.set_rng_state(self.cpu_state)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda[1], self.cuda[0])
+            return apply_layers(layers, self.inputs, stage_index)
 
 
 class PipelineExecutor:
@@ -181,6 +215,8 @@ class PipelineExecutor:
         self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], Activation]] = {}
         self._stash_bytes: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+        self._replay: dict[tuple[int, int], _Replay] = {}
+        self._weight_work: dict[tuple[int, int], list[WeightGradients]] = {}
         self._result = StepResult()
 
     def run(
@@ -251,12 +287,18 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ compute
     def _compute(self, action: Action) -> None:
+        s, i = action.stage_index, action.microbatch
         if action.kind is ActionType.FORWARD:
-            self._forward(action.stage_index, action.microbatch)
+            self._forward(s, i)
         elif action.kind is ActionType.BACKWARD:
-            self._backward(action.stage_index, action.microbatch)
-        else:
-            raise NotImplementedError(f"The executor does not run {action.kind.name} actions yet.")
+            self._backward(s, i)
+        elif action.kind is ActionType.BACKWARD_INPUT:
+            self._backward(s, i, split=True)
+        else:  # BACKWARD_WEIGHT: the deferred part; the micro-batch's graph is freed after it
+            with running_backward():
+                for work in self._weight_work.pop((s, i)):
+                    work.run()
+            self._stash.pop((s, i))
 
     def _checkpointed(self, microbatch: int) -> bool:
         if not self._schedule.training or self.checkpoint is CheckpointMode.NEVER:
@@ -287,6 +329,11 @@ class PipelineExecutor:
             if training and self.measure_activation_memory
             else contextlib.nullcontext()
         )
+        if training and self._schedule.splits_backward and self._checkpointed(i):
+            # Zero-bubble with recomputation: torch's checkpoint recomputes a region once per
+            # backward call, and the W pass makes several; so the input-gradient action runs the
+            # forward again itself, with this random state, and splits that graph (_Replay).
+            self._replay[(s, i)] = _Replay.capture(x, self.transport.device)
         with torch.set_grad_enabled(training), memory:
             if self._checkpointed(i):
                 is_tuple = isinstance(x, tuple)
@@ -300,6 +347,12 @@ class PipelineExecutor:
                 out = apply_layers(layers, x, s)
         if self.check_finite:
             _check_finite(out, f"the output of pipeline stage {s} for micro-batch {i}")
+        if (s, i) in self._replay and s == self.num_stages - 1:
+            # The loss starts from leaves standing for the output, so that its input gradient stops
+            # there (the replayed forward's graph takes it from there) and never reaches torch's
+            # checkpoint graph, which would recompute the stage once more.
+            out = _stand_in(out)
+            self._replay[(s, i)].output = out
         if s == self.num_stages - 1:
             value = self._head(out, i)  # type: ignore[misc]
             # Keep the graph only in the stash (until this micro-batch's backward): a loss kept
@@ -342,29 +395,50 @@ class PipelineExecutor:
             live = sum({k: v for d in self._stash_bytes.values() for k, v in d.items()}.values())
             self._result.peak_activation_bytes = max(self._result.peak_activation_bytes, live)
 
-    def _backward(self, s: int, i: int) -> None:
-        leaves, out = self._stash.pop((s, i))
+    def _backward(self, s: int, i: int, split: bool = False) -> None:
+        """The backward of micro-batch ``i`` on stage ``s``, or with ``split`` (zero-bubble) its
+        input-gradient part, leaving the weights' part for the ``BACKWARD_WEIGHT`` action."""
+        leaves, out = self._stash[(s, i)] if split else self._stash.pop((s, i))
         self._stash_bytes.pop((s, i), None)
-        if s == self.num_stages - 1:
+        last = s == self.num_stages - 1
+        carries: list[bool]
+        if last:
             loss = out
             if not loss.requires_grad:  # type: ignore[union-attr]
                 raise RuntimeError(
                     f"The loss of micro-batch {i} does not require grad: it is not computed from "
                     "the pipeline output or the model's parameters."
                 )
-            # Forwards recomputed inside backward must not count twice in BatchNorm statistics.
             weighted = loss * self._weights[i]  # type: ignore[operator]
             if self.scale_loss is not None:  # fp16: gradients scaled, unscaled before the step
                 weighted = self.scale_loss(weighted)
-            with running_backward():
-                weighted.backward()
+            roots: list[torch.Tensor] = [weighted]
+            grads: list[torch.Tensor] | None = None
         else:
             meta = self._output_meta.pop((s, i))
             grads = self._received.pop((s, i)).result
-            outs = [t for t, tm in zip(_as_tuple(out), meta.tensors, strict=True) if tm.carries_grad]
-            if outs:
-                with running_backward():
-                    torch.autograd.backward(outs, grads)
+            carries = [tm.carries_grad for tm in meta.tensors]
+            roots = [t for t, c in zip(_as_tuple(out), carries, strict=True) if c]
+        # Forwards recomputed inside backward must not count twice in BatchNorm statistics.
+        with running_backward():
+            if not split:
+                if roots:
+                    torch.autograd.backward(roots, grads)
+            else:
+                work: list[WeightGradients] = []
+                replay = self._replay.pop((s, i), None)
+                if replay is not None:
+                    if last:  # the loss's gradient at the stage output, then the stage's own graph
+                        outputs = _as_tuple(replay.output)  # type: ignore[arg-type]
+                        carries = [t.requires_grad for t in outputs]
+                        stand_in = [t for t, c in zip(outputs, carries, strict=True) if c]
+                        work.append(backward_input(roots, None, stand_in))
+                        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in stand_in]
+                    again = _as_tuple(replay.run(self.stages[s], s))
+                    roots = [t for t, c in zip(again, carries, strict=True) if c]
+                if roots:
+                    work.append(backward_input(roots, grads, leaves))
+                self._weight_work[(s, i)] = work
         if s > 0:
             self._input_grads[(s, i)] = [
                 leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves

@@ -12,11 +12,9 @@ backwards in the same groups with the stages reversed; a rank keeps at most
 ``2 (p - r - 1) + (v - 1) p + 1`` forwards ahead of its backwards (Megatron's warm-up plus the
 steady state's one). Megatron and torch require ``m`` to be a multiple of ``p``; here the
 interleaving of each rank's two sequences is not fixed in advance but decided by a lock-step
-walk over "ticks" in which every rank runs at most one forward and one backward whose inputs
-arrived in an earlier tick. The walk never stalls (a rank whose cap is reached has a backward
-that becomes ready), and every message is sent and received in the tick after its producer ran,
-in the same order on both ends, so the exchanges pair up and the schedule cannot deadlock; the
-validator checks it regardless. For ``m`` a multiple of ``p`` this gives exactly Megatron's
+walk (:mod:`.lockstep`) over ticks in which every rank runs at most one forward and one backward
+whose inputs arrived in an earlier tick. The walk never stalls (a rank whose cap is reached has a
+backward that becomes ready). For ``m`` a multiple of ``p`` this gives exactly Megatron's
 schedule and bubble; for other ``m`` the bubble lies between that and 1F1B's (tested for
 p in {2, 3, 4, 8}, v in {2, 3}, m in 1..32).
 """
@@ -24,6 +22,7 @@ p in {2, 3, 4, 8}, v in {2, 3}, m in 1..32).
 from __future__ import annotations
 
 from lightning_pipe.pipeline.actions import Action, ActionType, ScheduleError
+from lightning_pipe.pipeline.lockstep import LockStep
 
 
 def loop_placement(num_ranks: int, virtual_stages: int) -> tuple[int, ...]:
@@ -56,33 +55,14 @@ def interleaved_actions(
             f"Interleaved schedules need at least 2 pipeline ranks and 1 stage per rank, got {p} ranks and "
             f"{v} stages per rank."
         )
-    stage_to_rank = loop_placement(p, v)
-    last = p * v - 1
+    walk = LockStep(loop_placement(p, v))
     sequences = [_sequences(p, v, m, r, training) for r in range(p)]
     # Megatron's warm-up plus one: the most forwards a rank runs ahead of its backwards (no limit
     # without backwards: evaluation holds no activations for a backward).
     caps = [min(m * v, 2 * (p - r - 1) + (v - 1) * p) + 1 if training else m * v for r in range(p)]
     next_forward, next_backward = [0] * p, [0] * p
-    tick_of: dict[Action, int] = {}
-    actions: list[list[Action]] = [[] for _ in range(p)]
-
-    def ready(action: Action, rank: int, tick: int) -> bool:
-        s, i = action.stage_index, action.microbatch
-
-        def arrived(dependency: Action, peer_stage: int) -> bool:
-            done = tick_of.get(dependency)
-            return done is not None and (done < tick or stage_to_rank[peer_stage] == rank)
-
-        if action.kind is ActionType.FORWARD:
-            return s == 0 or arrived(Action(s - 1, ActionType.FORWARD, i), s - 1)
-        if Action(s, ActionType.FORWARD, i) not in tick_of:
-            return False
-        return s == last or arrived(Action(s + 1, ActionType.BACKWARD, i), s + 1)
-
     remaining = sum(len(f) + len(b) for f, b in sequences)
-    tick = 0
     while remaining:
-        messages: list[tuple[int, int, int, int, Action, int, Action]] = []
         ran = False
         for r in range(p):
             forwards, backwards = sequences[r]
@@ -92,29 +72,18 @@ def interleaved_actions(
             if next_backward[r] < len(backwards):
                 candidates.append(backwards[next_backward[r]])
             for action in candidates:
-                if not ready(action, r, tick):
+                if not walk.ready(action):
                     continue
-                actions[r].append(action)
-                tick_of[action] = tick
+                walk.run(action)
                 remaining, ran = remaining - 1, True
-                s, i = action.stage_index, action.microbatch
                 if action.kind is ActionType.FORWARD:
                     next_forward[r] += 1
-                    if s < last and stage_to_rank[s + 1] != r:
-                        send, recv = Action(s, ActionType.SEND_F, i), Action(s + 1, ActionType.RECV_F, i)
-                        messages.append((s, 0, i, r, send, stage_to_rank[s + 1], recv))
                 else:
                     next_backward[r] += 1
-                    if s > 0 and stage_to_rank[s - 1] != r:
-                        send, recv = Action(s, ActionType.SEND_B, i), Action(s - 1, ActionType.RECV_B, i)
-                        messages.append((s, 1, i, r, send, stage_to_rank[s - 1], recv))
         if not ran:  # unreachable for the orders above; the validator would also catch it
             raise ScheduleError(
-                f"Interleaved 1F1B ({p} ranks, {v} stages each, {m} micro-batches) stalls at tick {tick}."
+                f"Interleaved 1F1B ({p} ranks, {v} stages each, {m} micro-batches) stalls at tick "
+                f"{walk.tick}."
             )
-        # The tick's exchanges, in one order on both ends of every pair of ranks.
-        for *_, sender, send, receiver, recv in sorted(messages, key=lambda msg: msg[:3]):
-            actions[sender].append(send)
-            actions[receiver].append(recv)
-        tick += 1
-    return actions
+        walk.end_tick()
+    return walk.actions

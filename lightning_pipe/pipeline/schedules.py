@@ -29,6 +29,9 @@ class ScheduleKind(enum.Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved_1f1b"
     """Several stages per rank (``virtual_stages``), see :mod:`lightning_pipe.pipeline.interleaved`."""
+    ZB_H1 = "zb_h1"
+    """Zero-bubble ZB-H1: backward split into input and weight gradients, see
+    :mod:`lightning_pipe.pipeline.zero_bubble`."""
 
     @classmethod
     def parse(cls, value: ScheduleKind | str) -> ScheduleKind:
@@ -127,6 +130,7 @@ def build_schedule(
     # Imported here: the validator simulates schedules and so depends on this module's types.
     from lightning_pipe.pipeline.interleaved import interleaved_actions, loop_placement
     from lightning_pipe.pipeline.validate import validate_schedule
+    from lightning_pipe.pipeline.zero_bubble import zero_bubble_actions
 
     kind = ScheduleKind.parse(kind)
     _check_sizes(num_stages, num_microbatches)
@@ -145,10 +149,15 @@ def build_schedule(
         stage_to_rank = loop_placement(ranks, virtual_stages)
         actions = interleaved_actions(ranks, virtual_stages, num_microbatches, training)
         name = kind.value if training else "forward (interleaved)"
+    elif kind is ScheduleKind.ZB_H1 and training:
+        stage_to_rank = tuple(range(num_stages))
+        actions = zero_bubble_actions(num_stages, num_microbatches)
+        name = kind.value
     else:
         builder = {
             ScheduleKind.GPIPE: gpipe_compute_order,
             ScheduleKind.ONE_F_ONE_B: one_f_one_b_compute_order,
+            ScheduleKind.ZB_H1: one_f_one_b_compute_order,  # evaluation only: forward-only below
         }[kind]
         stage_to_rank = tuple(range(num_stages))
         orders = (

@@ -298,7 +298,8 @@ def plot_timeline(
 ) -> TimelineStats:
     """Draw ``events`` as a PNG, one row per rank; return the stats shown in the title.
 
-    Forwards and backwards are coloured by micro-batch (forward lighter, backward darker),
+    Forwards and backwards are coloured by micro-batch (forward lighter, backward darker; a
+    zero-bubble weight-gradient pass W in the micro-batch's own colour, between the two),
     communication is a thin grey bar under the row, named spans are hatched grey. The title
     carries the measured bubble fraction ``1 - sum(compute time) / (ranks * makespan)``.
     """
@@ -331,7 +332,8 @@ def plot_timeline(
         if e.is_compute:
             base = to_rgb(palette((e.microbatch or 0) % 10))
             forward = e.kind == ActionType.FORWARD.value
-            color = _blend(base, 1.0, 0.45) if forward else _blend(base, 0.0, 0.25)
+            weight = e.kind == ActionType.BACKWARD_WEIGHT.value
+            color = _blend(base, 1.0, 0.45) if forward else base if weight else _blend(base, 0.0, 0.25)
             ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=[color], edgecolors="white", linewidth=0.4)
             if span_total > 0 and w / span_total > 0.012:
                 ax.text(
@@ -341,7 +343,7 @@ def plot_timeline(
                     ha="center",
                     va="center",
                     fontsize=7,
-                    color="black" if forward else "white",
+                    color="black" if forward or weight else "white",
                 )
         elif e.is_comm:
             ax.broken_barh([(x0, w)], (y + 0.3, 0.1), facecolors=["0.55"])
@@ -358,8 +360,16 @@ def plot_timeline(
         Patch(facecolor=_blend(to_rgb(palette(0)), 0.0, 0.25), label="backward"),
         Patch(facecolor="0.55", label="communication"),
     ]
+    if any(e.kind == ActionType.BACKWARD_WEIGHT.value for e in events):
+        legend[1] = Patch(facecolor=_blend(to_rgb(palette(0)), 0.0, 0.25), label="input gradient (I)")
+        legend.insert(2, Patch(facecolor=to_rgb(palette(0)), label="weight gradient (W)"))
     ax.legend(
-        handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, fontsize=8, frameon=False
+        handles=legend,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=len(legend),
+        fontsize=8,
+        frameon=False,
     )
     fig.tight_layout()
     out = Path(path)

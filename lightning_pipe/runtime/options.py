@@ -24,7 +24,7 @@ class RuntimeOptions:
     """How to split, schedule and synchronise one model."""
 
     schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B
-    """``"1f1b"`` or ``"gpipe"``."""
+    """``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``."""
     partition: PartitionMethod | str | Sequence[int] = "parameters"
     """``"parameters"``, ``"uniform"`` or layer counts per stage."""
     virtual_stages: int = 1

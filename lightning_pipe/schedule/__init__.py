@@ -107,12 +107,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("(drawn with unit times: the grid needs whole cells)")
     result = simulate(schedule, tf, tb, args.comm_time)
     p, m = args.stages, args.microbatches
-    ideal = (v * m + p - 1) * (tf + tb)
     print()
     print(f"simulated: forward {tf:g} ms, backward {tb:g} ms, exchange {args.comm_time:g} ms per stage")
-    print(f"  makespan   {result.makespan:g} ms  ((v m + p - 1) x (tf + tb) = {ideal:g} ms, v = {v})")
-    bubble = (p - 1) / (v * m + p - 1)
-    print(f"  bubble     {result.bubble_fraction:.1%}  ((p - 1) / (v m + p - 1) = {bubble:.1%})")
+    if schedule.splits_backward:
+        # ZB-H1 with I and W each half of the backward: the bubble is (p - 1)(t_f + t_I - t_W).
+        ti = tw = tb / 2
+        ideal = max(m * (tf + tb) + (p - 1) * (tf + ti - tw), (m + p - 1) * (tf + ti) + tw)
+        print(
+            f"  makespan   {result.makespan:g} ms  (max(m (tf + tb) + (p - 1)(tf + tI - tW), "
+            f"(m + p - 1)(tf + tI) + tW) = {ideal:g} ms, tI = tW = tb / 2)"
+        )
+        bubble = 1 - m * (tf + tb) / ideal
+        print(f"  bubble     {result.bubble_fraction:.1%}  (of that makespan: {bubble:.1%})")
+    else:
+        ideal = (v * m + p - 1) * (tf + tb)
+        print(f"  makespan   {result.makespan:g} ms  ((v m + p - 1) x (tf + tb) = {ideal:g} ms, v = {v})")
+        bubble = (p - 1) / (v * m + p - 1)
+        print(f"  bubble     {result.bubble_fraction:.1%}  ((p - 1) / (v m + p - 1) = {bubble:.1%})")
     peaks = "  ".join(f"stage {s}: {n}" for s, n in enumerate(result.peak_inflight))
     per = " (a stage is 1/v of a rank's layers; --compare gives it per rank)" if v > 1 else ""
     print(f"  peak micro-batches in flight per stage{per}  {peaks}")

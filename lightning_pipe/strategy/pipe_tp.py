@@ -83,7 +83,9 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             activations alive per stage), ``"gpipe"`` (all forwards, then all backwards) or
             ``"interleaved_1f1b"`` (``virtual_stages`` stages per rank in loop placement; a
             bubble ``virtual_stages`` times smaller, more activations held: Megatron's virtual
-            pipeline).
+            pipeline) or ``"zb_h1"`` (zero-bubble: backward split into the input gradient, sent
+            at once, and the weight gradient, run later in what would be idle time; a third of
+            1F1B's bubble, every stage holding up to ``pipeline_parallel_size`` micro-batches).
         virtual_stages: stages per pipeline rank for ``"interleaved_1f1b"`` (default 2); the
             model is split into ``pipeline_parallel_size x virtual_stages`` stages.
         partition: ``"parameters"`` (default: balance parameter counts), ``"uniform"`` (balance
@@ -133,7 +135,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         num_microbatches: int | None = None,
-        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b",
         virtual_stages: int | None = None,
         partition: Literal["parameters", "uniform"] | list[int] = "parameters",
         checkpoint: Literal["never", "except_last", "always"] = "never",

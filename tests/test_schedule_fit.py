@@ -1,5 +1,6 @@
-"""``Trainer.fit`` with ``schedule="interleaved_1f1b"`` (two stages per rank, loop placement) ends
-where one device ends (issue 18, item 1): weights after two epochs within 1e-5, at pp=2 and pp=4,
+"""``Trainer.fit`` with ``schedule="interleaved_1f1b"`` (two stages per rank, loop placement) and
+``schedule="zb_h1"`` (zero-bubble: backward split into input and weight gradients) ends where one
+device ends (issue 18, items 1 and 2): weights after two epochs within 1e-5, at pp=2 and pp=4,
 with 1, 3 and 8 micro-batches, accumulation, global-norm clipping, activation recomputation,
 data parallelism and a token embedding tied to the output head across ranks.
 """
@@ -48,22 +49,31 @@ def _trainer(strategy: Any, devices: int, root: str, acc: int, clip: float | Non
 
 
 CASES = [
-    pytest.param(2, 3, "never", 2, 0.05, id="pp2-m3-acc2-clip"),
-    pytest.param(2, 1, "always", 1, None, id="pp2-m1-recompute"),
-    pytest.param(4, 8, "except_last", 1, 0.05, id="pp4-m8-recompute-clip"),
+    pytest.param(schedule, *case, id=f"{schedule}-{name}")
+    for schedule in ("interleaved_1f1b", "zb_h1")
+    for name, case in (
+        ("pp2-m3-acc2-clip", (2, 3, "never", 2, 0.05)),
+        ("pp2-m1-recompute", (2, 1, "always", 1, None)),
+        ("pp4-m8-recompute-clip", (4, 8, "except_last", 1, 0.05)),
+    )
 ]
 
 
-def worker(pp: int, m: int, recompute: str, acc: int, clip: float | None) -> dict[str, Any]:
+def _virtual(schedule: str) -> int:
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def worker(schedule: str, pp: int, m: int, recompute: str, acc: int, clip: float | None) -> dict[str, Any]:
     model = DeepRegressor()
+    v = _virtual(schedule)
     strategy = PipeTPStrategy(
-        pipeline_parallel_size=pp, schedule="interleaved_1f1b", virtual_stages=2, num_microbatches=m,
+        pipeline_parallel_size=pp, schedule=schedule, virtual_stages=v, num_microbatches=m,
         checkpoint=recompute, timeout=timedelta(seconds=90),
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as root:
         _trainer(strategy, pp, root, acc, clip).fit(model, loader(TRAIN, 8, reference=False))
     runtime = strategy.runtime
-    assert runtime.stage_indices == (strategy.pp_rank, strategy.pp_rank + pp)
+    assert runtime.stage_indices == tuple(strategy.pp_rank + c * pp for c in range(v))
     return {
         n: p.detach().clone()
         for n, p in model.named_parameters()
@@ -71,11 +81,11 @@ def worker(pp: int, m: int, recompute: str, acc: int, clip: float | None) -> dic
     }
 
 
-@pytest.mark.parametrize(("pp", "m", "recompute", "acc", "clip"), CASES)
-def test_interleaved_fit_matches_one_device(
-    pp: int, m: int, recompute: str, acc: int, clip: float | None
+@pytest.mark.parametrize(("schedule", "pp", "m", "recompute", "acc", "clip"), CASES)
+def test_fit_matches_one_device(
+    schedule: str, pp: int, m: int, recompute: str, acc: int, clip: float | None
 ) -> None:
-    got = run_distributed(worker, pp, pp, m, recompute, acc, clip, timeout=300, init_group=False)
+    got = run_distributed(worker, pp, schedule, pp, m, recompute, acc, clip, timeout=300, init_group=False)
     merged = {n: p for r in got for n, p in r.items()}
     model = DeepRegressor()
     with tempfile.TemporaryDirectory() as root:
@@ -85,11 +95,11 @@ def test_interleaved_fit_matches_one_device(
         torch.testing.assert_close(merged[name], param.detach(), atol=TOL, rtol=0, msg=name)
 
 
-def tied_worker() -> dict[str, Any]:
+def tied_worker(schedule: str) -> dict[str, Any]:
     model = TiedLM()
     strategy = PipeTPStrategy(
         pipeline_parallel_size=2,
-        schedule="interleaved_1f1b",
+        schedule=schedule,
         num_microbatches=2,
         timeout=timedelta(seconds=90),
     )
@@ -104,9 +114,11 @@ def tied_worker() -> dict[str, Any]:
     }
 
 
-def test_interleaved_dp2_with_weights_tied_across_ranks_matches_one_device() -> None:
-    """dp=2 x pp=2 x 2 stages per rank: embedding on stage 0 (rank 0), head on stage 3 (rank 1)."""
-    got = run_distributed(tied_worker, 4, timeout=300, init_group=False)
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_h1"])
+def test_dp2_with_weights_tied_across_ranks_matches_one_device(schedule: str) -> None:
+    """dp=2 x pp=2; interleaved: 2 stages per rank, embedding on stage 0 (rank 0), head on
+    stage 3 (rank 1); zero-bubble: the head's weight gradient in the last W of rank 1."""
+    got = run_distributed(tied_worker, 4, schedule, timeout=300, init_group=False)
     model = TiedLM()
     sampler = DistributedSampler(TOKENS, num_replicas=1, rank=0, seed=0)
     with tempfile.TemporaryDirectory() as root:
