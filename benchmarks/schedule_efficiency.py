@@ -11,7 +11,10 @@ Step time: median over back-to-back steps after warm-up of the first rank's ``ex
 (that rank starts each step first and finishes it last).
 
 Run: ``python benchmarks/schedule_efficiency.py`` (table) or ``--json`` (one JSON object);
-``--timeline DIR`` also writes each configuration's recorded timeline as PNG and Chrome trace.
+``--timeline DIR`` also writes each configuration's recorded timeline as PNG and Chrome trace;
+``--pair-receives`` also times every configuration with each exchange's receives posted at their
+turn instead of one exchange early (the executor's ``receive_early``), step by step alternately,
+and prints the ratio (key ``early_over_at_turn``).
 Target: efficiency <= 1.02 at m = 16.
 """
 
@@ -41,7 +44,7 @@ def _virtual(kind: str, v: int) -> int:
 
 
 def worker(
-    kinds: list[str], ms: list[int], tf: float, tb: float, warmup: int, steps: int, v: int
+    kinds: list[str], ms: list[int], tf: float, tb: float, warmup: int, steps: int, v: int, pair: bool
 ) -> dict[str, Any]:
     rank, p = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
@@ -70,12 +73,17 @@ def worker(
                 )
 
             dist.barrier()
-            durations = []
+            # Receives posted early (the default on gloo) and, with pair, at their turn: step by
+            # step alternately, so that machine noise hits both alike.
+            durations: dict[str, list[float]] = {"early": [], "at_turn": []}
             for k in range(warmup + steps):
-                start = time.perf_counter()
-                step()
-                if k >= warmup:
-                    durations.append(time.perf_counter() - start)
+                for mode in ("early", "at_turn") if pair else ("early",):
+                    executor.receive_early = mode == "early"
+                    start = time.perf_counter()
+                    step()
+                    if k >= warmup:
+                        durations[mode].append(time.perf_counter() - start)
+            executor.receive_early = True
             # One more step, recorded, for the timeline and the actual compute times.
             recorder = TimelineRecorder()
             executor.recorder = recorder
@@ -101,17 +109,26 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeline", type=Path, help="write recorded timelines (PNG, trace) here")
+    parser.add_argument(
+        "--pair-receives",
+        action="store_true",
+        help="also time each configuration with receives posted at their turn (not early), alternating",
+    )
     args = parser.parse_args()
     warn_if_busy()
     tf, tb, p = args.forward_ms / 1e3, args.backward_ms / 1e3, args.stages
     v = args.virtual_stages
-    results = launch(worker, p, args.schedules, args.microbatches, tf, tb, args.warmup, args.steps, v)
+    results = launch(
+        worker, p, args.schedules, args.microbatches, tf, tb, args.warmup, args.steps, v, args.pair_receives
+    )
 
     rows, efficiency, step_ms, compute_ms = [], {}, {}, {}
+    early_ratio: dict[str, float] = {}
     for kind in args.schedules:
         for m in args.microbatches:
             key = f"{kind}/{m}"
-            measured = median(results[0][key]["durations"])
+            measured = median(results[0][key]["durations"]["early"])
+            at_turn = results[0][key]["durations"]["at_turn"]
             k = _virtual(kind, v)
             schedule = build_schedule(kind, p * k, m, virtual_stages=k)
             plan = simulate(schedule, tf / k, tb / k)
@@ -139,7 +156,10 @@ def main() -> None:
                     measured / actual_ideal,
                     plan.bubble_fraction,
                 ]
+                + ([median(at_turn) * 1e3, measured / median(at_turn)] if at_turn else [])
             )
+            if at_turn:
+                early_ratio[key] = measured / median(at_turn)
             if args.timeline is not None:
                 from lightning_pipe.pipeline.timeline import plot_timeline, write_chrome_trace
 
@@ -160,6 +180,7 @@ def main() -> None:
                 "efficiency": efficiency,
                 "step_ms": step_ms,
                 "measured_compute_ms": compute_ms,
+                "early_over_at_turn": early_ratio,
                 "target": TARGET,
                 "target_met_at_m16": met,
             }
@@ -170,7 +191,8 @@ def main() -> None:
         f"median of {args.steps} steps"
     )
     print_table(
-        ["schedule", "m", "ideal ms", "step ms", "efficiency", "vs actual F/B", "bubble (plan)"],
+        ["schedule", "m", "ideal ms", "step ms", "efficiency", "vs actual F/B", "bubble (plan)"]
+        + (["step ms, receives at turn", "early / at turn"] if args.pair_receives else []),
         rows,
     )
     if met is not None:

@@ -49,6 +49,8 @@ def _cases() -> list[dict[str, Any]]:
         _case(kind, m, ckpt) for kind, m, ckpt in itertools.product(KINDS, [1, 3, 8], ["never", "always"])
     ]
     cases += [_case(kind, 3, "except_last") for kind in KINDS]
+    # Receives posted at their turn instead of one exchange early (the NCCL default).
+    cases += [dict(_case(kind, 8, "never"), id=f"{kind}-m8-at-turn", early=False) for kind in KINDS]
     # Sequence length changes between micro-batches and between steps; shapes repeat in step 3,
     # so the header cache must make step 3 send no header at all.
     varlen_steps = []
@@ -88,6 +90,7 @@ def engine_worker(cases: list[dict[str, Any]]) -> dict[str, Any]:
         executor = PipelineExecutor(
             {rank: stage_layers}, p, list(range(p)), torch.device("cpu"), checkpoint=case["checkpoint"]
         )
+        executor.receive_early = case.get("early", True)
         params = list(named.values())
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if case["sgd"] else None
         losses, grads, headers = [], [], []
@@ -117,6 +120,7 @@ def engine_worker(cases: list[dict[str, Any]]) -> dict[str, Any]:
             "grads": grads,
             "headers": headers,
             "weights": {n: q.detach().clone() for n, q in named.items()},
+            "early": executor.receives_posted_early,
         }
     return out
 
@@ -173,6 +177,13 @@ def test_pipeline_matches_single_device(
         weights = {n: w for r in got for n, w in r["weights"].items()}
         for name, expected in ref["weights"].items():
             torch.testing.assert_close(weights[name], expected, atol=TOL, rtol=0, msg=f"weight {name}")
+    # Receives are posted early wherever shapes are known (all but the first exchange of each
+    # channel with a new shape), and never when asked not to.
+    early = [r["early"] for r in got]
+    if case.get("early", True) and case["m"] > 1:
+        assert all(n > 0 for n in early), early
+    if not case.get("early", True):
+        assert early == [0] * p
     if case["id"].endswith("varlen"):
         # Step 3 repeats step 1's shapes: no header may travel. Step 1 needs one per distinct shape.
         senders = got[:-1]

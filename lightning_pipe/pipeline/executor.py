@@ -206,10 +206,20 @@ class PipelineExecutor:
         ``scale`` under fp16); ``None``: the loss as it is."""
         self.measure_activation_memory = False
         """Count the bytes autograd saves per micro-batch (a hook per saved tensor when on)."""
+        self.receive_early = self.transport.device.type != "cuda"
+        """Post each exchange's receives one exchange early and wait for a receive only when its
+        data is first used, so that the transfer overlaps the computation in between (issue 18,
+        item 3). On by default with gloo, where every operation is independent; off with NCCL,
+        where a batch's operations complete together, so a receive moved into an earlier batch
+        would hold back that batch's other messages."""
+        self.receives_posted_early = 0
+        """How many receives were posted one exchange early so far (a counter for tests and
+        benchmarks)."""
 
     # ------------------------------------------------------------------ step state
     def _reset(self) -> None:
         self._received: dict[tuple[int, int], RecvRequest] = {}
+        self._early: dict[Action, RecvRequest] = {}
         self._outputs: dict[tuple[int, int], Activation] = {}
         self._output_meta: dict[tuple[int, int], ActivationMeta] = {}
         self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -263,6 +273,13 @@ class PipelineExecutor:
             recorder = self.recorder
             batches = comm_batches(schedule.actions[pp_rank])
             last_backward = max((k for k, b in enumerate(batches) if b[0].kind in _BACKWARDS), default=-1)
+            # For each exchange, the next one (whose receives it may post early).
+            following: dict[int, list[Action]] = {}
+            upcoming: list[Action] = []
+            for k in reversed(range(len(batches))):
+                if batches[k][0].kind.is_comm:
+                    following[k] = upcoming
+                    upcoming = batches[k]
             for position, batch in enumerate(batches):
                 if position == last_backward and self.before_last_backward is not None:
                     self.before_last_backward()
@@ -274,7 +291,7 @@ class PipelineExecutor:
                         _add_note(err, f"{self.transport.owner} was running {_describe(batch[0])}.")
                         raise
                 else:
-                    self._communicate(batch)
+                    self._communicate(batch, following[position] if self.receive_early else [])
                 if recorder is not None:
                     end = time.perf_counter()
                     for action in batch:
@@ -314,6 +331,7 @@ class PipelineExecutor:
             x: Any = self._inputs[i]  # type: ignore[index]
         else:
             request = self._received.pop((s, i))
+            self.transport.complete(request)
             meta = request.meta
             if meta is None:  # exchange() always sets it; kept for the type checker
                 raise RuntimeError(f"No metadata arrived for stage {s}, micro-batch {i}.")
@@ -416,7 +434,7 @@ class PipelineExecutor:
             grads: list[torch.Tensor] | None = None
         else:
             meta = self._output_meta.pop((s, i))
-            grads = self._received.pop((s, i)).result
+            grads = self.transport.complete(self._received.pop((s, i)))
             carries = [tm.carries_grad for tm in meta.tensors]
             roots = [t for t, c in zip(_as_tuple(out), carries, strict=True) if c]
         # Forwards recomputed inside backward must not count twice in BatchNorm statistics.
@@ -451,13 +469,26 @@ class PipelineExecutor:
         # Training and evaluation produce the same shapes but differ in requires_grad.
         return (boundary, self._schedule.training, self._signatures[i])
 
-    def _communicate(self, batch: list[Action]) -> None:
+    def _receive(self, action: Action) -> RecvRequest | None:
+        """The request for a receive action; ``None`` when its shapes are not known yet."""
+        s, i = action.stage_index, action.microbatch
+        peer = self.peers[self._schedule.peer_rank(action)]
+        if action.kind is ActionType.RECV_F:
+            return RecvRequest(peer, cache_key=self._cache_key(s - 1, i), label=_describe(action))
+        meta = self._output_meta.get((s, i))
+        if meta is None:
+            return None
+        return RecvRequest(peer, meta=meta, grad_of=True, label=_describe(action))
+
+    def _communicate(self, batch: list[Action], ahead: list[Action]) -> None:
+        """Post ``batch``'s sends and receives (those not posted early), and, when receiving early,
+        the receives of the next exchange ``ahead`` if their shapes are known."""
         sends: list[SendRequest] = []
-        recvs: list[tuple[tuple[int, int], RecvRequest]] = []
+        recvs: list[RecvRequest] = []
         for action in batch:
             s, i = action.stage_index, action.microbatch
-            peer = self.peers[self._schedule.peer_rank(action)]
             if action.kind is ActionType.SEND_F:
+                peer = self.peers[self._schedule.peer_rank(action)]
                 out = self._outputs.pop((s, i))
                 meta = ActivationMeta.of(out)
                 if self._schedule.training:
@@ -466,13 +497,26 @@ class PipelineExecutor:
                     SendRequest(peer, _as_tuple(out), meta, self._cache_key(s, i), label=_describe(action))
                 )
             elif action.kind is ActionType.SEND_B:
+                peer = self.peers[self._schedule.peer_rank(action)]
                 sends.append(SendRequest(peer, self._input_grads.pop((s, i)), label=_describe(action)))
-            elif action.kind is ActionType.RECV_F:
-                request = RecvRequest(peer, cache_key=self._cache_key(s - 1, i), label=_describe(action))
-                recvs.append(((s, i), request))
-            else:  # RECV_B
-                meta = self._output_meta[(s, i)]
-                recvs.append(((s, i), RecvRequest(peer, meta=meta, grad_of=True, label=_describe(action))))
-        self.transport.exchange(sends, [r for _, r in recvs])
-        for key, request in recvs:
-            self._received[key] = request
+            else:
+                request = self._early.pop(action, None)
+                if request is None:
+                    request = self._receive(action)
+                    if request is None:  # unreachable: a gradient's sender sent its meta first
+                        raise RuntimeError(f"No activation was sent before {_describe(action)}.")
+                    recvs.append(request)
+                self._received[(s, i)] = request
+        early: dict[Action, RecvRequest] = {}
+        for action in ahead:
+            if action.kind in (ActionType.RECV_F, ActionType.RECV_B):
+                request = self._receive(action)
+                if request is None or not self.transport.knows(request):
+                    # Posting it now would need a header round trip (or the gradient's shape):
+                    # leave the whole exchange to its turn, which keeps each channel in order.
+                    early = {}
+                    break
+                early[action] = request
+        self.transport.exchange(sends, recvs + list(early.values()), wait=not self.receive_early)
+        self._early.update(early)
+        self.receives_posted_early += len(early)

@@ -127,6 +127,9 @@ class RecvRequest:
     label: str = "a receive"
     """What this receive is for, for error messages (e.g. ``RECV_F stage 1 micro-batch 3``)."""
     result: list[torch.Tensor] = field(default_factory=list)
+    pending: list[dist.Work] = field(default_factory=list)
+    """Posted but not yet waited for (``exchange(..., wait=False)``): :meth:`P2PTransport.complete`
+    waits for them before ``result`` is read."""
 
 
 @dataclass
@@ -226,8 +229,10 @@ class P2PTransport:
             )
         return False
 
-    def exchange(self, sends: Sequence[SendRequest], recvs: Sequence[RecvRequest]) -> None:
-        """Post ``sends`` and perform ``recvs`` (blocking until every receive has arrived)."""
+    def exchange(self, sends: Sequence[SendRequest], recvs: Sequence[RecvRequest], wait: bool = True) -> None:
+        """Post ``sends`` and ``recvs``; with ``wait`` block until every receive has arrived,
+        otherwise only until the headers have (to size the buffers): :meth:`complete` waits for a
+        request's data when it is first used, so the transfer overlaps what runs in between."""
         # Release sends that have completed: holding every sent tensor until the end of the step
         # would keep O(num_microbatches) activations alive whatever the schedule.
         self._pending = [entry for entry in self._pending if not self._completed(entry)]
@@ -257,6 +262,7 @@ class P2PTransport:
         while first_round or any(queues.values()):
             headers: list[tuple[RecvRequest, torch.Tensor]] = []
             data: list[tuple[RecvRequest, list[torch.Tensor]]] = []
+            recv_owner: list[RecvRequest | None] = []  # per irecv op: its data request, None: header
             for peer, queue in queues.items():
                 while queue:
                     request = queue[0]
@@ -265,6 +271,7 @@ class P2PTransport:
                         ops.append(dist.P2POp(dist.irecv, header, peer, self.group))
                         labels.append(f"{request.label} (header)")
                         headers.append((request, header))
+                        recv_owner.append(None)
                         break
                     queue.pop(0)
                     buffers = [
@@ -274,14 +281,16 @@ class P2PTransport:
                     ]
                     ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in buffers]
                     labels += [request.label] * len(buffers)
+                    recv_owner += [request] * len(buffers)
                     data.append((request, buffers))
             works = self._post(ops, labels)
-            recv_works: list[tuple[dist.Work, str, int]] = []
+            waits: list[tuple[dist.Work, str, int, RecvRequest | None]] = []
             if len(works) == len(ops):
                 # gloo: one work per operation; leave the sends in flight.
+                owners = iter(recv_owner)
                 for work, op, label in zip(works, ops, labels, strict=True):
                     if op.op is dist.irecv:
-                        recv_works.append((work, label, op.peer))
+                        waits.append((work, label, op.peer, next(owners)))
                     else:
                         self._pending.append((work, label, op.peer, keep))
             else:
@@ -289,10 +298,13 @@ class P2PTransport:
                 # stream after the transfer (no host synchronisation), so waiting here is cheap.
                 label = "; ".join(labels)
                 peers = sorted({op.peer for op in ops})
-                recv_works = [(w, label, peers[0]) for w in works]
+                waits = [(w, label, peers[0], None) for w in works]
                 self._pending += [(w, label, peers[0], keep) for w in works]
-            for work, label, peer in recv_works:
-                self._wait(work, label, peer)
+            for work, label, peer, owner in waits:
+                if owner is not None and not wait:
+                    owner.pending.append(work)  # a data receive: waited for at first use
+                else:
+                    self._wait(work, label, peer)
             for request, buffers in data:
                 request.result = buffers
             for request, header in headers:
@@ -300,6 +312,18 @@ class P2PTransport:
                 if request.cache_key is not None:
                     self._recv_headers[request.cache_key] = request.meta
             ops, labels, keep, first_round = [], [], [], False
+
+    def knows(self, request: RecvRequest) -> bool:
+        """Whether ``request`` can be posted without a header (its shapes are known here)."""
+        return request.meta is not None or (
+            request.cache_key is not None and request.cache_key in self._recv_headers
+        )
+
+    def complete(self, request: RecvRequest) -> list[torch.Tensor]:
+        """Wait for ``request``'s data (posted with ``wait=False``) and return it."""
+        while request.pending:
+            self._wait(request.pending.pop(0), request.label, request.peer)
+        return request.result
 
     def _completed(self, entry: tuple[dist.Work, str, int, object]) -> bool:
         work, label, peer, _ = entry

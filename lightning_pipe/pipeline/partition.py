@@ -7,6 +7,9 @@ A *balance* is the number of layers of each stage (torchgpipe's term). It comes 
   count, which balances memory and, for stacks of similar blocks, compute. Ties go to the split
   with the smallest largest layer count, so parameter-free layers (activations, dropout) spread out
   instead of piling onto one stage.
+* ``"time"``: the contiguous split that minimises the slowest stage's measured forward plus
+  backward time per micro-batch (torchgpipe's ``balance_by_time``; the times come from
+  :mod:`lightning_pipe.pipeline.profile`).
 * an explicit list of layer counts, one per stage.
 """
 
@@ -26,6 +29,7 @@ class PartitionMethod(enum.Enum):
 
     UNIFORM = "uniform"
     PARAMETERS = "parameters"
+    TIME = "time"
 
 
 Partition = PartitionMethod | str | Sequence[int]
@@ -37,6 +41,11 @@ def check_partition(partition: Partition) -> None:
         _parse_method(partition)
     elif not all(isinstance(b, int) and not isinstance(b, bool) for b in partition):
         raise ValueError(f"A partition list holds layer counts (integers), got {list(partition)!r}.")
+
+
+def measures_time(partition: Partition) -> bool:
+    """Whether ``partition`` asks for layer times (``"time"``)."""
+    return isinstance(partition, PartitionMethod | str) and _parse_method(partition) is PartitionMethod.TIME
 
 
 def _parse_method(value: PartitionMethod | str) -> PartitionMethod:
@@ -110,9 +119,13 @@ def _min_max_split(costs: Sequence[int], num_stages: int) -> list[int]:
 
 
 def compute_balance(
-    layers: Sequence[nn.Module], num_stages: int, partition: Partition = "parameters"
+    layers: Sequence[nn.Module],
+    num_stages: int,
+    partition: Partition = "parameters",
+    times: Sequence[float] | None = None,
 ) -> list[int]:
-    """Return the number of layers of each of ``num_stages`` stages."""
+    """Return the number of layers of each of ``num_stages`` stages (``times``: each layer's
+    measured seconds per micro-batch, needed by ``partition="time"``)."""
     num_layers = len(layers)
     if num_stages < 1:
         raise ValueError(f"The pipeline needs at least one stage, got {num_stages}.")
@@ -128,6 +141,15 @@ def compute_balance(
     if method is PartitionMethod.UNIFORM:
         base, extra = divmod(num_layers, num_stages)
         return [base + (1 if s < extra else 0) for s in range(num_stages)]
+    if method is PartitionMethod.TIME:
+        if times is None or len(times) != num_layers:
+            given = "none" if times is None else f"{len(times)}"
+            raise ValueError(
+                f'partition="time" needs one measured time per layer ({num_layers}), got {given}: '
+                "profile the layers first (lightning_pipe.pipeline.profile.profile_layers)."
+            )
+        # Whole microseconds (at least one, so that a layer too fast to measure still counts).
+        return _min_max_split([max(1, round(t * 1e6)) for t in times], num_stages)
     return _min_max_split([parameter_count(layer) for layer in layers], num_stages)
 
 

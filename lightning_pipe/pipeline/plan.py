@@ -39,6 +39,9 @@ class PipelinePlan:
     (``self.head = self.layers[-1]``), with the stage of that layer: only that stage trains the
     tensor, so only its copy is current (found before tensor-parallel sharding, so that every
     rank agrees)."""
+    layer_times: tuple[float, ...] = ()
+    """Each layer's measured forward + backward seconds per micro-batch (``partition="time"``;
+    empty otherwise)."""
 
     @property
     def num_stages(self) -> int:
@@ -92,6 +95,9 @@ class PipelinePlan:
             kinds = ", ".join(type(layers[i]).__name__ for i in rng)
             params = sum(self.parameter_counts[i] for i in rng)
             held = "" if per_rank is None else f" ({per_rank(stage):,} per rank)"
+            if self.layer_times:
+                measured = sum(self.layer_times[i] for i in rng) * 1e3
+                held += f", {measured:.3g} ms forward + backward per micro-batch (measured)"
             p = pipeline_parallel_size
             where = f" on pp_rank {self.rank_of_stage(stage, p)}" if p and p != self.num_stages else ""
             lines.append(
@@ -102,9 +108,14 @@ class PipelinePlan:
 
 
 def make_plan(
-    model: nn.Module, layers: Sequence[nn.Module], num_stages: int, partition: Partition = "parameters"
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    num_stages: int,
+    partition: Partition = "parameters",
+    layer_times: Sequence[float] | None = None,
 ) -> PipelinePlan:
-    """Check ``layers`` against ``model`` and split them into ``num_stages`` stages."""
+    """Check ``layers`` against ``model`` and split them into ``num_stages`` stages
+    (``layer_times``: measured seconds per layer, for ``partition="time"``)."""
     if not isinstance(layers, Sequence) or isinstance(layers, nn.Module) or not layers:
         raise TypeError(
             "configure_pipeline() must return a non-empty list of nn.Module layers in pipeline order, "
@@ -134,8 +145,11 @@ def make_plan(
                     f"configure_pipeline() lists both {a!r} and its submodule {b!r}; list each layer once."
                 )
 
-    balance = compute_balance(layers, num_stages, partition)
-    plan = PipelinePlan(tuple(names), tuple(balance), tuple(parameter_count(m) for m in layers))
+    balance = compute_balance(layers, num_stages, partition, layer_times)
+    times = tuple(layer_times) if layer_times is not None else ()
+    plan = PipelinePlan(
+        tuple(names), tuple(balance), tuple(parameter_count(m) for m in layers), layer_times=times
+    )
 
     stages_of_param: dict[int, set[int]] = {}
     for index, layer in enumerate(layers):
@@ -159,7 +173,7 @@ def make_plan(
         if plan.stage_of_key(key) is None and id(value) in stage_of_tensor
     )
     if tied or aliases:
-        plan = PipelinePlan(plan.layer_names, plan.balance, plan.parameter_counts, tied, aliases)
+        plan = PipelinePlan(plan.layer_names, plan.balance, plan.parameter_counts, tied, aliases, times)
     stray = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stages_of_param]
     if stray:
         raise ValueError(

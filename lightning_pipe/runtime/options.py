@@ -26,7 +26,8 @@ class RuntimeOptions:
     schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B
     """``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``."""
     partition: PartitionMethod | str | Sequence[int] = "parameters"
-    """``"parameters"``, ``"uniform"`` or layer counts per stage."""
+    """``"parameters"``, ``"uniform"``, ``"time"`` (measured on a sample micro-batch at setup) or
+    layer counts per stage."""
     virtual_stages: int = 1
     """Stages per pipeline rank (``schedule="interleaved_1f1b"``; loop placement: rank ``r`` holds
     stages ``r, r + p, ...``)."""

@@ -33,7 +33,9 @@ from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.pipeline.actions import PipelineSchedule
 from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm, batch_norm_layers
 from lightning_pipe.pipeline.executor import PipelineExecutor, StepResult
+from lightning_pipe.pipeline.partition import measures_time
 from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
+from lightning_pipe.pipeline.profile import profile_layers
 from lightning_pipe.pipeline.schedules import build_schedule
 from lightning_pipe.runtime import checkpointing
 from lightning_pipe.runtime.holdings import Holdings
@@ -80,6 +82,8 @@ class ParallelRuntime:
             ``reset_parameters()`` (meta-built models).
         weights: pretrained files a meta-built model starts from.
         naming: ``naming(what, peers)``, a context that adds who and what to a collective's error.
+        sample: one micro-batch's pipeline input (what the first layer takes), which
+            ``partition="time"`` times the layers on; not needed otherwise.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class ParallelRuntime:
         init: InitFn | None = None,
         weights: WeightFiles | None = None,
         naming: Naming = _no_naming,
+        sample: Any = None,
     ) -> None:
         self.module, self.mesh, self.device = module, mesh, device
         self.options = options or RuntimeOptions()
@@ -111,8 +116,9 @@ class ParallelRuntime:
                 "virtual_stages or pipeline_parallel_size, or return finer-grained layers from "
                 "configure_pipeline()."
             )
+        times = self._layer_times(layers, sample) if record is None else None
         plan = (
-            make_plan(module, layers, layout.pipeline_parallel_size * v, self.options.partition)
+            make_plan(module, layers, layout.pipeline_parallel_size * v, self.options.partition, times)
             if record is None
             else record.plan
         )
@@ -218,6 +224,25 @@ class ParallelRuntime:
                 "slices); other stages' parameters are meta tensors, without storage"
             )
         return text
+
+    def _layer_times(self, layers: Sequence[nn.Module], sample: Any) -> list[float] | None:
+        """Every layer's forward + backward seconds per micro-batch, averaged over all ranks so
+        that all compute the same split (``partition="time"``; ``None`` for other partitions)."""
+        if not measures_time(self.options.partition):
+            return None
+        if sample is None:
+            raise ConfigurationError(
+                'partition="time" times each layer on a sample micro-batch, and none was given: pass '
+                "`sample=` (one micro-batch's pipeline input) to ParallelRuntime, or, under Lightning, set "
+                "`self.example_input_array` in the LightningModule to a batch of forward's input."
+            )
+        measured = profile_layers(layers, sample, self.device)
+        totals = torch.tensor([t.total for t in measured], dtype=torch.float64, device=self.device)
+        with self._naming("averaging the measured layer times over all ranks"):
+            dist.all_reduce(totals, group=self.mesh.model_group)
+            if self.mesh.layout.data_parallel_size > 1:
+                dist.all_reduce(totals, group=self.mesh.group(MeshAxis.DATA))
+        return (totals / self.mesh.layout.world_size).tolist()
 
     # ------------------------------------------------------------------ one step
     def schedule(self, num_microbatches: int, training: bool) -> PipelineSchedule:

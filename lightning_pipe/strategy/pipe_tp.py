@@ -41,6 +41,8 @@ from lightning_pipe.data_parallel.uneven import EvenBatches
 from lightning_pipe.failures import FailureBoard
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
 from lightning_pipe.pipeline.fingerprint import StepIdentity
+from lightning_pipe.pipeline.microbatch import split_microbatches
+from lightning_pipe.pipeline.partition import measures_time
 from lightning_pipe.pipeline.schedules import ScheduleKind
 from lightning_pipe.pipeline.timeline import (
     TimelineRecorder,
@@ -89,7 +91,9 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         virtual_stages: stages per pipeline rank for ``"interleaved_1f1b"`` (default 2); the
             model is split into ``pipeline_parallel_size x virtual_stages`` stages.
         partition: ``"parameters"`` (default: balance parameter counts), ``"uniform"`` (balance
-            layer counts) or a list of layer counts per stage.
+            layer counts), ``"time"`` (balance forward + backward time, measured at setup on one
+            micro-batch of ``example_input_array``, layer by layer; the layout log shows each
+            stage's time) or a list of layer counts per stage.
         checkpoint: activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``.
         process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
         timeout: deadline of every collective and point-to-point exchange (default 5 minutes), a
@@ -137,7 +141,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         num_microbatches: int | None = None,
         schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b",
         virtual_stages: int | None = None,
-        partition: Literal["parameters", "uniform"] | list[int] = "parameters",
+        partition: Literal["parameters", "uniform", "time"] | list[int] = "parameters",
         checkpoint: Literal["never", "except_last", "always"] = "never",
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
@@ -375,11 +379,16 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         env = os.environ.get("PL_GLOBAL_SEED")
         init = getattr(module, "init_module_weights", None)
         weights = WeightFiles(self.pretrained, self.pretrained_prefix) if first and self.pretrained else None
+        sample = None
+        example = getattr(module, "example_input_array", None)
+        if first and measures_time(self.partition) and example is not None:
+            # partition="time": one micro-batch of forward's example input, split like a batch.
+            sample = split_microbatches(example, self._microbatches(example))[0]
         return ParallelRuntime(
             module, module.configure_pipeline() if first else [],  # type: ignore[operator]
             self.mesh, self.root_device, options,
             seed=int(env) if env is not None else None, init=init if callable(init) else None,
-            weights=weights, naming=self._collective,
+            weights=weights, naming=self._collective, sample=sample,
         )  # fmt: skip
 
     @override
