@@ -12,9 +12,9 @@ Step time: median over back-to-back steps after warm-up of the first rank's ``ex
 
 Run: ``python benchmarks/schedule_efficiency.py`` (table) or ``--json`` (one JSON object);
 ``--timeline DIR`` also writes each configuration's recorded timeline as PNG and Chrome trace;
-``--pair-receives`` also times every configuration with each exchange's receives posted at their
-turn instead of one exchange early (the executor's ``receive_early``), step by step alternately,
-and prints the ratio (key ``early_over_at_turn``).
+``--pair-receives`` times every configuration twice, step by step alternately: receives posted
+one exchange early ("step ms") and at their turn (the executor's ``receive_early`` True / False;
+without the flag, its default), and prints the ratio (key ``early_over_at_turn``).
 Target: efficiency <= 1.02 at m = 16.
 """
 
@@ -73,17 +73,18 @@ def worker(
                 )
 
             dist.barrier()
-            # Receives posted early (the default on gloo) and, with pair, at their turn: step by
-            # step alternately, so that machine noise hits both alike.
-            durations: dict[str, list[float]] = {"early": [], "at_turn": []}
+            # Receives posted one exchange early and, with pair, at their turn: step by step
+            # alternately, so that machine noise hits both alike (the executor's default, "auto",
+            # is early for interleaved and zero-bubble schedules only).
+            durations: dict[str, list[float]] = {"early": [], "at_turn": [], "default": []}
             for k in range(warmup + steps):
-                for mode in ("early", "at_turn") if pair else ("early",):
-                    executor.receive_early = mode == "early"
+                for mode in ("early", "at_turn") if pair else ("default",):
+                    executor.receive_early = {"early": True, "at_turn": False}.get(mode)
                     start = time.perf_counter()
                     step()
                     if k >= warmup:
                         durations[mode].append(time.perf_counter() - start)
-            executor.receive_early = True
+            executor.receive_early = None
             # One more step, recorded, for the timeline and the actual compute times.
             recorder = TimelineRecorder()
             executor.recorder = recorder
@@ -127,8 +128,9 @@ def main() -> None:
     for kind in args.schedules:
         for m in args.microbatches:
             key = f"{kind}/{m}"
-            measured = median(results[0][key]["durations"]["early"])
-            at_turn = results[0][key]["durations"]["at_turn"]
+            timed = results[0][key]["durations"]
+            at_turn = timed["at_turn"]
+            measured = median(timed["early"] if at_turn else timed["default"])
             k = _virtual(kind, v)
             schedule = build_schedule(kind, p * k, m, virtual_stages=k)
             plan = simulate(schedule, tf / k, tb / k)

@@ -93,6 +93,7 @@ def worker(workload: str, kinds: list[str], cfg: dict[str, Any]) -> dict[str, An
         ours_stages = {s: copy.deepcopy(layers) for s, layers in base.items()}
         theirs_modules = {s: nn.Sequential(*copy.deepcopy(layers)) for s, layers in base.items()}
         executor = PipelineExecutor(ours_stages, p * v, list(range(p)), torch.device("cpu"))
+        executor.receive_early = cfg.get("receive_early")
         schedule = build_schedule(kind, p * v, m, virtual_stages=v)
         torch_stages = [
             PipelineStage(module, s, p * v, torch.device("cpu")) for s, module in theirs_modules.items()
@@ -197,6 +198,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+    parser.add_argument(
+        "--receives",
+        choices=["auto", "early", "at-turn"],
+        default="auto",
+        help="when our executor posts receives (PipelineExecutor.receive_early; auto: the default)",
+    )
     args = parser.parse_args()
     warn_if_busy()
 
@@ -207,7 +214,8 @@ def main() -> None:
     cpu_ms: dict[str, dict[str, dict[str, float]]] = {}
     rows = []
     for workload in args.workloads:
-        cfg = WORKLOADS[workload]
+        early = {"auto": None, "early": True, "at-turn": False}[args.receives]
+        cfg = dict(WORKLOADS[workload], receive_early=early)
         result = launch(worker, cfg["ranks"], workload, args.schedules, cfg)[0]
         ratio[workload], step_ms[workload], grad_diff[workload] = {}, {}, {}
         for kind in args.schedules:

@@ -90,7 +90,7 @@ def engine_worker(cases: list[dict[str, Any]]) -> dict[str, Any]:
         executor = PipelineExecutor(
             {rank: stage_layers}, p, list(range(p)), torch.device("cpu"), checkpoint=case["checkpoint"]
         )
-        executor.receive_early = case.get("early", True)
+        executor.receive_early = case.get("early", True)  # on for every schedule unless the case says
         params = list(named.values())
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if case["sgd"] else None
         losses, grads, headers = [], [], []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 
 
 class ActionType(enum.Enum):
@@ -103,7 +104,7 @@ class PipelineSchedule:
     def num_ranks(self) -> int:
         return len(self.actions)
 
-    @property
+    @cached_property
     def splits_backward(self) -> bool:
         """Whether backward is split into input- and weight-gradient actions (zero-bubble)."""
         return any(a.kind is ActionType.BACKWARD_INPUT for actions in self.actions for a in actions)

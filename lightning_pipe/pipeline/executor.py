@@ -206,12 +206,16 @@ class PipelineExecutor:
         ``scale`` under fp16); ``None``: the loss as it is."""
         self.measure_activation_memory = False
         """Count the bytes autograd saves per micro-batch (a hook per saved tensor when on)."""
-        self.receive_early = self.transport.device.type != "cuda"
+        self.receive_early: bool | None = None
         """Post each exchange's receives one exchange early and wait for a receive only when its
         data is first used, so that the transfer overlaps the computation in between (issue 18,
-        item 3). On by default with gloo, where every operation is independent; off with NCCL,
-        where a batch's operations complete together, so a receive moved into an earlier batch
-        would hold back that batch's other messages."""
+        item 3). ``None`` (default): on with gloo for interleaved and zero-bubble schedules, off
+        otherwise. Measured on this project's 2-core machine (benchmarks/README.md): it shortens
+        interleaved steps (0.70 - 0.92) and zero-bubble ones (0.98), but makes overhead-bound 1F1B
+        steps up to 3x slower (gloo's posting calls slow down while a receive is outstanding) and
+        leaves fixed-time 1F1B and GPipe within noise. Off with NCCL, where a batch's operations
+        complete together, so a receive moved into an earlier batch would hold back that batch's
+        other messages."""
         self.receives_posted_early = 0
         """How many receives were posted one exchange early so far (a counter for tests and
         benchmarks)."""
@@ -273,6 +277,10 @@ class PipelineExecutor:
             recorder = self.recorder
             batches = comm_batches(schedule.actions[pp_rank])
             last_backward = max((k for k, b in enumerate(batches) if b[0].kind in _BACKWARDS), default=-1)
+            early = self.receive_early
+            if early is None:
+                several = len(schedule.stage_to_rank) > schedule.num_ranks
+                early = self.transport.device.type != "cuda" and (several or schedule.splits_backward)
             # For each exchange, the next one (whose receives it may post early).
             following: dict[int, list[Action]] = {}
             upcoming: list[Action] = []
@@ -291,7 +299,7 @@ class PipelineExecutor:
                         _add_note(err, f"{self.transport.owner} was running {_describe(batch[0])}.")
                         raise
                 else:
-                    self._communicate(batch, following[position] if self.receive_early else [])
+                    self._communicate(batch, following[position] if early else [], early)
                 if recorder is not None:
                     end = time.perf_counter()
                     for action in batch:
@@ -480,7 +488,7 @@ class PipelineExecutor:
             return None
         return RecvRequest(peer, meta=meta, grad_of=True, label=_describe(action))
 
-    def _communicate(self, batch: list[Action], ahead: list[Action]) -> None:
+    def _communicate(self, batch: list[Action], ahead: list[Action], early: bool) -> None:
         """Post ``batch``'s sends and receives (those not posted early), and, when receiving early,
         the receives of the next exchange ``ahead`` if their shapes are known."""
         sends: list[SendRequest] = []
@@ -507,16 +515,16 @@ class PipelineExecutor:
                         raise RuntimeError(f"No activation was sent before {_describe(action)}.")
                     recvs.append(request)
                 self._received[(s, i)] = request
-        early: dict[Action, RecvRequest] = {}
+        posted: dict[Action, RecvRequest] = {}
         for action in ahead:
             if action.kind in (ActionType.RECV_F, ActionType.RECV_B):
                 request = self._receive(action)
                 if request is None or not self.transport.knows(request):
                     # Posting it now would need a header round trip (or the gradient's shape):
                     # leave the whole exchange to its turn, which keeps each channel in order.
-                    early = {}
+                    posted = {}
                     break
-                early[action] = request
-        self.transport.exchange(sends, recvs + list(early.values()), wait=not self.receive_early)
-        self._early.update(early)
-        self.receives_posted_early += len(early)
+                posted[action] = request
+        self.transport.exchange(sends, recvs + list(posted.values()), wait=not early)
+        self._early.update(posted)
+        self.receives_posted_early += len(posted)
