@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -165,3 +166,110 @@ def test_backward_input_refuses_intermediate_inputs() -> None:
     mid = nn.Linear(4, 4)(x)
     with pytest.raises(ValueError, match="every input must be a leaf tensor"):
         backward_input([mid.sum()], None, [mid])
+
+
+class _Doubled(nn.Module):
+    """A tensor hook on an owner's output: it must apply once, as in one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.register_hook(lambda g: g * 2)
+        return self.b(torch.tanh(h))
+
+
+class _Scale(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _Scale.calls += 1
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class _Custom(nn.Module):
+    """A custom Function that takes the input and a weight: its backward must run once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6))
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(_Scale.apply(x, self.w))
+
+
+class _Reentrant(nn.Module):
+    """torch's reentrant checkpoint inside the stage: it refuses backward(inputs=...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.out = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("module_type", [_Doubled, _Custom, _Reentrant])
+def test_backward_input_special_nodes_equal_one_backward(module_type: type[nn.Module]) -> None:
+    torch.manual_seed(0)
+    module = module_type()
+    reference = copy.deepcopy(module)
+    x = torch.randn(4, 6)
+    x_ref = x.clone().requires_grad_(True)
+    out = reference(x_ref)
+    g = torch.randn_like(out)
+    _Scale.calls = 0
+    out.backward(g)
+    assert _Scale.calls == (1 if module_type is _Custom else 0)
+    x_ours = x.clone().requires_grad_(True)
+    work = backward_input([module(x_ours)], [g], [x_ours])
+    work.run()
+    assert _Scale.calls == (2 if module_type is _Custom else 0)  # once each: reference, ours
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=1e-6, rtol=0)
+    for (name, ours), theirs in zip(module.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-6, rtol=0, msg=name)
+
+
+def test_replayed_last_stage_accumulates_each_weight_once_in_the_last_weight_pass() -> None:
+    """With recomputation the last stage's loss and its replayed layers are two graphs; a weight
+    used by both (an L2 penalty in the loss) must reach the reducer's hook once in the armed W."""
+    from lightning_pipe.pipeline.executor import PipelineExecutor
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)]
+    penalised = layers[2].weight
+    xs, ys = torch.randn(3, 4, 6).unbind(0), torch.randn(3, 4, 2).unbind(0)
+
+    def head(out: torch.Tensor, i: int) -> torch.Tensor:
+        return nn.functional.mse_loss(out, ys[i]) + 1e-2 * penalised.pow(2).sum()
+
+    armed, fires = [False], {id(p): 0 for layer in layers for p in layer.parameters()}
+    for layer in layers:
+        for p in layer.parameters():
+            p.register_post_accumulate_grad_hook(lambda q: fires.__setitem__(id(q), fires[id(q)] + armed[0]))
+    executor = PipelineExecutor({0: layers}, 1, [0], torch.device("cpu"), checkpoint="always")
+    executor.before_last_backward = lambda: armed.__setitem__(0, True)
+    executor.run(build_schedule("zb_h1", 1, 3), 0, inputs=list(xs), head=head)
+    assert set(fires.values()) == {1}, fires
+    reference = copy.deepcopy(nn.Sequential(*layers))
+    reference.zero_grad()
+    loss = sum(
+        nn.functional.mse_loss(reference(x), y) + 1e-2 * reference[2].weight.pow(2).sum()
+        for x, y in zip(xs, ys, strict=True)
+    )
+    (loss / 3).backward()  # type: ignore[operator]
+    for ours, theirs in zip(
+        (p for layer in layers for p in layer.parameters()), reference.parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-6, rtol=0)

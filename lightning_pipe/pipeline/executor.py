@@ -324,6 +324,7 @@ class PipelineExecutor:
                 for work in self._weight_work.pop((s, i)):
                     work.run()
             self._stash.pop((s, i))
+            self._stash_bytes.pop((s, i), None)
 
     def _checkpointed(self, microbatch: int) -> bool:
         if not self._schedule.training or self.checkpoint is CheckpointMode.NEVER:
@@ -425,7 +426,8 @@ class PipelineExecutor:
         """The backward of micro-batch ``i`` on stage ``s``, or with ``split`` (zero-bubble) its
         input-gradient part, leaving the weights' part for the ``BACKWARD_WEIGHT`` action."""
         leaves, out = self._stash[(s, i)] if split else self._stash.pop((s, i))
-        self._stash_bytes.pop((s, i), None)
+        if not split:  # a split micro-batch keeps its graph, and counts, until its W
+            self._stash_bytes.pop((s, i), None)
         last = s == self.num_stages - 1
         carries: list[bool]
         if last:
@@ -458,7 +460,9 @@ class PipelineExecutor:
                         outputs = _as_tuple(replay.output)  # type: ignore[arg-type]
                         carries = [t.requires_grad for t in outputs]
                         stand_in = [t for t, c in zip(outputs, carries, strict=True) if c]
-                        work.append(backward_input(roots, None, stand_in))
+                        # The loss's own weights now: one the stage also uses must not be
+                        # accumulated by two W passes (the reducer counts each weight once).
+                        work.append(backward_input(roots, None, stand_in, defer_weights=False))
                         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in stand_in]
                     again = _as_tuple(replay.run(self.stages[s], s))
                     roots = [t for t, c in zip(again, carries, strict=True) if c]

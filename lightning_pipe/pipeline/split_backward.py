@@ -18,7 +18,14 @@ a bubble. Autograd computes both in one pass, so the split is made on the graph:
 * A weight reached from *two* owners (a weight used twice in a stage, or a tied copy in it) would
   get its second owner's part twice if each owner's W pass were allowed to walk to it (the double
   counting of torch's zero-bubble stages, pytorch #181365). Such weights get their whole gradient
-  in the I pass instead, with the input: slower, never wrong.
+  in the I pass instead, with the input: slower, never wrong. So do weights whose owner is a
+  custom ``autograd.Function`` (its Python backward computes every gradient whatever is needed,
+  so running it again in W would repeat its work and its side effects, collectives included).
+* A graph holding torch's *reentrant* checkpoint cannot be run with ``inputs=`` at all: such a
+  stage gets its whole ordinary backward in I, and W has nothing left to do.
+* W re-runs an owner from the gradient recorded *after* the tensor hooks on its output ran; a
+  pre-hook on the owner hands the recorded gradient back during W, so those hooks do not apply
+  twice.
 
 Gradients land in ``.grad`` through ``backward`` (not ``autograd.grad``), so post-accumulate-grad
 hooks (the data-parallel reducer's) fire as usual. The I pass keeps the graph
@@ -33,7 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.utils.checkpoint import CheckpointFunction
 
 _ROOT = object()
 """The owner of weights reached from the stage output without passing the input path."""
@@ -44,18 +53,32 @@ class _WeightPass:
     outputs: list[torch.Tensor | GradientEdge]
     grads: list[torch.Tensor | None]
     weights: list[torch.Tensor]
+    owner: Node | None = None
+    """The input-path node re-run from ``grads`` (``None``: the stage output itself)."""
+    recorded: tuple[torch.Tensor | None, ...] = ()
 
 
 @dataclass
 class WeightGradients:
-    """What the I pass leaves for the W pass: one backward per owner of deferred weights."""
+    """What the I pass leaves for the W pass: one backward per owner of deferred weights, in the
+    graph's order (the same on every tensor-parallel rank, whose W passes may hold collectives)."""
 
     passes: list[_WeightPass] = field(default_factory=list)
 
     def run(self) -> None:
         """Accumulate the deferred weights' gradients into their ``.grad``."""
         for p in self.passes:
-            torch.autograd.backward(p.outputs, p.grads, inputs=p.weights, retain_graph=True)  # type: ignore[arg-type]
+            handle = None
+            if p.owner is not None:
+                # Tensor hooks on the owner's output already shaped the recorded gradient; node
+                # pre-hooks run after them, so this one discards their second application.
+                recorded = p.recorded
+                handle = p.owner.register_prehook(lambda _grads, recorded=recorded: recorded)  # type: ignore[misc]
+            try:
+                torch.autograd.backward(p.outputs, p.grads, inputs=p.weights, retain_graph=True)  # type: ignore[arg-type]
+            finally:
+                if handle is not None:
+                    handle.remove()
         self.passes.clear()
 
 
@@ -86,10 +109,20 @@ def _is_leaf(node: Node) -> bool:
     return hasattr(node, "variable")
 
 
+def _is_custom(node: object) -> bool:
+    """The node of a custom ``torch.autograd.Function`` (its backward runs in full)."""
+    return isinstance(node, BackwardCFunction)
+
+
+def _is_reentrant_checkpoint(node: object) -> bool:
+    return getattr(node, "_forward_cls", None) is CheckpointFunction
+
+
 def backward_input(
     outputs: Sequence[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor] | None,
     inputs: Sequence[torch.Tensor],
+    defer_weights: bool = True,
 ) -> WeightGradients:
     """Run the I pass: the gradients of ``inputs`` (leaf tensors: a stage's received input) land
     in their ``.grad``.
@@ -98,6 +131,8 @@ def backward_input(
     :func:`torch.autograd.backward`. Returns the W pass to run later; between the two, the graph
     is kept alive by ``outputs``. Inputs must be leaves: autograd's ``backward`` runs the node that
     produced an intermediate tensor named in ``inputs``, so a graph cannot be cut there.
+    ``defer_weights=False`` computes every weight's gradient now (for a graph whose weights may
+    also get gradients from another graph's W pass, which must not accumulate twice there).
     """
     if any(x.grad_fn is not None for x in inputs):
         raise ValueError(
@@ -110,10 +145,15 @@ def backward_input(
     roots = [get_gradient_edge(t).node for t in tensors]
     input_nodes = {get_gradient_edge(x).node for x in inputs}
     order, children = _post_order(roots)
+    if any(_is_reentrant_checkpoint(node) for node in order):
+        torch.autograd.backward(tensors, grads)  # refuses inputs=: everything now, nothing in W
+        return WeightGradients()
     on_input_path: set[Node] = set()
+    path_order: list[Node] = []  # the input path in post-order: deterministic, unlike the set
     for node in order:  # children first
         if node in input_nodes or any(kid in on_input_path for kid in children[node]):
             on_input_path.add(node)
+            path_order.append(node)
 
     # Owners of every weight: input-path nodes (or the output) it hangs off without the input path.
     owners: dict[Node, set[object]] = {}
@@ -131,7 +171,7 @@ def backward_input(
             else:
                 stack.extend(kid for kid in children[node] if kid not in on_input_path)
 
-    for node in on_input_path:
+    for node in path_order:
         hang_off(children[node], node)
     hang_off(roots, _ROOT)
 
@@ -139,7 +179,7 @@ def backward_input(
     deferred: dict[object, list[torch.Tensor]] = {}
     for leaf, who in owners.items():
         weight = leaf.variable  # type: ignore[attr-defined]
-        if len(who) > 1:
+        if not defer_weights or len(who) > 1 or any(_is_custom(owner) for owner in who):
             eager.append(weight)
         else:
             deferred.setdefault(next(iter(who)), []).append(weight)
@@ -175,5 +215,5 @@ def backward_input(
         slots = [(k, g) for k, g in enumerate(grads_in) if g is not None]
         if slots:
             edges: list[torch.Tensor | GradientEdge] = [GradientEdge(owner, k) for k, _ in slots]  # type: ignore[arg-type]
-            work.passes.append(_WeightPass(edges, [g for _, g in slots], weights))
+            work.passes.append(_WeightPass(edges, [g for _, g in slots], weights, owner, grads_in))  # type: ignore[arg-type]
     return work
