@@ -50,13 +50,22 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="engine.ckpt", help="the sharded checkpoint directory")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--losses", default=None, help="write the losses here (JSON), from rank 0")
+    parser.add_argument(
+        "--shard-optimizer-state",
+        action="store_true",
+        help="ZeRO-1: each replica keeps 1/dp of AdamW's state",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = init_mesh(ParallelLayout(args.dp, args.pp, args.tp), "cpu")
     model = build_model()
-    options = RuntimeOptions(schedule="1f1b", tensor_parallel_plan={"*.up": "colwise", "*.down": "rowwise"})
+    options = RuntimeOptions(
+        schedule="1f1b",
+        tensor_parallel_plan={"*.up": "colwise", "*.down": "rowwise"},
+        shard_optimizer_state=args.shard_optimizer_state,
+    )
     runtime = ParallelRuntime(model, list(model), mesh, torch.device("cpu"), options, seed=0)
     # Built over the whole model, as one device would; the runtime keeps this rank's parameters.
     optimizer = runtime.keep_own(torch.optim.AdamW(model.parameters(), lr=3e-3))

@@ -53,7 +53,8 @@ def model_state(runtime: ParallelRuntime) -> dict[str, Any]:
 def optimizer_state(runtime: ParallelRuntime, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's part of ``optimizer``'s state, keyed by parameter name, with its groups."""
     c = runtime.mesh.coordinates
-    return optimizer_shard(optimizer, runtime.module, runtime.plan, runtime.stage_indices, c.tp_rank)
+    logical = runtime.logical(optimizer)
+    return optimizer_shard(logical, runtime.module, runtime.plan, runtime.stage_indices, c.tp_rank)
 
 
 def write(runtime: ParallelRuntime, path: str | Path, checkpoint: dict[str, Any], is_writer: bool) -> None:
@@ -115,7 +116,7 @@ def read(
         check_optimizer_count(len(saved), len(optimizers))
         owned = {id(p) for p in runtime.parameters}
         checkpoint["optimizer_states"] = [
-            load_optimizer_shard(reader, i, entry, opt, runtime.module, owned, tp, c.tp_rank)
+            load_optimizer_shard(reader, i, entry, runtime.logical(opt), runtime.module, owned, tp, c.tp_rank)
             for i, (entry, opt) in enumerate(zip(saved, optimizers, strict=True))
         ]
     return checkpoint
@@ -150,7 +151,9 @@ def load_optimizers(
     c, tp = runtime.mesh.coordinates, runtime.mesh.layout.tensor_parallel_size
     owned = {id(p) for p in runtime.parameters}
     check_optimizer_count(len(checkpoint["optimizer_states"]), len(optimizers))
-    for optimizer, saved in zip(optimizers, checkpoint["optimizer_states"], strict=True):
+    for optimizer, saved in zip(
+        [runtime.logical(o) for o in optimizers], checkpoint["optimizer_states"], strict=True
+    ):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         entries, groups = saved["state"], saved["param_groups"]
         if SHARDED not in checkpoint:

@@ -36,6 +36,9 @@ class RuntimeOptions:
     ``"except_last"`` or ``"always"``."""
     tensor_parallel_plan: Mapping[str, str] | None = None
     """Module-name pattern -> style; needed when the tensor axis has more than one rank."""
+    shard_optimizer_state: bool = False
+    """ZeRO-1: each data-parallel replica keeps the optimizer state of 1/dp of its stage
+    (:mod:`lightning_pipe.data_parallel.sharded_optimizer`)."""
     bucket_cap_mb: float = 25.0
     """Size of the data-parallel reducer's gradient buckets."""
     timeout: timedelta | None = None

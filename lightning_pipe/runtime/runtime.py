@@ -29,6 +29,7 @@ from lightning_pipe.construction.materialize import InitFn
 from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
+from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer, ShardedOptimizer
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.pipeline.actions import PipelineSchedule
 from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm, batch_norm_layers
@@ -158,13 +159,20 @@ class ParallelRuntime:
                 broadcast_parameters(
                     [t for t in tensors if id(t) not in materialized], mesh.group(MeshAxis.DATA), src
                 )
-            self.reducer = GradientReducer(
-                self.parameters, mesh.group(MeshAxis.DATA), self.options.bucket_cap_mb
-            )
         self.tied: list[tuple[nn.Parameter, dist.ProcessGroup, bool]] = [
             (module.get_parameter(record.tied_paths.get(name, name)), group, counts)
             for name, group, counts in tied
         ]
+        if layout.data_parallel_size > 1:
+            self.reducer = GradientReducer(
+                self.parameters,
+                mesh.group(MeshAxis.DATA),
+                self.options.bucket_cap_mb,
+                shard=self.options.shard_optimizer_state,
+                late=[p for p, _, _ in self.tied],
+            )
+        self.sharded: dict[int, ShardedOptimizer] = {}
+        """ZeRO-1 optimizers (``shard_optimizer_state``), by ``id()`` of the user's optimizer."""
         self.warnings: list[str] = []
         """Once-per-run warnings for the caller to show (rank 0 suffices: every rank has them)."""
         self.batch_norm: DeferredBatchNorm | None = None
@@ -201,7 +209,15 @@ class ParallelRuntime:
         others = self.other_stages_tensors()
         own = {id(p) for p in self.module.parameters() if id(p) not in others and not p.is_meta}
         keep_own(optimizer, self.module, own)
+        if self.reducer is not None and self.reducer.shard:
+            self.sharded[id(optimizer)] = ShardedOptimizer(optimizer, self.reducer)
         return optimizer
+
+    def logical(self, optimizer: torch.optim.Optimizer) -> Any:
+        """``optimizer`` as checkpoints see it (under ``shard_optimizer_state``, a view over the
+        real parameters with the unsharded state: assembling it is collective over the replicas)."""
+        sharded = self.sharded.get(id(optimizer))
+        return optimizer if sharded is None else LogicalOptimizer(sharded)
 
     def describe(self, num_microbatches: int | None) -> str:
         """The start-of-run layout log."""
@@ -307,14 +323,26 @@ class ParallelRuntime:
 
     def finish_gradients(self) -> None:
         """Average over the replicas (the reducer's last buckets) and sum tied copies across stages."""
+
+        def sum_tied() -> None:
+            with self._naming("summing the gradients of tied parameters across stages"):
+                for param, group, _ in self.tied:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+
+        if self.reducer is not None and self.reducer.shard:
+            # Tied copies sit in different slices on different stages: summed whole, before their
+            # (late) buckets are scattered; then each optimizer's pieces take their slices.
+            with self._naming("reduce-scattering gradients over the data-parallel group"):
+                self.reducer.finish(before_late=sum_tied)
+            for sharded in self.sharded.values():
+                sharded.attach_gradients()
+            return
         if self.reducer is not None:
             with self._naming("averaging gradients over the data-parallel group"):
                 self.reducer.finish()
-        with self._naming("summing the gradients of tied parameters across stages"):
-            for param, group, _ in self.tied:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+        sum_tied()
 
     def from_last_stage(self, payload: Any) -> Any:
         """Every rank of this pipeline gets the last stage's ``payload`` (any picklable object:
@@ -340,19 +368,33 @@ class ParallelRuntime:
         not_counted = {id(p) for p, _, counts in self.tied if not counts}
         replicas_counted = self.mesh.coordinates.tp_rank == 0
         local = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in self.parameters:
-            if p.grad is None or id(p) in not_counted:
+        # Sharded (ZeRO-1), each replica holds its slices' averaged gradients: the norm is summed
+        # over the replicas too, each element counted once.
+        grads = (
+            [
+                (piece.param, piece.tensor.grad)
+                for sharded in self.sharded.values()
+                for pieces in sharded.pieces.values()
+                for piece in pieces
+            ]
+            if self.sharded
+            else [(p, p.grad) for p in self.parameters]
+        )
+        for p, grad in grads:
+            if grad is None or id(p) in not_counted:
                 continue
             if tensor_parallel_dim(p) is None and not replicas_counted:
                 continue
-            local += p.grad.detach().float().pow(2).sum()
+            local += grad.detach().float().pow(2).sum()
         with self._naming("summing the gradient norm over the model's ranks"):
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
+            if self.sharded:
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.group(MeshAxis.DATA))
         total = local.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.parameters:
-            if p.grad is not None:
-                p.grad.detach().mul_(coef.to(p.grad.dtype))
+        for _, grad in grads:
+            if grad is not None:
+                grad.detach().mul_(coef.to(grad.dtype))
         return total
 
     # ------------------------------------------------------------------ checkpoints

@@ -93,9 +93,10 @@ class CheckpointHooks(PipeTPParts):
         with fail_together("Saving the optimizer state"):
             if self.save_distributed_checkpoint:
                 return checkpointing.optimizer_state(self.runtime, optimizer)
-            check_optimizer_cuttable(optimizer, self.module)
+            logical = self.runtime.logical(optimizer)  # sharded: assembled from the replicas
+            check_optimizer_cuttable(logical, self.module)
         with self._collective("gathering the optimizer state for a single-file checkpoint"):
-            return gather_optimizer_state(optimizer, self.mesh, self.module)
+            return gather_optimizer_state(logical, self.mesh, self.module)
 
     @override
     def save_checkpoint(

@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from lightning_pipe.construction.meta import meta_tensors_set_aside, parameters_on_meta
 from lightning_pipe.construction.pretrained import WeightFiles
+from lightning_pipe.data_parallel.sharded_optimizer import ShardingError
 from lightning_pipe.data_parallel.uneven import EvenBatches
 from lightning_pipe.failures import FailureBoard
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
@@ -104,6 +105,13 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             and micro-batch where it first appeared.
         bucket_cap_mb: size of the gradient buckets of the data-parallel reducer, whose
             all-reduces overlap the last backward of each optimizer step.
+        shard_optimizer_state: ZeRO-1 (Megatron's distributed optimizer): each data-parallel
+            replica keeps the optimizer state of 1/data_parallel_size of its stage; gradients are
+            reduce-scattered (still overlapping the last backward), each replica steps its slice
+            and the parameters are all-gathered after ``optimizer.step()``. Element-wise
+            optimizers only (SGD, Adam, AdamW, ...); after the backward, parameters' ``.grad`` are
+            ``None`` (the averaged gradient exists only as slices). Checkpoints stay unsharded by
+            parameter name.
         timeline: record the executed schedule of training steps 1-8 on every rank and write it,
             at the end of ``fit``, to this path: ``.png`` for a plot (needs matplotlib), anything
             else for a Chrome trace (open in Perfetto). Also read from ``LIGHTNING_PIPE_TIMELINE``.
@@ -147,6 +155,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         check_finite: bool = False,
         bucket_cap_mb: float = 25.0,
+        shard_optimizer_state: bool = False,
         tensor_parallel_plan: dict[str, str] | None = None,
         timeline: str | None = None,
         save_distributed_checkpoint: bool = True,
@@ -200,6 +209,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             recomputation=checkpoint,
             virtual_stages=virtual_stages if virtual_stages is not None else (2 if interleaved else 1),
             bucket_cap_mb=bucket_cap_mb,
+            shard_optimizer_state=shard_optimizer_state,
             check_finite=check_finite,
             deferred_batch_norm=deferred_batch_norm,
         )
@@ -209,6 +219,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         self.checkpoint = self._options.recomputation_mode
         self.check_finite = check_finite
         self.bucket_cap_mb = bucket_cap_mb
+        self.shard_optimizer_state = shard_optimizer_state
         self.tensor_parallel_plan = tensor_parallel_plan
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.deferred_batch_norm = deferred_batch_norm
@@ -416,7 +427,10 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         whole-model terms for checkpoints (:mod:`lightning_pipe.checkpoint.optimizer_view`)."""
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
-            self.runtime.keep_own(optimizer)
+            try:
+                self.runtime.keep_own(optimizer)
+            except ShardingError as err:
+                raise MisconfigurationException(str(err)) from err
 
     def _check_module(self, module: LightningModule, trainer: Trainer) -> None:
         if not module.automatic_optimization:
@@ -466,6 +480,13 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
                     f'precision="16-mixed" under pipe_tp agrees the gradient scaler\'s inf check over every '
                     f"stage before stepping, which the fused optimizer(s) {fused} bypass (they unscale "
                     "inside their own step). Use the optimizer without fused=True, or precision='bf16-mixed'."
+                )
+            if fitting and self.runtime.sharded:
+                raise MisconfigurationException(
+                    'precision="16-mixed" with shard_optimizer_state=True is not supported yet: each '
+                    "replica holds only its slice of the gradients, and the gradient scaler's inf check "
+                    'would have to be agreed over the replicas too. Use precision="bf16-mixed" or '
+                    '"32-true", or shard_optimizer_state=False.'
                 )
             # fp16: every rank of the model skips or steps together (runtime/grad_scaler.py).
             if not isinstance(plugin.scaler, AgreedGradScaler):

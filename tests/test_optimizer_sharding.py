@@ -1,0 +1,257 @@
+"""``shard_optimizer_state=True`` (ZeRO-1, issue 19): each data-parallel replica keeps the optimizer
+state of its slices of the gradient buckets, and training ends where one device ends.
+
+* dp=2 with Adam and buckets small enough that parameters straddle slice boundaries;
+* dp=2 x pp=2 with AdamW, accumulation, global-norm clipping, an embedding tied to the head across
+  stages and a parameter no replica uses;
+* dp=2 x tp=2 on the tiny GPT (SGD with momentum: see ``tests/gpt_models.py`` on Adam there).
+
+Each compares the weights after two epochs with one device's (1e-5) and the optimizer-state
+elements each rank holds with what an unsharded optimizer over the same parameters would hold
+(about half, plus padding). A sharded checkpoint written at dp=2 is consolidated and compared
+with one device's optimizer state, and resumes at dp=2 (sharded) and dp=1 (unsharded) to the
+weights of an uninterrupted run; an optimizer whose step is not element-wise is refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_pipe import PipeTPStrategy
+from tests.distributed import run_distributed
+from tests.gpt_models import TinyGPT, token_data
+from tests.lightning_models import Regressor, dataset, loader
+from tests.test_data_parallel import TOKENS, TiedLM
+
+TOL = 1e-5
+
+
+class AdamRegressor(Regressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class LbfgsRegressor(Regressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adafactor(self.parameters(), lr=0.01)
+
+
+def _model(kind: str) -> L.LightningModule:
+    return {"mlp": AdamRegressor, "tied": lambda: TiedLM(unused=True), "gpt": TinyGPT}[kind]()
+
+
+def _data(kind: str, batch: int, reference: bool) -> DataLoader:
+    if kind == "mlp":
+        return loader(dataset(40, seed=1), batch, reference=reference)
+    ds = TOKENS if kind == "tied" else token_data(32)
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=0) if reference else None
+    return DataLoader(ds, batch_size=batch, sampler=sampler)
+
+
+def _fit(
+    model: L.LightningModule, strategy: Any, devices: int, data: DataLoader, root: str, **kw: Any
+) -> L.Trainer:
+    ckpt_path = kw.pop("ckpt_path", None)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=kw.pop("epochs", 2),
+        accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root, **kw,
+    )  # fmt: skip
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def layout_worker(kind: str, pp: int, tp: int) -> dict[str, Any]:
+    model = _model(kind)
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2, shard_optimizer_state=True,
+        bucket_cap_mb=0.0004, timeout=timedelta(seconds=90),
+    )  # fmt: skip
+    world = int(os.environ["WORLD_SIZE"])
+    with tempfile.TemporaryDirectory() as root:
+        _fit(
+            model,
+            strategy,
+            world,
+            _data(kind, 8 // (world // (pp * tp)), False),
+            root,
+            enable_checkpointing=False,
+        )
+    runtime = strategy.runtime
+    (sharded,) = runtime.sharded.values()
+    own = runtime.parameters
+    per_element = 1 if kind == "gpt" else 2  # SGD momentum; Adam(W)'s two moments
+    return {
+        "coords": strategy.mesh.coordinates,
+        "params": {
+            n: p.detach().clone()
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if runtime.plan.stage_of_key(n) in runtime.stage_indices
+        },
+        "state_elements": sharded.state_elements()
+        - sum(1 for s in sharded.optimizer.state.values() if "step" in s),
+        # What an unsharded optimizer would hold: state for every parameter that ever had a gradient.
+        "unsharded_elements": per_element * sum(p.numel() for p in own if runtime.reducer.used[id(p)]),
+        "buckets": len(runtime.reducer.shards),
+        "slice_elements": per_element * sum(t.numel() for t in runtime.reducer.shards),
+        "grads_none": all(p.grad is None for p in own),
+    }
+
+
+def _reference(kind: str) -> dict[str, torch.Tensor]:
+    model = _model(kind)
+    with tempfile.TemporaryDirectory() as root:
+        _fit(model, "auto", 1, _data(kind, 8, True), root, enable_checkpointing=False)
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize(
+    ("kind", "pp", "tp"), [("mlp", 1, 1), ("tied", 2, 1), ("gpt", 1, 2)], ids=["dp2", "dp2xpp2", "dp2xtp2"]
+)
+def test_sharded_optimizer_matches_one_device_and_holds_half_the_state(kind: str, pp: int, tp: int) -> None:
+    got = run_distributed(layout_worker, 2 * pp * tp, kind, pp, tp, timeout=300, init_group=False)
+    ref = _reference(kind)
+    for r in got:
+        assert r["grads_none"], "after the step, only slices hold the averaged gradient"
+        assert r["buckets"] > 1
+        # No more than this rank's slices (half of every bucket, padded to even length).
+        assert r["state_elements"] <= r["slice_elements"]
+        if kind != "tied":  # every parameter used: half of the state, to the padding
+            assert (
+                abs(r["state_elements"] - r["unsharded_elements"] / 2)
+                <= r["slice_elements"] - r["unsharded_elements"] / 2 + 1e-9
+            )
+    # The replicas of a stage together hold exactly the unsharded state, each element once.
+    by_part: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in got:
+        by_part.setdefault((r["coords"].pp_rank, r["coords"].tp_rank), []).append(r)
+    for replicas in by_part.values():
+        assert len(replicas) == 2
+        assert sum(r["state_elements"] for r in replicas) == replicas[0]["unsharded_elements"]
+    if tp == 1:
+        for r in got:
+            for name, value in r["params"].items():
+                torch.testing.assert_close(value, ref[name], atol=TOL, rtol=0, msg=name)
+        assert {n for r in got for n in r["params"]} == set(ref)
+    else:  # tensor slices: compare the replicated parameters, and every slice's shape
+        for r in got:
+            for name, value in r["params"].items():
+                if value.shape == ref[name].shape:
+                    torch.testing.assert_close(value, ref[name], atol=TOL, rtol=0, msg=name)
+
+
+def refused_worker() -> str:
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            _fit(
+                LbfgsRegressor(), PipeTPStrategy(shard_optimizer_state=True, pipeline_parallel_size=1), 2,
+                _data("mlp", 4, False), root, enable_checkpointing=False,
+            )  # fmt: skip
+    except MisconfigurationException as err:
+        return str(err)
+    return "no error"
+
+
+def test_optimizer_that_is_not_elementwise_is_refused_by_name() -> None:
+    for message in run_distributed(refused_worker, 2, timeout=120, init_group=False):
+        assert "Adafactor is not known to be" in message and "shard_optimizer_state=False" in message
+
+
+def checkpoint_worker(root: str, shard: bool, resume: str | None, distributed: bool = True) -> dict[str, Any]:
+    model = AdamRegressor()
+    world = int(os.environ["WORLD_SIZE"])
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=1, num_microbatches=2, shard_optimizer_state=shard, bucket_cap_mb=0.0004,
+        timeout=timedelta(seconds=90), save_distributed_checkpoint=distributed,
+    )  # fmt: skip
+    cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, filename="last", save_on_train_epoch_end=True)
+    _fit(
+        model, strategy, world, _data("mlp", 8 // world, False), root, epochs=2 if resume is None else 4,
+        callbacks=[cb], ckpt_path=resume,
+    )  # fmt: skip
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _one_device(epochs: int) -> L.Trainer:
+    model = AdamRegressor()
+    with tempfile.TemporaryDirectory() as root:
+        return _fit(model, "auto", 1, _data("mlp", 8, True), root, enable_checkpointing=False, epochs=epochs)
+
+
+def _assert_state_equal(got: dict[int, Any], expected: dict[int, Any]) -> None:
+    assert got.keys() == expected.keys()
+    for index, entry in expected.items():
+        for key, value in entry.items():
+            torch.testing.assert_close(got[index][key], value, atol=TOL, rtol=0, msg=f"{index}.{key}")
+
+
+@pytest.mark.parametrize(
+    ("writer", "readers"),
+    [((4, True), [(2, True), (1, False)]), ((1, False), [(2, True)])],
+    ids=["dp4-sharded-to-dp2-and-dp1", "dp1-to-dp2-sharded"],
+)
+def test_checkpoint_moves_between_sharded_and_unsharded_layouts(
+    tmp_path: Path, writer: tuple[int, bool], readers: list[tuple[int, bool]]
+) -> None:
+    from lightning_pipe.checkpoint.consolidate import consolidate_checkpoint
+
+    world, shard = writer
+    run_distributed(checkpoint_worker, world, str(tmp_path), shard, None, timeout=300, init_group=False)
+    saved = tmp_path / "last.ckpt"
+    assert saved.is_dir(), "a sharded checkpoint directory"
+    # Consolidated: the Adam moments one device has after the same two epochs.
+    whole = consolidate_checkpoint(saved, trust_pickle=True)
+    _assert_state_equal(
+        whole["optimizer_states"][0]["state"], _one_device(2).optimizers[0].state_dict()["state"]
+    )
+    # Resumed for two more epochs, against four epochs on one device.
+    reference = dict(_one_device(4).lightning_module.named_parameters())
+    for world, shard in readers:
+        with tempfile.TemporaryDirectory() as again:
+            resumed = run_distributed(
+                checkpoint_worker, world, again, shard, str(saved), timeout=300, init_group=False
+            )
+        for name, value in resumed[0].items():
+            torch.testing.assert_close(
+                value, reference[name].detach(), atol=TOL, rtol=0, msg=f"dp={world}: {name}"
+            )
+
+
+def test_single_file_checkpoint_holds_the_unsharded_state(tmp_path: Path) -> None:
+    """save_distributed_checkpoint=False gathers the whole state into one file on rank 0."""
+    run_distributed(checkpoint_worker, 2, str(tmp_path), True, None, False, timeout=300, init_group=False)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    _assert_state_equal(
+        saved["optimizer_states"][0]["state"], _one_device(2).optimizers[0].state_dict()["state"]
+    )
+
+
+def fp16_worker() -> str:
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            model = AdamRegressor()
+            strategy = PipeTPStrategy(pipeline_parallel_size=1, shard_optimizer_state=True)
+            plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+            L.Trainer(
+                strategy=strategy, accelerator="cpu", devices=2, plugins=[plugin], max_steps=1, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
+            ).fit(model, _data("mlp", 4, False))  # fmt: skip
+    except MisconfigurationException as err:
+        return str(err)
+    return "no error"
+
+
+def test_fp16_with_sharding_is_refused_before_training() -> None:
+    for message in run_distributed(fp16_worker, 2, timeout=120, init_group=False):
+        assert 'precision="16-mixed" with shard_optimizer_state=True is not supported yet' in message
