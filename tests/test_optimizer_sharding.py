@@ -1,7 +1,8 @@
 """``shard_optimizer_state=True`` (ZeRO-1, issue 19): each data-parallel replica keeps the optimizer
 state of its slices of the gradient buckets, and training ends where one device ends.
 
-* dp=2 with Adam and buckets small enough that parameters straddle slice boundaries;
+* dp=2 with Adam (two parameter groups, a per-step LR schedule) and buckets small enough that
+  parameters straddle slice boundaries;
 * dp=2 x pp=2 with AdamW, accumulation, global-norm clipping, an embedding tied to the head across
   stages and a parameter no replica uses;
 * dp=2 x tp=2 on the tiny GPT (SGD with momentum: see ``tests/gpt_models.py`` on Adam there).
@@ -38,8 +39,16 @@ TOL = 1e-5
 
 
 class AdamRegressor(Regressor):
+    """Adam with two parameter groups (their own lr and weight decay) and a per-step LR schedule."""
+
     def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=0.01)
+        first = list(self.layers[0].parameters())
+        rest = [p for p in self.parameters() if all(p is not q for q in first)]
+        opt = torch.optim.Adam(
+            [{"params": first}, {"params": rest, "lr": 0.02, "weight_decay": 0.01}], lr=0.01
+        )
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class LbfgsRegressor(Regressor):
