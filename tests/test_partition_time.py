@@ -74,10 +74,13 @@ def test_profile_measures_each_layer_and_leaves_the_model_alone() -> None:
     assert torch.equal(torch.get_rng_state(), state), "profiling must not draw from the run's random stream"
     assert torch.equal(layers[2].running_mean, stats)  # type: ignore[union-attr,arg-type]
     assert meta_layer.weight.is_meta
-    # Split by the times: each slow layer ends up alone with the fewest fast ones.
+    # Split by the times: the two slow layers go to different stages (where the fast ones go is
+    # a tie that the measured noise decides).
     totals = [t.total for t in times]
     assert compute_balance(layers, 2, "time", totals) in ([2, 5], [3, 4])
-    assert compute_balance(layers, 3, "time", totals)[0] <= 2
+    three = compute_balance(layers, 3, "time", totals)
+    stage_of = [s for s, n in enumerate(three) for _ in range(n)]
+    assert stage_of[1] != stage_of[3], three  # the two slow layers never share a stage
 
 
 def test_time_partition_needs_one_time_per_layer() -> None:
