@@ -153,3 +153,12 @@ def test_fit_partitioned_by_time_matches_one_device() -> None:
     for r in got:
         assert 'partition="time" times each layer on a sample micro-batch, and none was given' in r["error"]
         assert "set `self.example_input_array`" in r["error"], r["error"]
+
+
+def test_profile_error_names_the_layer_and_the_sample() -> None:
+    layers = [nn.Linear(8, 8), nn.Linear(8, 2)]
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        profile_layers(layers, torch.randn(4, 7), torch.device("cpu"))
+    assert any(
+        'partition="time" was timing pipeline layer 0 (Linear)' in note for note in info.value.__notes__
+    )

@@ -14,8 +14,8 @@ at a time, in pipeline order, each on the previous one's output:
 * the random state is restored afterwards, so that dropout in the profile draws no number the run
   would have drawn (the run stays equal to one device's).
 
-The times are per micro-batch; ranks average theirs (the runtime all-reduces them) so that every
-rank computes the same split.
+The times are per micro-batch; the runtime has global rank 0 measure them alone and sends them
+to every rank, so that every rank computes the same split.
 """
 
 from __future__ import annotations
@@ -107,8 +107,17 @@ def profile_layers(
                 inputs = _leaves(x)
                 _sync(device)
                 start = time.perf_counter()
-                with torch.enable_grad():
-                    out = apply_layers([twin], inputs, position)
+                try:
+                    with torch.enable_grad():
+                        out = apply_layers([twin], inputs, position)
+                except Exception as err:
+                    if hasattr(err, "add_note"):  # Python >= 3.11
+                        err.add_note(
+                            f'partition="time" was timing pipeline layer {position} ({type(layer).__name__}) '
+                            "on the sample micro-batch (under Lightning: the first micro-batch of "
+                            "example_input_array, which must be a batch of forward's input)."
+                        )
+                    raise
                 _sync(device)
                 middle = time.perf_counter()
                 roots = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]

@@ -321,7 +321,15 @@ def plot_timeline(
     origin = min((e.start for e in events), default=0.0)
     palette = colormaps["tab10"]
     width = max(6.0, min(24.0, 2.0 + 0.25 * sum(1 for e in events if e.is_compute) / max(1, len(ranks))))
-    fig = Figure(figsize=(width, 0.8 + 0.6 * max(1, len(ranks))), dpi=100)
+    heading = (
+        f"{title} — makespan {stats.makespan * scale:.3g} {time_unit}, bubble {stats.bubble_fraction:.1%}"
+    )
+    # Longer than the figure is wide (about ten characters an inch at this size): two lines, split
+    # between the title and the figures, and the figure taller by that line, so nothing is cut off.
+    wrapped = len(heading) > width * 10
+    if wrapped:
+        heading = heading.replace(" — ", "\n", 1)
+    fig = Figure(figsize=(width, 0.8 + 0.6 * max(1, len(ranks)) + (0.3 if wrapped else 0.0)), dpi=100)
     ax = fig.add_subplot()
     span_total = stats.makespan * scale
     # A rank holding several stages (interleaved) labels each box with its stage too.
@@ -354,7 +362,7 @@ def plot_timeline(
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_xlim(0, span_total if span_total > 0 else 1.0)
     ax.set_xlabel(f"time ({time_unit})")
-    ax.set_title(f"{title} — makespan {span_total:.3g} {time_unit}, bubble {stats.bubble_fraction:.1%}")
+    ax.set_title(heading)
     legend = [
         Patch(facecolor=_blend(to_rgb(palette(0)), 1.0, 0.45), label="forward (colour = micro-batch)"),
         Patch(facecolor=_blend(to_rgb(palette(0)), 0.0, 0.25), label="backward"),

@@ -242,8 +242,8 @@ class ParallelRuntime:
         return text
 
     def _layer_times(self, layers: Sequence[nn.Module], sample: Any) -> list[float] | None:
-        """Every layer's forward + backward seconds per micro-batch, averaged over all ranks so
-        that all compute the same split (``partition="time"``; ``None`` for other partitions)."""
+        """Every layer's forward + backward seconds per micro-batch, measured by global rank 0 and
+        sent to every rank (``partition="time"``; ``None`` for other partitions)."""
         if not measures_time(self.options.partition):
             return None
         if sample is None:
@@ -252,13 +252,23 @@ class ParallelRuntime:
                 "`sample=` (one micro-batch's pipeline input) to ParallelRuntime, or, under Lightning, set "
                 "`self.example_input_array` in the LightningModule to a batch of forward's input."
             )
-        measured = profile_layers(layers, sample, self.device)
-        totals = torch.tensor([t.total for t in measured], dtype=torch.float64, device=self.device)
-        with self._naming("averaging the measured layer times over all ranks"):
-            dist.all_reduce(totals, group=self.mesh.model_group)
+        # Global rank 0 measures alone while the others wait: ranks sharing cores (or a host)
+        # would skew each other's timings, and everyone must compute the same split anyway.
+        totals = torch.zeros(len(layers), dtype=torch.float64, device=self.device)
+        if self.mesh.rank == 0:
+            totals = torch.tensor(
+                [t.total for t in profile_layers(layers, sample, self.device)],
+                dtype=torch.float64,
+                device=self.device,
+            )
+        with self._naming("sending the measured layer times from global rank 0"):
+            c = self.mesh.coordinates
+            if c.dp_rank == 0:  # rank 0's replica first, then each replica from its dp_rank 0 twin
+                dist.broadcast(totals, src=0, group=self.mesh.model_group)
             if self.mesh.layout.data_parallel_size > 1:
-                dist.all_reduce(totals, group=self.mesh.group(MeshAxis.DATA))
-        return (totals / self.mesh.layout.world_size).tolist()
+                src = self.mesh.layout.rank_of(0, c.pp_rank, c.tp_rank)
+                dist.broadcast(totals, src=src, group=self.mesh.group(MeshAxis.DATA))
+        return totals.tolist()
 
     # ------------------------------------------------------------------ one step
     def schedule(self, num_microbatches: int, training: bool) -> PipelineSchedule:

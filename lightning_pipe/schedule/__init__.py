@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(m + p - 1)(tf + tI) + tW) = {ideal:g} ms, tI = tW = tb / 2)"
         )
         bubble = 1 - m * (tf + tb) / ideal
-        print(f"  bubble     {result.bubble_fraction:.1%}  (of that makespan: {bubble:.1%})")
+        print(f"  bubble     {result.bubble_fraction:.1%}  (1 - m (tf + tb) / that makespan = {bubble:.1%})")
     else:
         ideal = (v * m + p - 1) * (tf + tb)
         print(f"  makespan   {result.makespan:g} ms  ((v m + p - 1) x (tf + tb) = {ideal:g} ms, v = {v})")
