@@ -5,7 +5,8 @@ state of its slices of the gradient buckets, and training ends where one device 
   parameters straddle slice boundaries;
 * dp=2 x pp=2 with AdamW, accumulation, global-norm clipping, an embedding tied to the head across
   stages and a parameter no replica uses;
-* dp=2 x tp=2 on the tiny GPT (SGD with momentum: see ``tests/gpt_models.py`` on Adam there).
+* dp=2 x tp=2 with Adam on residual MLP blocks (column- then row-parallel), and on the tiny GPT
+  (SGD with momentum there: see ``tests/gpt_models.py`` on Adam and its key bias).
 
 Each compares the weights after two epochs with one device's (1e-5) and the optimizer-state
 elements each rank holds with what an unsharded optimizer over the same parameters would hold
@@ -27,12 +28,14 @@ import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
+from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from tests.distributed import run_distributed
 from tests.gpt_models import TinyGPT, token_data
-from tests.lightning_models import Regressor, dataset, loader
+from tests.lightning_models import IN, OUT, Regressor, dataset, loader
 from tests.test_data_parallel import TOKENS, TiedLM
 
 TOL = 1e-5
@@ -51,17 +54,44 @@ class AdamRegressor(Regressor):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(IN, 4 * IN), nn.Linear(4 * IN, IN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class AdamTensorParallelMLP(AdamRegressor):
+    """Residual MLP blocks whose ``up`` is column-parallel and ``down`` row-parallel, with Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(_Block(), _Block(), nn.Linear(IN, OUT))
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
+
+
 class LbfgsRegressor(Regressor):
     def configure_optimizers(self) -> Any:
         return torch.optim.Adafactor(self.parameters(), lr=0.01)
 
 
 def _model(kind: str) -> L.LightningModule:
-    return {"mlp": AdamRegressor, "tied": lambda: TiedLM(unused=True), "gpt": TinyGPT}[kind]()
+    models = {
+        "mlp": AdamRegressor,
+        "tied": lambda: TiedLM(unused=True),
+        "gpt": TinyGPT,
+        "tp-mlp": AdamTensorParallelMLP,
+    }
+    return models[kind]()
 
 
 def _data(kind: str, batch: int, reference: bool) -> DataLoader:
-    if kind == "mlp":
+    if kind in ("mlp", "tp-mlp"):
         return loader(dataset(40, seed=1), batch, reference=reference)
     ds = TOKENS if kind == "tied" else token_data(32)
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=0) if reference else None
@@ -101,6 +131,7 @@ def layout_worker(kind: str, pp: int, tp: int) -> dict[str, Any]:
     (sharded,) = runtime.sharded.values()
     own = runtime.parameters
     per_element = 1 if kind == "gpt" else 2  # SGD momentum; Adam(W)'s two moments
+    tp_dims = {n: tensor_parallel_dim(p) for n, p in model.named_parameters()}
     return {
         "coords": strategy.mesh.coordinates,
         "params": {
@@ -115,6 +146,7 @@ def layout_worker(kind: str, pp: int, tp: int) -> dict[str, Any]:
         "buckets": len(runtime.reducer.shards),
         "slice_elements": per_element * sum(t.numel() for t in runtime.reducer.shards),
         "grads_none": all(p.grad is None for p in own),
+        "tp_dims": tp_dims,
     }
 
 
@@ -126,7 +158,9 @@ def _reference(kind: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "pp", "tp"), [("mlp", 1, 1), ("tied", 2, 1), ("gpt", 1, 2)], ids=["dp2", "dp2xpp2", "dp2xtp2"]
+    ("kind", "pp", "tp"),
+    [("mlp", 1, 1), ("tied", 2, 1), ("gpt", 1, 2), ("tp-mlp", 1, 2)],
+    ids=["dp2", "dp2xpp2", "dp2xtp2-gpt-sgd", "dp2xtp2-adam"],
 )
 def test_sharded_optimizer_matches_one_device_and_holds_half_the_state(kind: str, pp: int, tp: int) -> None:
     got = run_distributed(layout_worker, 2 * pp * tp, kind, pp, tp, timeout=300, init_group=False)
@@ -148,16 +182,14 @@ def test_sharded_optimizer_matches_one_device_and_holds_half_the_state(kind: str
     for replicas in by_part.values():
         assert len(replicas) == 2
         assert sum(r["state_elements"] for r in replicas) == replicas[0]["unsharded_elements"]
-    if tp == 1:
-        for r in got:
-            for name, value in r["params"].items():
-                torch.testing.assert_close(value, ref[name], atol=TOL, rtol=0, msg=name)
-        assert {n for r in got for n in r["params"]} == set(ref)
-    else:  # tensor slices: compare the replicated parameters, and every slice's shape
-        for r in got:
-            for name, value in r["params"].items():
-                if value.shape == ref[name].shape:
-                    torch.testing.assert_close(value, ref[name], atol=TOL, rtol=0, msg=name)
+    for r in got:  # each tensor rank's slice of every parameter against one device's
+        tp_rank = r["coords"].tp_rank
+        for name, value in r["params"].items():
+            dim, expected = r["tp_dims"].get(name), ref[name]
+            if dim is not None:
+                expected = expected.chunk(tp, dim=dim)[tp_rank]
+            torch.testing.assert_close(value, expected, atol=TOL, rtol=0, msg=f"tp rank {tp_rank}: {name}")
+    assert {n for r in got for n in r["params"]} == set(ref)
 
 
 def refused_worker() -> str:
