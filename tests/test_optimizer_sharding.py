@@ -296,3 +296,23 @@ def fp16_worker() -> str:
 def test_fp16_with_sharding_is_refused_before_training() -> None:
     for message in run_distributed(fp16_worker, 2, timeout=120, init_group=False):
         assert 'precision="16-mixed" with shard_optimizer_state=True is not supported yet' in message
+
+
+def second_optimizer_worker() -> str:
+    from lightning_pipe.data_parallel.reducer import GradientReducer
+    from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer, ShardingError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reducer = GradientReducer(list(model.parameters()), torch.distributed.group.WORLD, shard=True)
+    ShardedOptimizer(torch.optim.Adam(model[0].parameters()), reducer)
+    try:
+        ShardedOptimizer(torch.optim.Adam(model[1].parameters()), reducer)
+    except ShardingError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_second_sharded_optimizer_is_refused() -> None:
+    """One optimizer's step gathers parameters into the buffers that hold the other's gradients."""
+    for message in run_distributed(second_optimizer_worker, 2, timeout=120):
+        assert "supports one optimizer per model, and this model already has one (Adam)" in message

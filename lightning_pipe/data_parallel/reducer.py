@@ -32,10 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:  # the sharded optimizer imports this module
+    from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer
 
 
 @dataclass
@@ -63,6 +67,8 @@ class GradientReducer:
     late: Sequence[nn.Parameter] = ()
     shards: list[torch.Tensor] = field(default_factory=list, init=False)
     """With ``shard``: this rank's averaged slice of each bucket (after :meth:`finish`)."""
+    sharded_optimizer: ShardedOptimizer | None = field(default=None, init=False)
+    """The one :class:`~.sharded_optimizer.ShardedOptimizer` stepping these buckets' slices."""
     used: dict[int, bool] = field(default_factory=dict, init=False)
     """After :meth:`finish`: by ``id()``, whether any replica's backward reached the parameter."""
     _buckets: list[_Bucket] = field(default_factory=list, init=False)
@@ -76,15 +82,16 @@ class GradientReducer:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}.")
         unique = list({id(p): p for p in self.params if p.requires_grad}.values())
         late_ids = {id(p) for p in self.late} if self.shard else set()
+        early = [p for p in unique if id(p) not in late_ids]
+        late_params = [p for p in unique if id(p) in late_ids]
         # Late parameters last: they launch after every other bucket (and are registered last).
-        unique = [p for p in unique if id(p) not in late_ids] + [p for p in unique if id(p) in late_ids]
+        unique = early + late_params
         self.params = unique
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self._scatter = dist.get_backend(self.group) == "nccl"
         cap = int(self.bucket_cap_mb * 1024 * 1024)
-        early = [p for p in unique if id(p) not in late_ids]
-        for group_params, late in ((early, False), ([p for p in unique if id(p) in late_ids], True)):
+        for group_params, late in ((early, False), (late_params, True)):
             current: list[nn.Parameter] = []
             for param in reversed(group_params):
                 full = sum(p.numel() * p.element_size() for p in current)
@@ -97,7 +104,7 @@ class GradientReducer:
                 current.append(param)
             if current:
                 # Unsharded, the used flags ride in spare slots of the last bucket.
-                last = late or not late_ids
+                last = late or not late_params
                 self._add_bucket(current, flags=len(unique) if last and not self.shard else 0, late=late)
         device = unique[0].device if unique else torch.device("cpu")
         self._used = torch.zeros(len(unique), dtype=torch.uint8, device=device)
@@ -124,7 +131,7 @@ class GradientReducer:
 
     def shard_range(self, bucket: int) -> range:
         """The elements of bucket ``bucket`` whose average this rank receives (``shard``)."""
-        width = self._buckets[bucket].buffer.numel() // self.size
+        width = self.shards[bucket].numel()
         return range(self.rank * width, (self.rank + 1) * width)
 
     def buffer(self, bucket: int) -> torch.Tensor:

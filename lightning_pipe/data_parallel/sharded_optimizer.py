@@ -67,6 +67,11 @@ class _Piece:
     offset: int
     """Where the piece starts in this rank's slice of its bucket."""
 
+    @property
+    def in_shard(self) -> slice:
+        """The piece's elements within this rank's slice of its bucket."""
+        return slice(self.offset, self.offset + self.stop - self.start)
+
 
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer whose step is not element-wise, naming it and the fix."""
@@ -92,7 +97,17 @@ class ShardedOptimizer:
                 "shard it before its first step (a checkpoint's state is loaded after sharding, cut to "
                 "this rank's slices)."
             )
-        self.optimizer, self.reducer = optimizer, reducer
+        if reducer.sharded_optimizer is not None:
+            # Its step gathers the parameters into the buckets' buffers, which hold the other
+            # optimizer's gradient slices until that one steps too.
+            raise ShardingError(
+                "shard_optimizer_state=True supports one optimizer per model, and this model already has "
+                f"one ({type(reducer.sharded_optimizer.optimizer).__name__}); put every parameter in one "
+                "optimizer (parameter groups can hold different options), or shard_optimizer_state=False."
+            )
+        reducer.sharded_optimizer = self
+        self.optimizer: torch.optim.Optimizer = optimizer
+        self.reducer = reducer
         self.pieces: dict[int, list[_Piece]] = {}
         for b, bucket in enumerate(reducer.layout()):
             own = reducer.shard_range(b)
@@ -127,11 +142,7 @@ class ShardedOptimizer:
         for pieces in self.pieces.values():
             for piece in pieces:
                 shard = self.reducer.shards[piece.bucket]
-                piece.tensor.grad = (
-                    shard[piece.offset : piece.offset + piece.stop - piece.start]
-                    if used.get(id(piece.param), True)
-                    else None
-                )
+                piece.tensor.grad = shard[piece.in_shard] if used.get(id(piece.param), True) else None
         for group in self.logical_groups:
             for param in group:
                 param.grad = None
@@ -142,17 +153,15 @@ class ShardedOptimizer:
         updated slice is staged in its own part of that buffer and gathered in place; all
         buckets' gathers are in flight together, then copied into the parameters."""
         reducer = self.reducer
-        works = []
-        for b, bucket in enumerate(reducer.layout()):
-            own, mine = reducer.shard_range(b), reducer.shards[b]
-            for param, offset in bucket:
-                start, stop = max(own.start, offset), min(own.stop, offset + param.numel())
-                if start < stop:
-                    flat = param.detach().view(-1)
-                    mine[start - own.start : stop - own.start].copy_(flat[start - offset : stop - offset])
-            works.append(
-                dist.all_gather_into_tensor(reducer.buffer(b), mine, group=reducer.group, async_op=True)
+        for pieces in self.pieces.values():
+            for piece in pieces:
+                reducer.shards[piece.bucket][piece.in_shard].copy_(piece.tensor)
+        works = [
+            dist.all_gather_into_tensor(
+                reducer.buffer(b), reducer.shards[b], group=reducer.group, async_op=True
             )
+            for b in range(len(reducer.shards))
+        ]
         for b, (bucket, work) in enumerate(zip(reducer.layout(), works, strict=True)):
             work.wait()
             full = reducer.buffer(b)
