@@ -96,8 +96,13 @@ class StopOnSignal:
 
     def _stop(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        launcher = (
+            " (torchrun sends SIGTERM to every rank when one of them fails: its summary names that rank)"
+            if signum == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ
+            else ""
+        )
         message = (
-            f"lightning_pipe: {self.describe} received {name}; stopping it now (exit code "
+            f"lightning_pipe: {self.describe} received {name}{launcher}; stopping it now (exit code "
             f"{128 + signum}); the other ranks stop when they lose it.\n"
         )
         try:

@@ -413,3 +413,34 @@ def test_a_save_over_a_crashed_complete_save_keeps_it_until_replaced(
     with pytest.warns(UserWarning, match="was missing"), pytest.raises(CheckpointError, match="disk on fire"):
         save_module(tmp_path / "x.ckpt", nn.Linear(2, 2), {"epoch": 3})
     assert ShardedCheckpoint(tmp_path / "x.ckpt").lightning_state() == {"epoch": 2}
+
+
+# ------------------------------------------------------------------- completeness when consolidating
+def test_consolidate_refuses_metadata_that_lost_an_entry(tmp_path: Path) -> None:
+    path = sharded_dir(tmp_path / "x.ckpt")
+    edit_metadata(path, lambda data: data["model"].pop("bias"))
+    with pytest.raises(
+        CheckpointError, match=r"does not record 1 value\(s\) its shard files hold: \[\"model "
+    ):
+        consolidate_checkpoint(path)
+    assert consolidate_main([str(path), str(tmp_path / "out.ckpt")]) == 1
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_consolidate_refuses_a_layout_missing_a_shard_file(tmp_path: Path) -> None:
+    path = sharded_dir(tmp_path / "x.ckpt")
+    edit_metadata(
+        path, lambda data: data["layout"].update(pipeline_parallel_size=2)
+    )  # the layout says two stages wrote; one file is there
+    with pytest.raises(CheckpointError, match=r"writes the shard files .*'shard-pp1-tp0.pt'\] are not there"):
+        consolidate_checkpoint(path)
+
+
+def test_load_from_checkpoint_explains_a_directory_without_metadata(tmp_path: Path) -> None:
+    from lightning_pipe import load_from_checkpoint
+    from tests.lightning_models import Regressor
+
+    path = sharded_dir(tmp_path / "x.ckpt")
+    (path / METADATA_FILE).unlink()
+    with pytest.raises(CheckpointError, match=f"is a directory without {METADATA_FILE}"):
+        load_from_checkpoint(Regressor, path)

@@ -316,3 +316,31 @@ def test_a_second_sharded_optimizer_is_refused() -> None:
     """One optimizer's step gathers parameters into the buffers that hold the other's gradients."""
     for message in run_distributed(second_optimizer_worker, 2, timeout=120):
         assert "supports one optimizer per model, and this model already has one (Adam)" in message
+
+
+def test_a_renamed_elementwise_optimizer_is_accepted() -> None:
+    from lightning_pipe.data_parallel.sharded_optimizer import ShardingError, check_shardable
+
+    class MyAdam(torch.optim.Adam):
+        """Only a new name (and a helper), the same element-wise step."""
+
+    check_shardable(MyAdam([torch.nn.Parameter(torch.zeros(2))]))
+    with pytest.raises(ShardingError, match="Adafactor is not known to be"):
+        check_shardable(torch.optim.Adafactor([torch.nn.Parameter(torch.zeros(2, 2))]))
+
+
+def one_replica_worker() -> tuple[list[str], str]:
+    from lightning_pipe import ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
+
+    mesh = init_mesh(ParallelLayout(1, 1, 1), "cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    options = RuntimeOptions(shard_optimizer_state=True)
+    runtime = ParallelRuntime(model, list(model), mesh, torch.device("cpu"), options)
+    return runtime.warnings, runtime.describe(2)
+
+
+@pytest.mark.distributed
+def test_sharding_with_one_replica_says_it_does_nothing() -> None:
+    ((warnings, layout_log),) = run_distributed(one_replica_worker, 1)
+    assert any("shard_optimizer_state=True has no effect with data_parallel_size=1" in w for w in warnings)
+    assert "shard_optimizer_state=True has no effect" in layout_log

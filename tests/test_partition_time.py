@@ -29,35 +29,50 @@ from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, dataset, loader
 
 SLOW_S = 0.01
+PROFILED_SLOW_S = 0.2
+"""The slow layers of the profiling test: far above what a tiny layer takes even on a loaded CI
+machine (a Linear(8, 8) was once measured at 53 ms there), so the comparison is not a race."""
 
 
 class Slow(nn.Module):
-    """No parameters, ``SLOW_S`` seconds forward (and, through the sleep's identity, ~0 backward)."""
+    """No parameters, ``seconds`` forward (and, through the sleep's identity, ~0 backward)."""
+
+    def __init__(self, seconds: float = SLOW_S) -> None:
+        super().__init__()
+        self.seconds = seconds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(SLOW_S)
+        time.sleep(self.seconds)
         return x
 
 
 class _SlowBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        time.sleep(SLOW_S)
-        return grad
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
 
 
 class SlowBackward(nn.Module):
+    def __init__(self, seconds: float = SLOW_S) -> None:
+        super().__init__()
+        self.seconds = seconds
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SlowBackward.apply(x)
+        return _SlowBackward.apply(x, self.seconds)
 
 
 def test_profile_measures_each_layer_and_leaves_the_model_alone() -> None:
     torch.manual_seed(0)
-    layers = [nn.Linear(8, 8), Slow(), nn.BatchNorm1d(8), SlowBackward(), nn.Dropout(0.5), nn.Linear(8, 2)]
+    slow = PROFILED_SLOW_S
+    layers = [
+        nn.Linear(8, 8), Slow(slow), nn.BatchNorm1d(8), SlowBackward(slow), nn.Dropout(0.5), nn.Linear(8, 2)
+    ]  # fmt: skip
     with torch.device("meta"):
         meta_layer = nn.Linear(8, 8)
     layers.append(nn.Sequential(nn.Linear(2, 8), meta_layer))  # a layer built on the meta device
@@ -66,10 +81,10 @@ def test_profile_measures_each_layer_and_leaves_the_model_alone() -> None:
     stats = layers[2].running_mean.clone()  # type: ignore[union-attr]
     times = profile_layers(layers, sample, torch.device("cpu"))
     assert len(times) == len(layers)
-    assert times[1].forward >= SLOW_S and times[1].backward < SLOW_S / 2
-    assert times[3].backward >= SLOW_S and times[3].forward < SLOW_S / 2
+    assert times[1].forward >= slow and times[1].backward < slow / 2
+    assert times[3].backward >= slow and times[3].forward < slow / 2
     fast = [t.total for k, t in enumerate(times) if k not in (1, 3)]
-    assert max(fast) < SLOW_S / 2
+    assert max(fast) < slow / 2
     assert all(p.grad is None for layer in layers for p in layer.parameters())
     assert torch.equal(torch.get_rng_state(), state), "profiling must not draw from the run's random stream"
     assert torch.equal(layers[2].running_mean, stats)  # type: ignore[union-attr,arg-type]

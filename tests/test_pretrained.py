@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_pipe import PipeTPStrategy
+from lightning_pipe import CheckpointError, PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.construction.materialize import MaterializeError, materialize
 from lightning_pipe.construction.meta import parameters_on_meta
@@ -148,3 +149,90 @@ def test_weights_of_another_shape_are_refused(tmp_path: Path) -> None:
     torch.save(bad, tmp_path / "bad.pt")
     with pytest.raises(MaterializeError, match=r"with shape \[3, 3\], but the model's is \[16, 16\]"):
         materialize(model, torch.device("cpu"), 0, set(), weights=WeightFiles(tmp_path / "bad.pt"))
+
+
+# ------------------------------------------------------------------------ damaged and unused files
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "header":
+        path.write_bytes(b"\xff" * 16 + data[16:])
+    else:
+        path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("how", ["truncated", "header", "empty"])
+def test_a_damaged_safetensors_file_is_named_with_the_fix(tmp_path: Path, how: str) -> None:
+    LlamaLM().llama.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    _damage(file, how)
+    for path in (tmp_path, file):  # the directory, and the file itself
+        with pytest.raises(CheckpointError) as err:
+            WeightFiles(path, prefix="llama.").get("llama.model.norm.weight")
+        text = str(err.value)
+        assert text.startswith(f"The pretrained weights file {file}"), text
+        assert "damaged or incomplete" in text and "Copy or download it again" in text, text
+
+
+def test_a_truncated_checkpoint_file_is_named_with_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "weights.ckpt"
+    torch.save({"state_dict": LateGPT(build_now=True).state_dict()}, path)
+    _damage(path, "truncated")
+    with pytest.raises(CheckpointError, match=r"weights file .*weights.ckpt cannot be read as a torch ch"):
+        WeightFiles(path)
+
+
+def test_an_index_naming_a_missing_file_names_it(tmp_path: Path) -> None:
+    LlamaLM().llama.save_pretrained(tmp_path, max_shard_size="8KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"lists the files \['{shard.name}'\], which are not in"):
+        WeightFiles(tmp_path)
+
+
+def test_a_missing_key_names_the_file_not_its_folder(tmp_path: Path) -> None:
+    source = LateGPT(build_now=True).state_dict()
+    del source["layers.1.mlp.0.weight"]
+    from safetensors.torch import save_file
+
+    file = tmp_path / "only.safetensors"
+    save_file({k: v.contiguous() for k, v in source.items()}, str(file))
+    with parameters_on_meta():
+        model = LateGPT(build_now=True)
+    with pytest.raises(MaterializeError, match=rf"The pretrained weights {file} hold no value"):
+        materialize(model, torch.device("cpu"), 0, set(), weights=WeightFiles(file))
+
+
+def test_unused_keys_of_the_files_are_listed(tmp_path: Path) -> None:
+    state = LateGPT(build_now=True).state_dict()
+    extra = {**state, "layers.99.weight": torch.zeros(2), "layers.1.mlp.0.wieght": torch.zeros(2)}
+    torch.save(extra, tmp_path / "extra.pt")
+    files = WeightFiles(tmp_path / "extra.pt")
+    assert files.unused(state.keys()) == ["layers.1.mlp.0.wieght", "layers.99.weight"]
+    assert WeightFiles(tmp_path / "extra.pt", prefix="model.").unused(f"model.{k}" for k in state) == [
+        "layers.1.mlp.0.wieght",
+        "layers.99.weight",
+    ]
+
+
+def unused_worker(path: str) -> list[str]:
+    model = LateGPT(build_now=False)
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, pretrained=path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(model, strategy, 2, GPT_DATA, max_steps=1)
+    return [str(w.message) for w in caught if "pretrained weights" in str(w.message)]
+
+
+@pytest.mark.distributed
+def test_a_misspelled_pretrained_key_is_warned_about_once(tmp_path: Path) -> None:
+    state = LateGPT(build_now=True).state_dict()
+    state["layers.1.mlp.0.wieght"] = state.pop("layers.1.mlp.0.weight").clone()
+    state["layers.1.mlp.0.weight"] = state["layers.1.mlp.0.wieght"].clone()
+    state["layers.99.weight"] = torch.zeros(2)
+    torch.save({"state_dict": state}, tmp_path / "weights.ckpt")
+    rank0, rank1 = run_distributed(unused_worker, 2, str(tmp_path / "weights.ckpt"), init_group=False)
+    assert len(rank0) == 1 and rank1 == []  # rank 0 warns, once
+    assert "hold 2 tensors that no parameter or buffer of LateGPT reads" in rank0[0]
+    assert "'layers.1.mlp.0.wieght', 'layers.99.weight'" in rank0[0] and "misspelled" in rank0[0]

@@ -204,8 +204,8 @@ def test_user_exception_on_the_middle_stage_stops_every_rank() -> None:
             1: r"ValueError: boom: user code failed on the middle stage.*"
             r"Pipeline rank 1 \(global rank 1, stages \[1\]\) was running "
             r"the forward of stage 1, micro-batch 0",
-            0: r"with peer rank 1 .*rank 1 has stopped",
-            2: r"with peer rank 1 .*rank 1 has stopped",
+            0: r"with peer rank 1 .*rank 1 \(dp_rank 0, pp_rank 1, tp_rank 0\) raised ValueError: boom",
+            2: r"with peer rank 1 .*rank 1 \(dp_rank 0, pp_rank 1, tp_rank 0\) raised ValueError: boom",
         },
         within=60,  # the dead peer is noticed at once, long before the 90 s deadline
     )

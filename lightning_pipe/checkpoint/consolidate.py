@@ -38,6 +38,7 @@ def consolidate_checkpoint(
     if output is not None:
         check_replaceable(Path(output))  # before the (long) read, not after it
     reader = ShardedCheckpoint(path)
+    reader.check_complete()  # no model to check the keys against: the files are the reference
     checkpoint = reader.lightning_state(weights_only=not trust_pickle)
     checkpoint["state_dict"] = {key: _copy(reader.model_value(key)) for key in reader.metadata.model}
     if weights_only:

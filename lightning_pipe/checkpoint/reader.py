@@ -16,10 +16,14 @@ import torch
 
 from lightning_pipe.checkpoint.metadata import (
     LIGHTNING_STATE_FILE,
+    METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
     TensorRecord,
+    shard_file_name,
 )
+
+_SHOWN = 8
 
 
 class ShardedCheckpoint:
@@ -83,6 +87,52 @@ class ShardedCheckpoint:
                 "checkpoint is damaged. Use an earlier checkpoint."
             )
         return value
+
+    def check_complete(self) -> None:
+        """Raise unless the metadata describes every value the shard files hold, and every shard
+        file the saving layout wrote is there.
+
+        Resuming checks the keys against the model; an offline reader (consolidation) has no model,
+        so it checks against the files themselves: each rank of the first replica wrote one file
+        (``shard-pp{p}-tp{t}.pt``), and every model entry and optimizer entry in a file must be
+        recorded, with that file, in the metadata. A metadata file that lost an entry would
+        otherwise give a checkpoint without that tensor.
+        """
+        layout = self.metadata.layout
+        expected = [
+            shard_file_name(p, t)
+            for p in range(layout["pipeline_parallel_size"])
+            for t in range(layout["tensor_parallel_size"])
+        ]
+        absent = [f for f in expected if not (self.path / f).is_file()]
+        if absent:
+            raise CheckpointError(
+                f"The checkpoint {self.path} is incomplete: the layout that saved it "
+                f"(pp={layout['pipeline_parallel_size']} x tp={layout['tensor_parallel_size']}) writes "
+                f"the shard files {expected}, and {absent} are not there. Copy the whole checkpoint "
+                "directory, or use an earlier checkpoint."
+            )
+        unrecorded: list[str] = []
+        for name in expected:
+            payload = self._file(name)
+            for key in payload.get("model", {}):
+                record = self.metadata.model.get(key)
+                if record is None or name not in record.files:
+                    unrecorded.append(f"model entry {key!r} in {name}")
+            for index, entries in enumerate(payload.get("optimizers", [])):
+                records = self.metadata.optimizers[index] if index < len(self.metadata.optimizers) else {}
+                for param, state in entries.items():
+                    for key in state:
+                        record = records.get(param, {}).get(key)
+                        if record is None or name not in record.files:
+                            unrecorded.append(f"optimizer {index}'s {key!r} for {param!r} in {name}")
+        if unrecorded:
+            more = f" and {len(unrecorded) - _SHOWN} more" if len(unrecorded) > _SHOWN else ""
+            raise CheckpointError(
+                f"The checkpoint {self.path} is damaged: its metadata ({METADATA_FILE}) does not "
+                f"record {len(unrecorded)} value(s) its shard files hold: {unrecorded[:_SHOWN]}{more}. "
+                "Reading it would silently leave them out; use an earlier checkpoint."
+            )
 
     def model_value(self, key: str) -> Any:
         """The full saved value of the model's state-dict entry ``key``."""

@@ -18,11 +18,17 @@ Formats, told apart by what ``path`` is:
 
 ``prefix`` maps the module's keys to the file's: a Hugging Face model kept as ``self.llama`` has
 module keys ``llama.model.layers.0...`` and file keys ``model.layers.0...``, so ``prefix="llama."``.
+
+A damaged file (truncated by a copy that stopped, an empty file, a corrupted header) is reported
+with its own path and what to do, never as the reader library's bare error; keys the files hold
+that the model does not use are listed by :meth:`WeightFiles.unused` (a misspelled or extra key
+would otherwise pass unnoticed, as ``load_state_dict(strict=False)`` users know).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,19 @@ from lightning_pipe.checkpoint.reader import ShardedCheckpoint
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+_SHOWN = 8
+
+
+def _damaged(path: Path, err: BaseException, kind: str) -> CheckpointError:
+    """The error for a weights file that cannot be read: its path, that it is damaged, the fix."""
+    size = path.stat().st_size if path.is_file() else None
+    empty = " (it is empty)" if size == 0 else ""
+    cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return CheckpointError(
+        f"The pretrained weights file {path}{empty} cannot be read as {kind}: it is damaged or incomplete "
+        f"(a download or copy that stopped part-way?). Copy or download it again. ({type(err).__name__}: "
+        f"{cause})"
+    )
 
 
 class WeightFiles:
@@ -40,6 +59,9 @@ class WeightFiles:
 
     def __init__(self, path: str | Path, prefix: str = "") -> None:
         self.path, self.prefix = Path(path), prefix
+        """What the user named: a directory or a file (messages name it)."""
+        self.directory = self.path
+        """Where the safetensors files named by the index (or the one file) are."""
         self._files: dict[str, Any] = {}  # safetensors file name -> open handle
         self._where: dict[str, str] = {}  # file key -> safetensors file name
         self._state: dict[str, Any] | None = None
@@ -50,16 +72,24 @@ class WeightFiles:
             self._sharded = ShardedCheckpoint(self.path)
             self._keys = set(self._sharded.metadata.model)
         elif self.path.is_dir() and (self.path / _INDEX).is_file():
-            index = json.loads((self.path / _INDEX).read_text())
-            self._where = dict(index["weight_map"])
-            self._keys = set(self._where)
+            self._read_index(self.path / _INDEX)
         elif self.path.is_dir() and (self.path / _SINGLE).is_file():
             self._index_file(_SINGLE)
         elif self.path.is_file() and self.path.suffix == ".safetensors":
-            self.path, name = self.path.parent, self.path.name
-            self._index_file(name)
+            self.directory = self.path.parent
+            self._index_file(self.path.name)
         elif self.path.is_file():
-            loaded = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                loaded = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:
+                if "weights_only" in str(err) or "Unsupported global" in str(err):
+                    raise CheckpointError(
+                        f"The pretrained weights file {self.path} holds objects that safe loading "
+                        "(torch.load(weights_only=True)) refuses; save the state dict alone "
+                        "(torch.save(model.state_dict(), path)) or consolidate the checkpoint with "
+                        f"--weights-only. ({str(err).splitlines()[0]})"
+                    ) from err
+                raise _damaged(self.path, err, "a torch checkpoint (torch.load)") from err
             state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else None
             if not isinstance(state, dict):
                 raise CheckpointError(f"{self.path} holds no state dict (got {type(loaded).__name__}).")
@@ -70,6 +100,20 @@ class WeightFiles:
                 f"{self.path} is neither a weights file (.safetensors, .ckpt, .pt) nor a directory with "
                 f"{_SINGLE}, {_INDEX} or a pipe_tp sharded checkpoint."
             )
+
+    def _read_index(self, path: Path) -> None:
+        try:
+            index = json.loads(path.read_text())
+            self._where = {str(k): str(v) for k, v in index["weight_map"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise _damaged(path, err, "a safetensors index (JSON with a 'weight_map')") from err
+        missing = sorted({name for name in self._where.values() if not (self.directory / name).is_file()})
+        if missing:
+            raise CheckpointError(
+                f"The pretrained weights index {path} lists the files {missing[:_SHOWN]}, which are not in "
+                f"{self.directory}: the directory is incomplete. Copy or download the whole directory."
+            )
+        self._keys = set(self._where)
 
     def _index_file(self, name: str) -> None:
         handle = self._open(name)
@@ -82,10 +126,19 @@ class WeightFiles:
                 from safetensors import safe_open
             except ImportError as err:  # an optional dependency
                 raise ImportError(
-                    f"Reading {self.path / name} needs the safetensors package: pip install safetensors"
+                    f"Reading {self.directory / name} needs the safetensors package: pip install safetensors"
                 ) from err
-            self._files[name] = safe_open(str(self.path / name), framework="pt", device="cpu")
+            try:
+                self._files[name] = safe_open(str(self.directory / name), framework="pt", device="cpu")
+            except Exception as err:
+                raise _damaged(self.directory / name, err, "safetensors") from err
         return self._files[name]
+
+    def unused(self, module_keys: Iterable[str]) -> list[str]:
+        """The files' keys that none of ``module_keys`` (the whole model's state-dict keys, every
+        stage's) reads, sorted: an extra or misspelled key the model would silently ignore."""
+        used = {found for key in module_keys if (found := self.file_key(key)) is not None}
+        return sorted(self._keys - used)
 
     def file_key(self, key: str) -> str | None:
         """The file's key for the module's state-dict ``key``, or ``None`` if it has none."""
@@ -104,7 +157,13 @@ class WeightFiles:
         elif self._state is not None:
             value = self._state[found]
         else:
-            value = self._open(self._where[found]).get_tensor(found)
+            name = self._where[found]
+            try:
+                value = self._open(name).get_tensor(found)
+            except CheckpointError:
+                raise
+            except Exception as err:
+                raise _damaged(self.directory / name, err, f"safetensors (reading {found!r})") from err
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"The entry {found!r} of {self.path} is not a tensor.")
         return value

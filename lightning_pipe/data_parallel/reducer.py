@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.collectives import reduce_scatter_flat
+
 if TYPE_CHECKING:  # the sharded optimizer imports this module
     from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer
 
@@ -191,7 +193,7 @@ class GradientReducer:
             bucket.buffer[-len(self.params) :].copy_(self._used)
         bucket.buffer.div_(self.size)  # average = sum of pre-divided parts (DDP's order)
         if self.shard and self._scatter:
-            bucket.work = dist.reduce_scatter_tensor(
+            bucket.work = reduce_scatter_flat(
                 self.shards[bucket.index],
                 bucket.buffer,
                 op=dist.ReduceOp.SUM,

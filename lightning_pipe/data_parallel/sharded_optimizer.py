@@ -29,6 +29,8 @@ sharding, and one device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.collectives import all_gather_flat
 from lightning_pipe.data_parallel.reducer import GradientReducer
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -74,8 +77,10 @@ class _Piece:
 
 
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer whose step is not element-wise, naming it and the fix."""
-    if type(optimizer) not in ELEMENTWISE:
+    """Refuse an optimizer whose step is not element-wise, naming it and the fix. A subclass of
+    one of :data:`ELEMENTWISE` is accepted (renaming ``Adam`` or adding a method keeps its step);
+    one that overrides ``step`` with a whole-tensor rule is the subclass author's to avoid."""
+    if not isinstance(optimizer, ELEMENTWISE):
         names = ", ".join(t.__name__ for t in ELEMENTWISE)
         raise ShardingError(
             f"shard_optimizer_state=True steps each replica's slice of the parameters on its own, which is "
@@ -87,8 +92,14 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
 class ShardedOptimizer:
     """Turns ``optimizer`` (over this rank's parameters) into a ZeRO-1 optimizer in place."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, reducer: GradientReducer) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        reducer: GradientReducer,
+        naming: Callable[[str], AbstractContextManager[None]] = lambda what: nullcontext(),
+    ) -> None:
         check_shardable(optimizer)
+        self._naming = naming
         if not reducer.shard:
             raise ValueError("ShardedOptimizer needs a GradientReducer built with shard=True.")
         if optimizer.state:
@@ -152,14 +163,16 @@ class ShardedOptimizer:
         bucket's gradient buffer is done with once the optimizer has stepped, so this rank's
         updated slice is staged in its own part of that buffer and gathered in place; all
         buckets' gathers are in flight together, then copied into the parameters."""
+        with self._naming("all-gathering the updated parameters over the data-parallel group"):
+            self._gather_parameters()
+
+    def _gather_parameters(self) -> None:
         reducer = self.reducer
         for pieces in self.pieces.values():
             for piece in pieces:
                 reducer.shards[piece.bucket][piece.in_shard].copy_(piece.tensor)
         works = [
-            dist.all_gather_into_tensor(
-                reducer.buffer(b), reducer.shards[b], group=reducer.group, async_op=True
-            )
+            all_gather_flat(reducer.buffer(b), reducer.shards[b], group=reducer.group, async_op=True)
             for b in range(len(reducer.shards))
         ]
         for b, (bucket, work) in enumerate(zip(reducer.layout(), works, strict=True)):

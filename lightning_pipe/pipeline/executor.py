@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_pipe.failures import FailureBoard
 from lightning_pipe.options import parse_option
 from lightning_pipe.pipeline.actions import Action, ActionType, PipelineSchedule, comm_batches
 from lightning_pipe.pipeline.batchnorm import running_backward
@@ -177,6 +178,7 @@ class PipelineExecutor:
         timeout: deadline of every exchange with a neighbour (``None``: the process group's).
         check_finite: raise as soon as a stage output or a loss holds NaN or Inf, naming the
             stage and micro-batch where it first appeared (costs a reduction per output).
+        board: names the peer that stopped (vanished, raised) when an exchange loses it.
     """
 
     def __init__(
@@ -189,13 +191,14 @@ class PipelineExecutor:
         group: dist.ProcessGroup | None = None,
         timeout: timedelta | None = None,
         check_finite: bool = False,
+        board: FailureBoard | None = None,
     ) -> None:
         self.stages = {s: list(layers) for s, layers in stages.items()}
         self.num_stages = num_stages
         self.peers = list(peers)
         self.checkpoint = CheckpointMode.parse(checkpoint)
         self.check_finite = check_finite
-        self.transport = P2PTransport(device, group, timeout)
+        self.transport = P2PTransport(device, group, timeout, board=board)
         self.recorder: ActionRecorder | None = None
         """Timeline hook; ``None`` (the default) costs one attribute test per action."""
         self.before_last_backward: Callable[[], None] | None = None

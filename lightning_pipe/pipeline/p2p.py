@@ -27,6 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.failures import FailureBoard, lost_connection, underlying
+
 # Wire codes of the dtypes an activation may have. Append only: the code is on the wire.
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -45,11 +47,6 @@ _DTYPES: tuple[torch.dtype, ...] = (
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 HEADER_SIZE = 64
 """Header length in int64 words: room for e.g. 8 tensors of rank 4, or 4 tensors of rank 11."""
-
-
-def lost_connection(message: str) -> bool:
-    """Whether a transport error says the peer's process has gone (its sockets closed)."""
-    return any(sign in message for sign in ("closed by peer", "Connection reset", "Broken pipe"))
 
 
 class PipelineCommunicationError(RuntimeError):
@@ -156,8 +153,11 @@ class P2PTransport:
         group: dist.ProcessGroup | None = None,
         timeout: timedelta | None = None,
         owner: str = "this rank",
+        board: FailureBoard | None = None,
     ) -> None:
         self.device = device
+        self.board = board
+        """Names a peer that vanished (or raised) when a connection is lost."""
         self.group = group
         # gloo honours a per-wait deadline; NCCL's host-side wait would block the CPU instead of
         # ordering streams, so there the process group's own timeout (watchdog) is the deadline.
@@ -177,7 +177,7 @@ class P2PTransport:
             else:
                 work.wait()
         except Exception as err:
-            raise self._explain(err, label, [peer], time.monotonic() - start) from err
+            raise self._explain(err, label, [peer], time.monotonic() - start) from None
 
     def _post(self, ops: list[dist.P2POp], labels: list[str]) -> list[dist.Work]:
         """Post a batch of sends and receives; a peer that is gone already fails here, on the
@@ -189,15 +189,15 @@ class P2PTransport:
             label = "; ".join(dict.fromkeys(labels))
             raise self._explain(
                 err, label, sorted({op.peer for op in ops}), time.monotonic() - start
-            ) from err
+            ) from None
 
     def _explain(
         self, err: Exception, label: str, peers: list[int], elapsed: float
     ) -> PipelineCommunicationError:
-        cause = str(err).splitlines()[0] if str(err) else type(err).__name__
+        cause = underlying(err)
         who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}"
         if lost_connection(cause):
-            hint = f"{who} has stopped (its own error, in its log, is the cause)"
+            hint = self.board.explain_lost(peers) if self.board is not None else f"{who} has stopped"
         else:
             hint = (
                 f"{who} did not answer within the deadline: it may be stuck, have failed without "
@@ -205,9 +205,11 @@ class P2PTransport:
                 "if steps are legitimately slower"
             )
         peer = f"peer rank {peers[0]}" if len(peers) == 1 else f"peer ranks {peers}"
+        if self.board is not None:
+            self.board.report_victim(f"gave up on {label} with {peer}: {hint}")
         return PipelineCommunicationError(
             f"{self.owner} gave up on {label} with {peer} after {elapsed:.1f}s: {hint}. "
-            f"Underlying error: {cause}"
+            f"(Underlying error: {cause})"
         )
 
     def _header_needed_for_send(self, request: SendRequest) -> bool:
@@ -330,7 +332,7 @@ class P2PTransport:
         try:
             return bool(work.is_completed())
         except Exception as err:  # a send whose peer has gone
-            raise self._explain(err, label, [peer], 0.0) from err
+            raise self._explain(err, label, [peer], 0.0) from None
 
     def flush(self) -> None:
         """Wait for every posted send (end of step) and release their buffers."""

@@ -38,6 +38,7 @@ Naming = Callable[..., AbstractContextManager[None]]
 """``naming(what, peers=())``: a context that names this rank and ``what`` in a collective's error."""
 
 _RECORD = "_lightning_pipe_prepared"
+_SHOWN = 5  # unused keys named in the warning before "and N more"
 log = logging.getLogger(__name__)
 
 
@@ -97,6 +98,8 @@ class Preparation:
 
     stages: tuple[int, ...]
     """The stages this rank holds (``PipelinePlan.stages_of_rank``)."""
+    warnings: list[str] = field(default_factory=list)
+    """Once-per-run warnings found while preparing (keys of the pretrained files nothing reads)."""
 
     def run(self, plan: PipelinePlan, layers: Sequence[nn.Module]) -> tuple[PreparedModel, frozenset[int]]:
         """Equalise tied copies, shard, materialise by ``plan``; returns the record and the
@@ -119,6 +122,8 @@ class Preparation:
         if on_meta:
             materialized = self._materialize(plan, layers)
             record.built_on_meta = True
+        if self.weights is not None:
+            self._warn_unused(self.weights)
         with self.naming("gathering what each stage holds"):
             tp, pipeline = mesh.layout.tensor_parallel_size, mesh.group(MeshAxis.PIPELINE)
             record.holdings = gather_holdings(module, plan, self.stages, tp, pipeline)
@@ -160,6 +165,21 @@ class Preparation:
             f"{released:,} elements of other stages' buffers)"
         )
         return done.tensors
+
+    def _warn_unused(self, weights: WeightFiles) -> None:
+        """Keys of the pretrained files that no state-dict key of the whole model reads: ignored,
+        as ``load_state_dict(strict=False)`` would, but said once (a misspelled name must show)."""
+        unused = weights.unused(self.module.state_dict().keys())
+        if unused:
+            shown = ", ".join(repr(k) for k in unused[:_SHOWN])
+            more = f" and {len(unused) - _SHOWN} more" if len(unused) > _SHOWN else ""
+            self.warnings.append(
+                f"pipe_tp: the pretrained weights {weights.path} hold {len(unused)} tensor"
+                f"{'s' if len(unused) != 1 else ''} that no parameter or buffer of "
+                f"{type(self.module).__name__} reads (pretrained_prefix={weights.prefix!r}): {shown}{more}. "
+                "They are ignored. Check for a misspelled or extra name, weights of another model "
+                "configuration, or a wrong pretrained_prefix."
+            )
 
     def _shard_tensor_parallel(self, plan: PipelinePlan, layers: Sequence[nn.Module]) -> str:
         """Replace the plan's modules inside this stage's ``layers`` (the unsharded pipeline

@@ -30,6 +30,7 @@ from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer, ShardedOptimizer
+from lightning_pipe.failures import FailureBoard
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.pipeline.actions import PipelineSchedule
 from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm, batch_norm_layers
@@ -58,6 +59,11 @@ _BATCH_NORM_MIXES = (
     "micro-batch's statistics, so gradients differ from one device unless num_microbatches=1. For exact "
     "equality use num_microbatches=1, or a normalisation that does not mix samples (LayerNorm, GroupNorm)."
 )
+_SHARDING_ONE_REPLICA = (
+    "pipe_tp: shard_optimizer_state=True has no effect with data_parallel_size=1: the optimizer state is "
+    "sharded over the data-parallel replicas, and there is one, which keeps all of it. Use "
+    "data_parallel_size >= 2 (more processes), or drop the option."
+)
 _BATCH_NORM_NOT_DEFERRED = (
     "pipe_tp: deferred_batch_norm=False: BatchNorm layers normalise with micro-batch statistics and update "
     "their running statistics once per micro-batch, unlike one device."
@@ -85,6 +91,7 @@ class ParallelRuntime:
         naming: ``naming(what, peers)``, a context that adds who and what to a collective's error.
         sample: one micro-batch's pipeline input (what the first layer takes), which
             ``partition="time"`` times the layers on; not needed otherwise.
+        board: the job's failure board: an exchange that loses its peer names who stopped and why.
     """
 
     def __init__(
@@ -100,6 +107,7 @@ class ParallelRuntime:
         weights: WeightFiles | None = None,
         naming: Naming = _no_naming,
         sample: Any = None,
+        board: FailureBoard | None = None,
     ) -> None:
         self.module, self.mesh, self.device = module, mesh, device
         self.options = options or RuntimeOptions()
@@ -126,12 +134,15 @@ class ParallelRuntime:
         self.stage_indices = plan.stages_of_rank(mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
         """The stages this rank holds; every stage-dependent choice reads this."""
         tied = self._tied_groups(plan)  # collective (new_group): before the seed's broadcast
+        self.warnings: list[str] = []
+        """Once-per-run warnings for the caller to show (rank 0 suffices: every rank has them)."""
         if record is None:
             seed = self._agreed_seed(seed)
             preparation = Preparation(
                 module, mesh, device, self.options, seed, init, weights, naming, tied, self.stage_indices
             )
             record, materialized = preparation.run(plan, layers)
+            self.warnings += preparation.warnings
         self.record: PreparedModel = record
         self.plan: PipelinePlan = plan
         self.layers: list[nn.Module] = [module.get_submodule(name) for name in self.plan.layer_names]
@@ -147,6 +158,7 @@ class ParallelRuntime:
             self.options.recomputation,
             timeout=self.options.timeout,
             check_finite=self.options.check_finite,
+            board=board,
         )
         self._schedules: dict[tuple[int, bool], PipelineSchedule] = {}
         self.reducer: GradientReducer | None = None
@@ -173,8 +185,8 @@ class ParallelRuntime:
             )
         self.sharded: dict[int, ShardedOptimizer] = {}
         """ZeRO-1 optimizers (``shard_optimizer_state``), by ``id()`` of the user's optimizer."""
-        self.warnings: list[str] = []
-        """Once-per-run warnings for the caller to show (rank 0 suffices: every rank has them)."""
+        if self.options.shard_optimizer_state and layout.data_parallel_size == 1 and self.first_setup:
+            self.warnings.append(_SHARDING_ONE_REPLICA)
         self.batch_norm: DeferredBatchNorm | None = None
         if batch_norm_layers(self.layers):
             if self.options.deferred_batch_norm:
@@ -210,7 +222,7 @@ class ParallelRuntime:
         own = {id(p) for p in self.module.parameters() if id(p) not in others and not p.is_meta}
         keep_own(optimizer, self.module, own)
         if self.reducer is not None and self.reducer.shard:
-            self.sharded[id(optimizer)] = ShardedOptimizer(optimizer, self.reducer)
+            self.sharded[id(optimizer)] = ShardedOptimizer(optimizer, self.reducer, self._naming)
         return optimizer
 
     def logical(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -234,6 +246,13 @@ class ParallelRuntime:
         )
         if record.sharding:
             text += f"\n{record.sharding}"
+        if self.options.shard_optimizer_state:
+            dp = layout.data_parallel_size
+            text += (
+                f"\n  optimizer state sharded over the {dp} data-parallel replicas (ZeRO-1)"
+                if dp > 1
+                else "\n  shard_optimizer_state=True has no effect: one data-parallel replica holds all state"
+            )
         if record.built_on_meta:
             text += (
                 "\n  built on the meta device: each rank holds only its own stages' tensors (and tensor "

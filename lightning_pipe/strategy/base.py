@@ -52,6 +52,10 @@ class PipeTPParts(DDPStrategy):
     def _timeline_recorder(self, step: int) -> TimelineRecorder | None:
         raise NotImplementedError
 
+    def _lost_peers(self, what: str, peers: Sequence[int] = ()) -> AbstractContextManager[None]:
+        """Turn a lost connection inside the block into an error naming the rank that stopped."""
+        raise NotImplementedError
+
     def _collective(self, what: str, peers: Sequence[int] = ()) -> AbstractContextManager[None]:
         """Name this rank and ``what`` (and ``peers``, on a lost connection) in any error a
         collective inside the block raises."""

@@ -13,7 +13,8 @@ or from ``consolidate``) takes the same path: its full tensors are cut the same 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from lightning_pipe.checkpoint.replace import recover_leftover, remove_path
 from lightning_pipe.checkpoint.state import (
     check_optimizer_cuttable,
 )
+from lightning_pipe.failures import PeerLostError
 from lightning_pipe.runtime import checkpointing
 from lightning_pipe.strategy.base import PipeTPParts
 from lightning_pipe.strategy.compat import (
@@ -47,6 +49,12 @@ class CheckpointHooks(PipeTPParts):
 
     save_distributed_checkpoint: bool = True
     _timeout: timedelta | None
+
+    @contextmanager
+    def _together(self, what: str) -> Iterator[None]:
+        """:func:`fail_together` (one rank's error raised on every rank), and a lost peer named."""
+        with self._lost_peers(what[0].lower() + what[1:]), fail_together(what):
+            yield
 
     @property
     @override
@@ -75,7 +83,10 @@ class CheckpointHooks(PipeTPParts):
         # still be waiting when this rank gives up, so that they name it as the first failure.
         limit = min(self._timeout / 2 if self._timeout else _SAVE_JOIN_LIMIT, _SAVE_JOIN_LIMIT)
         try:
-            dist.monitored_barrier(timeout=limit, wait_all_ranks=True)
+            with self._lost_peers("starting to save a checkpoint"):
+                dist.monitored_barrier(timeout=limit, wait_all_ranks=True)
+        except PeerLostError:
+            raise
         except Exception as err:
             cause = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise CheckpointError(
@@ -90,7 +101,7 @@ class CheckpointHooks(PipeTPParts):
         """This rank's part of the optimizer state by parameter name (sharded format), or the
         whole optimizer state on rank 0."""
         # Every rank learns whether any rank's state cannot be saved, before the gather or the write.
-        with fail_together("Saving the optimizer state"):
+        with self._together("Saving the optimizer state"):
             if self.save_distributed_checkpoint:
                 return checkpointing.optimizer_state(self.runtime, optimizer)
             logical = self.runtime.logical(optimizer)  # sharded: assembled from the replicas
@@ -109,9 +120,10 @@ class CheckpointHooks(PipeTPParts):
                 "PipeTPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy "
                 "writes checkpoints itself rather than through a CheckpointIO plugin."
             )
-        path = Path(self.broadcast(str(filepath)))
+        with self._lost_peers("agreeing on the checkpoint path"):
+            path = Path(self.broadcast(str(filepath)))
         if not self.save_distributed_checkpoint:
-            with fail_together(f"Saving the checkpoint {path}"):  # rank 0 writes; all learn the outcome
+            with self._together(f"Saving the checkpoint {path}"):  # rank 0 writes; all learn the outcome
                 if self.is_global_zero:
                     save_atomically(checkpoint, path)
             return
@@ -130,11 +142,12 @@ class CheckpointHooks(PipeTPParts):
         if weights_only is None:
             # Lightning drops the caller's weights_only for strategies that restore after setup.
             weights_only = weights_only_of_running_call()
-        path = Path(self.broadcast(str(checkpoint_path)))
-        with fail_together(f"Loading the checkpoint {path}"):
-            if self.is_global_zero:  # every rank waits for it: fail_together is a collective
+        with self._lost_peers("agreeing on the checkpoint path"):
+            path = Path(self.broadcast(str(checkpoint_path)))
+        with self._together(f"Loading the checkpoint {path}"):
+            if self.is_global_zero:  # every rank waits: fail_together is a collective
                 recover_leftover(path)  # a save that crashed between its renames
-        with fail_together(f"Loading the checkpoint {path}"):
+        with self._together(f"Loading the checkpoint {path}"):
             if not path.is_dir():
                 return load_checkpoint_file(super().load_checkpoint, path, weights_only)
             strict = self.module.strict_loading
@@ -143,12 +156,12 @@ class CheckpointHooks(PipeTPParts):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load this stage's entries, cutting full tensors (a plain checkpoint) to this rank's slice."""
-        with fail_together("Loading the model weights"):
+        with self._together("Loading the model weights"):
             checkpointing.load_model(self.runtime, dict(checkpoint), strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load this stage's optimizer entries, cutting full tensors to this rank's slice."""
-        with fail_together("Loading the optimizer state"):
+        with self._together("Loading the optimizer state"):
             checkpointing.load_optimizers(self.runtime, dict(checkpoint), self.optimizers)
             optimizers_to_device(self.optimizers, self.root_device)

@@ -9,16 +9,17 @@ once, even inside a collective (:mod:`lightning_pipe.signals`). Issue 15.
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Literal
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_pipe.failures import FailureBoard
+from lightning_pipe.failures import FailureBoard, PeerLostError, lost_connection
 from lightning_pipe.mesh import ParallelLayout, ParallelMesh, init_mesh
-from lightning_pipe.pipeline.p2p import lost_connection
+from lightning_pipe.pipeline.p2p import PipelineCommunicationError
 from lightning_pipe.signals import StopOnSignal, passed_on_by_rank_zero
 from lightning_pipe.strategy.base import PipeTPParts
 
@@ -44,7 +45,9 @@ class FaultHandling(PipeTPParts):
         )
         global _SETUP_CALLS
         _SETUP_CALLS += 1  # every rank counts the same Trainer calls: a prefix all ranks agree on
-        self._failures = FailureBoard.of_default_group(f"lightning_pipe/failures/{_SETUP_CALLS}")
+        self._failures = FailureBoard.of_default_group(
+            f"lightning_pipe/failures/{_SETUP_CALLS}", lambda rank: str(layout.coordinates(rank))
+        )
         self._mesh = None
         with self._collective(f"creating the process groups of the {layout} mesh"):
             self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
@@ -67,13 +70,26 @@ class FaultHandling(PipeTPParts):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Record this rank's failure, so that the ranks that lose it can name it."""
+        """Record this rank's failure, so that the ranks that lose it can name it; a rank that
+        only lost a peer says, in one line before its traceback, which rank stopped and why."""
         if isinstance(exception, SIGTERMException):
             where = f" ({self._mesh.coordinates})" if self._mesh is not None else ""
             passed_on_by_rank_zero(exception, self.global_rank, f"rank {self.global_rank}{where}")
-        if self._failures is not None:
-            summary = str(exception).strip().splitlines()[0][:300] if str(exception).strip() else ""
-            self._failures.report(f"raised {type(exception).__name__}: {summary}")
+        board = self._failures
+        text = str(exception).strip()
+        if board is not None:
+            if isinstance(exception, PeerLostError | PipelineCommunicationError):
+                _first_line(f"lightning_pipe: {text.splitlines()[0]}")
+            elif lost_connection(text):
+                # A collective outside the named ones (Lightning's own, a callback's): explain it here.
+                lost = board.lost_error(exception, "in a collective")
+                if hasattr(exception, "add_note"):
+                    exception.add_note(str(lost))
+                _first_line(f"lightning_pipe: {lost}")
+            else:
+                summary = text.splitlines()[0][:300] if text else ""
+                board.report(f"raised {type(exception).__name__}: {summary}")
+            board.linger()  # the store's host: the others may still be reading the board
         super().on_exception(exception)
 
     def _first_failure_note(self, err: BaseException) -> None:
@@ -86,17 +102,23 @@ class FaultHandling(PipeTPParts):
         ):
             err.add_note(f"The first rank to fail: {first}.")
 
+    def _lost_peers(self, what: str, peers: Sequence[int] = ()) -> AbstractContextManager[None]:
+        """A lost connection inside the block becomes a :class:`PeerLostError` naming the rank
+        that stopped and why (other errors pass unchanged)."""
+        return self._failures.naming(what, peers) if self._failures is not None else nullcontext()
+
     @contextmanager
     def _collective(self, what: str, peers: Sequence[int] = ()) -> Iterator[None]:
-        """Name this rank and the operation in any error a collective raises (a peer that failed
-        first, or a deadline that passed); ``peers``, the other ranks of the collective's group,
-        are named when the error is a lost connection."""
+        """Name this rank and the operation in any error a collective raises: a lost connection
+        becomes a :class:`PeerLostError` naming the rank that stopped (among ``peers``, the other
+        ranks of the collective's group; all ranks when empty) and why; any other error (a
+        deadline that passed) gets notes naming this rank, the operation and the first failure."""
         try:
-            yield
+            with self._lost_peers(what, peers):
+                yield
+        except PeerLostError:
+            raise
         except Exception as err:
-            if peers and lost_connection(str(err)) and hasattr(err, "add_note"):
-                who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {list(peers)}"
-                err.add_note(f"{who} has stopped (its own error, in its log, is the cause).")
             where = f" ({self._mesh.coordinates})" if self._mesh is not None else ""
             note = (
                 f"Rank {self.global_rank}{where} failed while {what}; if another rank failed first, its "
@@ -114,10 +136,13 @@ class FaultHandling(PipeTPParts):
 
     @contextmanager
     def _naming_first_failure(self, kind: type[BaseException]) -> Iterator[None]:
+        """Add the first failure to a ``kind`` error that does not already explain a lost peer
+        (a deadline that passed: the peer may be stuck behind another rank's failure)."""
         try:
             yield
         except kind as err:
-            self._first_failure_note(err)
+            if not lost_connection(str(err)):
+                self._first_failure_note(err)
             raise
 
     @override
@@ -125,3 +150,12 @@ class FaultHandling(PipeTPParts):
         if self._signals is not None:
             self._signals.uninstall()
         super().teardown()
+
+
+def _first_line(text: str) -> None:
+    """Write ``text`` to standard error at once: it precedes the traceback Lightning prints."""
+    try:
+        sys.stderr.write(text.splitlines()[0] + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass

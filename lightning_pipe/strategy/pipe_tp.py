@@ -399,7 +399,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             module, module.configure_pipeline() if first else [],  # type: ignore[operator]
             self.mesh, self.root_device, options,
             seed=int(env) if env is not None else None, init=init if callable(init) else None,
-            weights=weights, naming=self._collective, sample=sample,
+            weights=weights, naming=self._collective, sample=sample, board=self._failures,
         )  # fmt: skip
 
     @override
