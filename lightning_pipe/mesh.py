@@ -18,6 +18,8 @@ from typing import Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_pipe.options import check_count
+
 
 class MeshAxis(enum.Enum):
     """The axes of the mesh, outermost first; values are the DeviceMesh dimension names."""
@@ -49,9 +51,7 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_count(name, getattr(self, name))
 
     @classmethod
     def resolve(
@@ -68,26 +68,28 @@ class ParallelLayout:
         strategy with N devices gets an N-stage pipeline per tensor group.
         """
         tp = tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}.")
+        check_count("tensor_parallel_size", tp)
+        if pipeline_parallel_size != "auto":
+            check_count("pipeline_parallel_size", pipeline_parallel_size, also="'auto'")
+        if data_parallel_size != "auto":
+            check_count("data_parallel_size", data_parallel_size, also="'auto'")
         if pipeline_parallel_size == "auto":
             dp_known = 1 if data_parallel_size == "auto" else data_parallel_size
             if not isinstance(dp_known, int) or dp_known < 1 or world_size % (dp_known * tp) != 0:
                 raise ValueError(
                     f"data_parallel_size ({data_parallel_size}) x tensor_parallel_size ({tp}) does not "
-                    f"divide the world size {world_size}, so no pipeline size fits. Use sizes whose "
-                    "product divides the number of processes."
+                    f"divide the world size {world_size} (processes: devices x nodes), so no pipeline size "
+                    "fits. Use sizes whose product divides the number of processes."
                 )
             pipeline_parallel_size = world_size // (dp_known * tp)
         pp = pipeline_parallel_size
-        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-            raise ValueError(f"pipeline_parallel_size must be an integer >= 1 or 'auto', got {pp!r}.")
         if data_parallel_size == "auto":
             if world_size % (pp * tp) != 0:
                 raise ValueError(
                     f"pipeline_parallel_size ({pp}) x tensor_parallel_size ({tp}) = {pp * tp} does "
-                    f"not divide the world size {world_size}, so no data-parallel size fits. Use a "
-                    f"number of processes that is a multiple of {pp * tp}, or change the sizes."
+                    f"not divide the world size {world_size} (processes: devices x nodes), so no "
+                    f"data-parallel size fits. Use a number of processes that is a multiple of {pp * tp}, "
+                    "or change the sizes."
                 )
             data_parallel_size = world_size // (pp * tp)
         layout = cls(data_parallel_size, pp, tp)

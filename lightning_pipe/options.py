@@ -22,3 +22,26 @@ def parse_option(cls: type[E], value: E | str, what: str, context: str = "", hin
             return member
     valid = ", ".join(repr(m.value) for m in cls)
     raise ValueError(f"Unknown {what} {value!r}{context}: expected one of {valid}{hint}.")
+
+
+def check_count(name: str, value: object, minimum: int = 1, also: str = "", hint: str = "") -> None:
+    """Raise unless ``value`` is an integer ``>= minimum`` (``True`` is not a count): one
+    sentence naming the option, the value and what is allowed (``also``: other accepted values,
+    e.g. ``"'auto'"``)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
+        return
+    allowed = f"an integer >= {minimum}" + (f" or {also}" if also else "")
+    raise ValueError(f"{name} must be {allowed}, got {value!r}.{' ' + hint if hint else ''}")
+
+
+def check_flag(name: str, value: object) -> None:
+    """Raise unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}.")
+
+
+def check_positive(name: str, value: object, unit: str = "") -> None:
+    """Raise unless ``value`` is a number > 0 (``unit``: what it counts, for the message)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value == value and value > 0:
+        return
+    raise ValueError(f"{name} must be a number > 0{' (' + unit + ')' if unit else ''}, got {value!r}.")

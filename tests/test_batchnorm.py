@@ -114,3 +114,55 @@ def test_deferred_statistics_of_micro_batches_equal_the_whole_batch() -> None:
     deferred.remove()
     parts(batch)  # hooks removed: an ordinary BatchNorm again
     assert int(parts.num_batches_tracked) == 2
+
+
+class BatchNormFirst(BatchNormNet):
+    """The BatchNorm on the first stage instead of the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
+            nn.Tanh(), nn.Linear(HIDDEN, OUT),
+        )  # fmt: skip
+
+
+def warning_worker(first: bool, dp: int, microbatches: int) -> list[str]:
+    import warnings
+
+    model = BatchNormFirst() if first else BatchNormNet()
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=2, data_parallel_size=dp, num_microbatches=microbatches,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory() as root:
+        warnings.simplefilter("always")
+        L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=2 * dp, max_steps=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root,
+        ).fit(model, loader(TRAIN, 8, False))  # fmt: skip
+    return [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("first", "dp", "microbatches"),
+    [(False, 1, 4), (True, 1, 2), (True, 2, 2), (False, 1, 1)],
+    ids=["pp2-last-stage", "pp2-first-stage", "dp2xpp2", "one-micro-batch"],
+)
+def test_every_pipeline_holding_a_batch_norm_warns_with_the_size_and_the_fixes(
+    first: bool, dp: int, microbatches: int
+) -> None:
+    got = run_distributed(warning_worker, 2 * dp, first, dp, microbatches, init_group=False, timeout=150)
+    rank0 = got[0]
+    assert all(r == [] for r in got[1:]), got  # rank 0 warns for the job
+    if microbatches == 1:  # one micro-batch normalises by the whole batch's statistics: exact
+        assert rank0 == [], rank0
+        return
+    (text,) = rank0
+    name = "layers.1" if first else "layers.3"
+    assert f"the model holds BatchNorm layers ({name})" in text, text
+    assert "losses up to 0.6 apart" in text and "running_var up to 25 apart" in text  # the size
+    for fix in ("num_microbatches=1", "LayerNorm, GroupNorm", "eval mode with frozen statistics"):
+        assert fix in text, text

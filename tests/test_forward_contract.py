@@ -143,3 +143,141 @@ def test_fit_stops_every_rank_when_forward_is_not_the_chain() -> None:
         )
         assert "differs from the chained layers' by up to" in o.error
     assert max(o.seconds for o in outcomes) < 50
+
+
+class Scaled(nn.Module):
+    """A first layer of two arguments: the input and a per-sample scale from the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+class TwoArguments(L.LightningModule):
+    """``pipeline_input`` returns several tensors (a list, or a tuple): the first layer is called
+    with them as positional arguments, as a layer's tuple output calls the next layer, and the
+    two-argument ``forward`` is checked against the layers like any other."""
+
+    def __init__(self, as_list: bool = True, off_by_one: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([Scaled(), nn.Tanh(), nn.Linear(6, 3)])
+        self.as_list, self.off_by_one = as_list, off_by_one
+
+    def configure_pipeline(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_input(self, batch: Any) -> Any:
+        x, y = batch
+        scale = 1.0 + y[:, :1].abs()  # varies per sample, so a mix-up shows
+        return [x, scale] if self.as_list else (x, scale)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        out = self.layers[2](self.layers[1](self.layers[0](x, scale)))
+        return out + 1 if self.off_by_one else out
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self(*self.pipeline_input(batch)), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def two_arguments_worker(as_list: bool) -> dict[str, torch.Tensor]:
+    model = TwoArguments(as_list)
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
+    _fit_two(model, strategy, 2, reference=False)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+
+
+def _fit_two(model: L.LightningModule, strategy: Any, devices: int, reference: bool) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, max_steps=3, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root,
+        ).fit(model, loader(dataset(24, seed=1), 8, reference))  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("as_list", [True, False], ids=["list", "tuple"])
+def test_a_pipeline_input_of_several_tensors_calls_the_first_layer_with_them(as_list: bool) -> None:
+    from tests.distributed import run_distributed
+
+    got = run_distributed(two_arguments_worker, 2, as_list, init_group=False, timeout=120)
+    reference = TwoArguments(as_list)
+    _fit_two(reference, "auto", 1, reference=True)
+    for name, value in reference.named_parameters():
+        owner = got[0] if name in got[0] and not name.startswith("layers.2") else got[1]
+        torch.testing.assert_close(owner[name], value.detach(), atol=1e-6, rtol=0, msg=name)
+
+
+def test_a_two_argument_forward_is_checked() -> None:
+    model = TwoArguments()
+    probe = (torch.randn(4, 6), torch.rand(4, 1) + 1)
+    assert check_forward(model.forward, list(model.layers), model, probe) == (None, None)
+    wrong = TwoArguments(off_by_one=True)
+    error, _ = check_forward(wrong.forward, list(wrong.layers), wrong, probe)
+    assert error is not None and "output 0 of forward differs from the chained layers' by up to 1" in error
+
+
+class ClonedChain(L.LightningModule):
+    """Built on the meta device (configure_model), with a ``forward`` that chains the layers on
+    copies of the activations: structurally not the chain, the same numbers, and not comparable
+    numerically on a rank that holds one stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: nn.Sequential | None = None
+
+    def configure_model(self) -> None:
+        if self.layers is None:
+            self.layers = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+
+    def configure_pipeline(self) -> list[nn.Module]:
+        assert self.layers is not None
+        return list(self.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.layers is not None
+        for layer in self.layers:
+            x = layer(x.clone())
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def acknowledged_worker(check: bool) -> list[str]:
+    import warnings
+
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=2, num_microbatches=2, check_forward=check, timeout=timedelta(seconds=60)
+    )
+    with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory() as root:
+        warnings.simplefilter("always")
+        L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=2, max_steps=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root,
+        ).fit(ClonedChain(), loader(dataset(16, seed=1), 8, reference=False))  # fmt: skip
+    return [str(w.message) for w in caught if "could not check" in str(w.message)]
+
+
+@pytest.mark.distributed
+def test_the_unchecked_forward_warning_can_be_acknowledged() -> None:
+    from tests.distributed import run_distributed
+
+    warned = run_distributed(acknowledged_worker, 2, True, init_group=False, timeout=120)
+    assert (
+        len(warned[0]) == 1
+        and "PipeTPStrategy(check_forward=False) skips the check and this warning" in warned[0][0]
+    )
+    silent = run_distributed(acknowledged_worker, 2, False, init_group=False, timeout=120)
+    assert silent == [[], []]

@@ -79,10 +79,10 @@ def test_resolve_auto_pipeline_takes_what_remains() -> None:
     [
         ({"pipeline_parallel_size": 0}, f"{PP_MSG}, got 0"),
         ({"tensor_parallel_size": -1}, "tensor_parallel_size must be an integer >= 1, got -1"),
-        ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1, got 0"),
+        ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1 or 'auto', got 0"),
         ({"pipeline_parallel_size": 2.0}, f"{PP_MSG}, got 2\\.0"),
         ({"pipeline_parallel_size": True}, f"{PP_MSG}, got True"),
-        ({"data_parallel_size": "Auto"}, "data_parallel_size must be an integer >= 1, got 'Auto'"),
+        ({"data_parallel_size": "Auto"}, "data_parallel_size must be an integer >= 1 or 'auto', got 'Auto'"),
     ],
     ids=["pp0", "tp-negative", "dp0", "pp-float", "pp-bool", "dp-bad-string"],
 )

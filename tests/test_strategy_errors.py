@@ -135,9 +135,35 @@ def test_setup_errors_name_the_fix(single: dict[str, Any], case: str, pattern: s
         ({"schedule": "zigzag"}, r"Unknown pipeline schedule 'zigzag': expected one of 'gpipe', '1f1b'"),
         ({"partition": "balanced"}, r"Unknown partition 'balanced': expected one of 'uniform', 'parameters'"),
         ({"checkpoint": "sometimes"}, r"Unknown checkpoint mode 'sometimes': expected one of 'never'"),
-        ({"num_microbatches": 0}, r"num_microbatches must be an integer >= 1 or None \(automatic\), got 0"),
-        ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size must be an integer >= 1 or 'auto', got 0"),
-        ({"partition": [2, "x"]}, r"A partition list holds layer counts \(integers\)"),
+        ({"num_microbatches": 0}, r"^num_microbatches must be an integer >= 1 or None \(2 x pipeline_"),
+        (
+            {"pipeline_parallel_size": 0},
+            r"^pipeline_parallel_size must be an integer >= 1 or 'auto', got 0\.$",
+        ),
+        (
+            {"pipeline_parallel_size": -2},
+            r"^pipeline_parallel_size must be an integer >= 1 or 'auto', got -2\.$",
+        ),
+        ({"tensor_parallel_size": -1}, r"^tensor_parallel_size must be an integer >= 1, got -1\.$"),
+        ({"data_parallel_size": 0}, r"^data_parallel_size must be an integer >= 1 or 'auto', got 0\.$"),
+        ({"virtual_stages": 0}, r"^virtual_stages must be an integer >= 1 or None, got 0\.$"),
+        (
+            {"virtual_stages": 2},
+            r"^virtual_stages=2 \(several stages per pipeline rank\) needs schedule='interleaved_1f1b', the "
+            r"only schedule with several; got schedule='1f1b'\.$",
+        ),
+        ({"partition": [2, "x"]}, r"^partition=\[2, 'x'\]: a partition list holds each stage's number of"),
+        ({"partition": [5, 0]}, r"^partition=\[5, 0\]: .* every one an integer >= 1"),
+        (
+            {"bucket_cap_mb": 0},
+            r"^bucket_cap_mb must be a number > 0 \(megabytes per gradient bucket\), got 0",
+        ),
+        ({"shard_optimizer_state": "yes"}, r"^shard_optimizer_state must be True or False, got 'yes'\.$"),
+        (
+            {"start_method": "thread"},
+            r"^start_method must be one of \['popen', 'spawn', 'fork', 'forkserver'\]",
+        ),
+        ({"tensor_parallel_plan": ["colwise"]}, r"^tensor_parallel_plan must map module-name patterns"),
         (
             {"timeout": timedelta(0)},
             r"^timeout must be a positive datetime\.timedelta or a positive number of seconds, got "
@@ -153,6 +179,53 @@ def test_setup_errors_name_the_fix(single: dict[str, Any], case: str, pattern: s
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         PipeTPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices", "pattern"),
+    [
+        (
+            {"pipeline_parallel_size": 3},
+            2,
+            r"^pipe_tp cannot lay out 2 processes \(2 devices x 1 nodes\): pipeline_parallel_size \(3\) x "
+            r"tensor_parallel_size \(1\) = 3 does not divide the world size 2",
+        ),
+        (
+            {"data_parallel_size": 2, "tensor_parallel_size": 2},
+            3,
+            r"^pipe_tp cannot lay out 3 processes .* data_parallel_size \(2\) x tensor_parallel_size \(2\) "
+            r"does not divide",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "partition": [3, 2, 1]},
+            2,
+            r"^partition=\[3, 2, 1\] gives 3 stages their layer counts, but the pipeline has 2 stages",
+        ),
+    ],
+    ids=["pp3-on-2", "dp2xtp2-on-3", "partition-length"],
+)
+def test_a_layout_that_cannot_fit_the_devices_is_refused_before_launch(
+    kwargs: dict[str, Any], devices: int, pattern: str
+) -> None:
+    """Refused when the Trainer is built, in this (the launching) process: nothing is launched."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match=pattern):
+        L.Trainer(strategy=PipeTPStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
+
+
+def test_a_bad_value_from_lightning_cli_is_one_sentence(capsys: pytest.CaptureFixture[str]) -> None:
+    """LightningCLI lists the constructor's error among its own; it must be the one sentence."""
+    from lightning.pytorch.cli import LightningCLI
+
+    args = [
+        "--trainer.strategy=lightning_pipe.PipeTPStrategy",
+        "--trainer.strategy.pipeline_parallel_size=-2",
+    ]
+    with pytest.raises(ValueError) as err:
+        LightningCLI(Regressor, run=False, args=["--trainer.accelerator=cpu", *args])
+    assert "- pipeline_parallel_size must be an integer >= 1 or 'auto', got -2." in str(err.value), err.value
+    assert "world size" not in str(err.value)
 
 
 def test_timeout_in_seconds_is_accepted() -> None:

@@ -225,3 +225,71 @@ def test_cli_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
         schedule_cli(["--stages", "0"])
     assert exit_info.value.code == 2
     assert "num_stages must be an integer >= 1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- from Trainer(strategy=...)
+def fit_timeline_worker(path: str, max_steps: int, timeline_steps: int) -> list[str]:
+    import tempfile
+    import warnings
+    from datetime import timedelta
+
+    import lightning as L
+
+    from lightning_pipe import PipeTPStrategy
+    from tests.lightning_models import Regressor, dataset, loader
+
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=2, num_microbatches=M, timeline=path, timeline_steps=timeline_steps,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory() as root:
+        warnings.simplefilter("always")
+        L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=2, max_steps=max_steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=root,
+        ).fit(Regressor(), loader(dataset(64, seed=1), 8, reference=False))  # fmt: skip
+    return [str(w.message) for w in caught if "timeline" in str(w.message)]
+
+
+def _ts(event: dict[str, Any]) -> float:
+    return float(event["ts"])
+
+
+@pytest.mark.distributed
+def test_fit_records_the_requested_steps_after_step_zero(tmp_path: Path) -> None:
+    trace = tmp_path / "run.json"
+    run_distributed(fit_timeline_worker, 2, str(trace), 6, 2, init_group=False, timeout=120)
+    complete, names = _load_trace(trace)
+    assert set(names) == {0, 1}
+    for rank in (0, 1):
+        computes = sorted((e for e in complete if e["tid"] == rank and e["cat"] == "compute"), key=_ts)
+        assert len(computes) == 2 * 2 * M  # two steps of M forwards and M backwards
+        steps = sorted((e for e in complete if e["tid"] == rank and e["name"] == "optimizer step"), key=_ts)
+        assert len(steps) == 2
+        # Each step's optimizer step follows that step's computations and precedes the next's.
+        first, second = computes[: 2 * M], computes[2 * M :]
+        assert _ts(first[-1]) < _ts(steps[0]) < _ts(second[0]) < _ts(second[-1]) < _ts(steps[1])
+
+
+@pytest.mark.distributed
+def test_one_step_by_default_and_step_zero_when_nothing_else_ran(tmp_path: Path) -> None:
+    one = tmp_path / "one.json"
+    run_distributed(fit_timeline_worker, 2, str(one), 5, 1, init_group=False, timeout=120)
+    complete, _ = _load_trace(one)
+    assert sum(e["cat"] == "compute" for e in complete) == 2 * 2 * M  # one step on each of 2 ranks
+    only = tmp_path / "only.png"
+    run_distributed(fit_timeline_worker, 2, str(only), 1, 1, init_group=False, timeout=120)
+    _assert_png(only)  # step 0, the only one, drawn rather than nothing
+    none = tmp_path / "none.png"
+    warned = run_distributed(fit_timeline_worker, 2, str(none), 0, 1, init_group=False, timeout=120)
+    assert not none.exists()
+    assert any("no training step ran in this fit, so there is no timeline to write" in w for w in warned[0])
+
+
+def test_plot_labels_rows_and_notes(tmp_path: Path) -> None:
+    events = events_from_simulation(simulate(build_schedule("zb_h1", 2, 4), 1.0, 2.0), unit=1e-3)
+    labels = {0: "rank 0\npp 0 · tp 0\nstage 0", 1: "rank 1\npp 1 · tp 0\nstage 1"}
+    stats = plot_timeline(events, tmp_path / "z.png", title="t", row_labels=labels, note="a note")
+    _assert_png(tmp_path / "z.png")
+    assert 0.0 < stats.bubble_fraction < 1.0

@@ -177,7 +177,9 @@ def check_forward(
     except _UncheckedError as why:
         return None, (
             f"pipe_tp could not check that {type(model).__name__}.forward equals its pipeline layers "
-            f"applied in order ({structural}; a numeric comparison was not possible: {why})."
+            f"applied in order ({structural}; a numeric comparison was not possible: {why}). Once you have "
+            "checked it (on one device, say), PipeTPStrategy(check_forward=False) skips the check and this "
+            "warning."
         )
     finally:
         for m, mode in modes.items():

@@ -96,3 +96,10 @@ def signature(obj: Any) -> Hashable:
     if isinstance(obj, tuple | list):
         return ("L", tuple(signature(v) for v in obj))
     return ("O", type(obj).__name__)
+
+
+def as_layer_arguments(value: Any) -> Any:
+    """What ``pipeline_input`` returned, as the first layer is called with it: a tuple, or a list,
+    becomes its positional arguments (``layer(*value)``), as a layer's tuple output does for the
+    next layer; anything else is its one argument."""
+    return tuple(value) if isinstance(value, list) else value

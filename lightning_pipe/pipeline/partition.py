@@ -39,8 +39,17 @@ def check_partition(partition: Partition) -> None:
     """Raise the error :func:`compute_balance` would raise for an unknown method name, early."""
     if isinstance(partition, PartitionMethod | str):
         _parse_method(partition)
-    elif not all(isinstance(b, int) and not isinstance(b, bool) for b in partition):
-        raise ValueError(f"A partition list holds layer counts (integers), got {list(partition)!r}.")
+        return
+    if not isinstance(partition, Sequence) or not partition:
+        raise ValueError(
+            f"partition must be 'parameters', 'uniform', 'time' or a list of layer counts per stage, got "
+            f"{partition!r}."
+        )
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in partition):
+        raise ValueError(
+            f"partition={list(partition)!r}: a partition list holds each stage's number of layers, every "
+            "one an integer >= 1 (a stage without layers has nothing to run)."
+        )
 
 
 def measures_time(partition: Partition) -> bool:

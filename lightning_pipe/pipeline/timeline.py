@@ -4,16 +4,16 @@ A schedule's bubble is a number on paper (:mod:`.simulate`); what a real run los
 when every rank's actions are put side by side in time. This module turns both into one list of
 :class:`TimelineEvent` so that the same exporters serve either:
 
-* **Recorded**: a :class:`TimelineRecorder` is set as ``PipelineExecutor.recorder``; it keeps one
+* **Recorded**: a :class:`TimelineRecorder` is given to the executor; it keeps one
   event per action (a communication batch reports each of its actions with the batch's span) and
   any extra named span (``with recorder.span("optimizer step"): ...``). :func:`gather_timeline`
   collects every rank's events on one rank.
 * **Planned**: :func:`events_from_simulation` converts the simulator's timeline.
 
 Exports: :func:`write_chrome_trace` (JSON for Perfetto / ``chrome://tracing``: one track per rank,
-one complete event per action) and :func:`plot_timeline` (a PNG: one row per rank, compute
-coloured by micro-batch, with the measured bubble fraction in the title). Matplotlib is imported
-only when plotting (``pip install lightning-pipe[plot]``).
+one complete event per action) and :func:`plot_timeline` (a PNG: one row per rank, computations
+coloured by kind and labelled with their micro-batch, the measured idle share in the title).
+Matplotlib is imported only when plotting (``pip install lightning-pipe[plot]``).
 
 Plain torch and Python only (no Lightning), so the engine can be profiled without a Trainer. Times
 are ``time.perf_counter()`` seconds relative to the recorder's origin. :meth:`TimelineRecorder.start`
@@ -27,7 +27,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -285,9 +285,20 @@ def write_chrome_trace(
 # ---------------------------------------------------------------------- PNG
 
 
-def _blend(color: tuple[float, float, float], other: float, amount: float) -> tuple[float, float, float]:
-    r, g, b = color
-    return (r + (other - r) * amount, g + (other - g) * amount, b + (other - b) * amount)
+_KIND_COLOURS = {
+    ActionType.FORWARD.value: "#8ecae6",
+    ActionType.BACKWARD.value: "#fb8500",
+    ActionType.BACKWARD_INPUT.value: "#e63946",
+    ActionType.BACKWARD_WEIGHT.value: "#2a9d8f",
+}
+_KIND_NAMES = {
+    ActionType.FORWARD.value: "forward (F)",
+    ActionType.BACKWARD.value: "backward (B)",
+    ActionType.BACKWARD_INPUT.value: "input gradient (I)",
+    ActionType.BACKWARD_WEIGHT.value: "weight gradient (W)",
+}
+IDLE_MEANING = "1 - compute time / (ranks x makespan)"
+"""What the idle share in a plot's title measures."""
 
 
 def plot_timeline(
@@ -295,17 +306,20 @@ def plot_timeline(
     path: str | os.PathLike[str],
     title: str = "pipeline timeline",
     time_unit: str = "ms",
+    row_labels: Mapping[int, str] | None = None,
+    note: str = "",
 ) -> TimelineStats:
     """Draw ``events`` as a PNG, one row per rank; return the stats shown in the title.
 
-    Forwards and backwards are coloured by micro-batch (forward lighter, backward darker; a
-    zero-bubble weight-gradient pass W in the micro-batch's own colour, between the two),
-    communication is a thin grey bar under the row, named spans are hatched grey. The title
-    carries the measured bubble fraction ``1 - sum(compute time) / (ranks * makespan)``.
+    Computations are coloured by kind (forward, backward, and for zero-bubble schedules the input
+    and weight gradients apart) and labelled with their micro-batch (and stage, when a rank holds
+    several); communication is a thin grey bar under the row, named spans are hatched grey. Rows
+    are labelled ``row_labels[rank]`` (e.g. the rank's coordinates), or ``rank r`` and the
+    stages its events name. The title gives the makespan and the share of rank-time not spent
+    computing (:data:`IDLE_MEANING`); ``note`` adds a line under it (what may skew it).
     """
     try:
-        from matplotlib import colormaps
-        from matplotlib.colors import to_rgb
+        import matplotlib  # noqa: F401  (the package itself: a missing one fails here, by name)
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as err:  # pragma: no cover - depends on the environment
@@ -319,62 +333,62 @@ def plot_timeline(
     ranks = sorted(stats.busy)
     row = {rank: i for i, rank in enumerate(ranks)}
     origin = min((e.start for e in events), default=0.0)
-    palette = colormaps["tab10"]
-    width = max(6.0, min(24.0, 2.0 + 0.25 * sum(1 for e in events if e.is_compute) / max(1, len(ranks))))
-    heading = (
-        f"{title} — makespan {stats.makespan * scale:.3g} {time_unit}, bubble {stats.bubble_fraction:.1%}"
-    )
-    # Longer than the figure is wide (about ten characters an inch at this size): two lines, split
-    # between the title and the figures, and the figure taller by that line, so nothing is cut off.
-    wrapped = len(heading) > width * 10
-    if wrapped:
-        heading = heading.replace(" — ", "\n", 1)
-    fig = Figure(figsize=(width, 0.8 + 0.6 * max(1, len(ranks)) + (0.3 if wrapped else 0.0)), dpi=100)
+    computes_per_rank = sum(1 for e in events if e.is_compute) / max(1, len(ranks))
+    width = max(7.0, min(30.0, 2.5 + 0.45 * computes_per_rank))
+    lines = [
+        title,
+        f"makespan {stats.makespan * scale:.3g} {time_unit}; ranks idle {stats.bubble_fraction:.1%} of it "
+        f"({IDLE_MEANING})",
+    ]
+    if note:
+        lines.append(note)
+    fig = Figure(figsize=(width, 1.4 + 0.3 * len(lines) + 0.9 * max(1, len(ranks))), dpi=100)
     ax = fig.add_subplot()
     span_total = stats.makespan * scale
     # A rank holding several stages (interleaved) labels each box with its stage too.
-    several = len({(e.rank, e.stage) for e in events if e.is_compute}) > len(ranks)
+    stages_of: dict[int, set[int]] = {}
+    for e in events:
+        if e.is_compute and e.stage is not None:
+            stages_of.setdefault(e.rank, set()).add(e.stage)
+    several = any(len(held) > 1 for held in stages_of.values())
     for e in events:
         y = row[e.rank]
         x0, w = (e.start - origin) * scale, max(e.duration, 0.0) * scale
         if e.is_compute:
-            base = to_rgb(palette((e.microbatch or 0) % 10))
-            forward = e.kind == ActionType.FORWARD.value
-            weight = e.kind == ActionType.BACKWARD_WEIGHT.value
-            color = _blend(base, 1.0, 0.45) if forward else base if weight else _blend(base, 0.0, 0.25)
-            ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=[color], edgecolors="white", linewidth=0.4)
-            if span_total > 0 and w / span_total > 0.012:
-                ax.text(
-                    x0 + w / 2,
-                    y,
-                    f"{e.name}\ns{e.stage}" if several and e.stage is not None else e.name,
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="black" if forward or weight else "white",
-                )
+            colour = _KIND_COLOURS.get(e.kind, "0.6")
+            ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=[colour], edgecolors="white", linewidth=0.6)
+            if span_total > 0 and w / span_total > 0.008:
+                label = f"{e.microbatch}" + (f"\ns{e.stage}" if several and e.stage is not None else "")
+                ax.text(x0 + w / 2, y, label, ha="center", va="center", fontsize=8, color="black")
         elif e.is_comm:
-            ax.broken_barh([(x0, w)], (y + 0.3, 0.1), facecolors=["0.55"])
+            ax.broken_barh([(x0, w)], (y + 0.42, 0.08), facecolors=["0.45"])
         else:
-            ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=["0.85"], hatch="//", edgecolors="0.5")
-            ax.text(x0 + w / 2, y, e.name, ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+            ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=["0.9"], hatch="//", edgecolors="0.5")
+            if span_total > 0 and w / span_total > 0.06:  # the legend names the narrow ones
+                ax.text(x0 + w / 2, y, e.name, ha="center", va="center", fontsize=8)
+
+    def row_label(rank: int) -> str:
+        if row_labels is not None and rank in row_labels:
+            return row_labels[rank]
+        held = sorted(stages_of.get(rank, ()))
+        stages = f"\nstage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}" if held else ""
+        return f"rank {rank}{stages}"
+
+    ax.set_yticks(range(len(ranks)), [row_label(r) for r in ranks], fontsize=8)
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_xlim(0, span_total if span_total > 0 else 1.0)
-    ax.set_xlabel(f"time ({time_unit})")
-    ax.set_title(heading)
-    legend = [
-        Patch(facecolor=_blend(to_rgb(palette(0)), 1.0, 0.45), label="forward (colour = micro-batch)"),
-        Patch(facecolor=_blend(to_rgb(palette(0)), 0.0, 0.25), label="backward"),
-        Patch(facecolor="0.55", label="communication"),
-    ]
-    if any(e.kind == ActionType.BACKWARD_WEIGHT.value for e in events):
-        legend[1] = Patch(facecolor=_blend(to_rgb(palette(0)), 0.0, 0.25), label="input gradient (I)")
-        legend.insert(2, Patch(facecolor=to_rgb(palette(0)), label="weight gradient (W)"))
+    ax.set_xlabel(f"time ({time_unit}); each box is labelled with its micro-batch")
+    ax.set_title("\n".join(lines), fontsize=9)
+    kinds = [k for k in _KIND_COLOURS if any(e.kind == k for e in events)]
+    legend = [Patch(facecolor=_KIND_COLOURS[k], label=_KIND_NAMES[k]) for k in kinds]
+    legend.append(Patch(facecolor="0.45", label="communication (posted to completed)"))
+    if any(e.kind == SPAN for e in events):
+        spans = sorted({e.name for e in events if e.kind == SPAN})
+        legend.append(Patch(facecolor="0.9", hatch="//", edgecolor="0.5", label=", ".join(spans)))
     ax.legend(
         handles=legend,
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.18),
+        bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.15),
         ncol=len(legend),
         fontsize=8,
         frameon=False,

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+from lightning_pipe.options import check_count, check_flag, check_positive
 from lightning_pipe.pipeline.executor import CheckpointMode
 from lightning_pipe.pipeline.partition import PartitionMethod, check_partition
 from lightning_pipe.pipeline.schedules import ScheduleKind
@@ -23,6 +24,8 @@ class ConfigurationError(ValueError):
 class RuntimeOptions:
     """How to split, schedule and synchronise one model."""
 
+    num_microbatches: int | None = None
+    """Micro-batches per batch; ``None``: ``2 x pipeline_parallel_size``, capped at the batch size."""
     schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B
     """``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``."""
     partition: PartitionMethod | str | Sequence[int] = "parameters"
@@ -51,17 +54,24 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule))
         object.__setattr__(self, "recomputation", CheckpointMode.parse(self.recomputation))
+        if self.num_microbatches is not None:
+            check_count("num_microbatches", self.num_microbatches, also="None (2 x pipeline_parallel_size)")
         check_partition(self.partition)
         v = self.virtual_stages
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"virtual_stages must be an integer >= 1, got {v!r}.")
+        check_count("virtual_stages", v)
         if v > 1 and self.schedule_kind is not ScheduleKind.INTERLEAVED_1F1B:
             raise ValueError(
-                f'virtual_stages={v} (several stages per rank) needs schedule="interleaved_1f1b", '
-                f"not {self.schedule_kind.value!r}."
+                f"virtual_stages={v} (several stages per pipeline rank) needs "
+                f"schedule='interleaved_1f1b', the only schedule with several; got "
+                f"schedule={self.schedule_kind.value!r}."
             )
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}.")
+        check_positive("bucket_cap_mb", self.bucket_cap_mb, "megabytes per gradient bucket")
+        for name in ("shard_optimizer_state", "check_finite", "deferred_batch_norm"):
+            check_flag(name, getattr(self, name))
+        if self.timeout is not None and (
+            not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0
+        ):
+            raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {self.timeout!r}.")
 
     @property
     def schedule_kind(self) -> ScheduleKind:

@@ -26,6 +26,7 @@ class StepAgreement(PipeTPParts):
     """The pre-step checks of ``PipeTPStrategy`` (which provides the mesh, module and layers)."""
 
     _forward_checked: bool
+    check_forward: bool
 
     def _check_before_step(self, step_name: str, args: tuple[Any, ...], batch: Any, probe: Any) -> None:
         """Stop every rank of the replica, with one message, if its ranks are about to run
@@ -33,7 +34,7 @@ class StepAgreement(PipeTPParts):
         pipeline layers."""
         module = self.module
         problem = None
-        if not self._forward_checked:
+        if not self._forward_checked and self.check_forward:
             self._forward_checked = True
             problem, warning = check_forward(module.forward, self.runtime.layers, module, probe)
             if warning is not None:

@@ -41,6 +41,7 @@ from lightning_pipe.data_parallel.sharded_optimizer import ShardingError
 from lightning_pipe.data_parallel.uneven import EvenBatches
 from lightning_pipe.failures import FailureBoard
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
+from lightning_pipe.options import check_count, check_flag
 from lightning_pipe.pipeline.fingerprint import StepIdentity
 from lightning_pipe.pipeline.microbatch import split_microbatches
 from lightning_pipe.pipeline.partition import measures_time
@@ -67,6 +68,7 @@ from lightning_pipe.strategy.steps import PipelineSteps
 from lightning_pipe.strategy.summary import PipelineModelSummary
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
@@ -103,6 +105,9 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             micro-batch it waited on and its peer, and the job stops instead of hanging.
         check_finite: raise as soon as a stage output or a loss holds NaN/Inf, naming the stage
             and micro-batch where it first appeared.
+        check_forward: on the first step after setup, check that the module's ``forward`` is its
+            pipeline layers chained (logic around them would be skipped in training). ``False``
+            skips the check (and its warning when a meta-built model cannot be compared).
         bucket_cap_mb: size of the gradient buckets of the data-parallel reducer, whose
             all-reduces overlap the last backward of each optimizer step.
         shard_optimizer_state: ZeRO-1 (Megatron's distributed optimizer): each data-parallel
@@ -112,9 +117,11 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             optimizers only (SGD, Adam, AdamW, ...); after the backward, parameters' ``.grad`` are
             ``None`` (the averaged gradient exists only as slices). Checkpoints stay unsharded by
             parameter name.
-        timeline: record the executed schedule of training steps 1-8 on every rank and write it,
-            at the end of ``fit``, to this path: ``.png`` for a plot (needs matplotlib), anything
-            else for a Chrome trace (open in Perfetto). Also read from ``LIGHTNING_PIPE_TIMELINE``.
+        timeline: record the executed schedule of training steps (from step 1: step 0 pays for
+            first-time allocations) on every rank and write it, at the end of ``fit``, to this path:
+            ``.png`` for a plot (needs matplotlib), anything else for a Chrome trace (open in
+            Perfetto). Also read from ``LIGHTNING_PIPE_TIMELINE``.
+        timeline_steps: how many training steps the timeline records (default 1: one readable step).
         tensor_parallel_plan: module-name pattern -> style (see
             :mod:`lightning_pipe.tensor_parallel.plan`); overrides the module's
             ``tensor_parallel_plan()`` hook. Needed when ``tensor_parallel_size > 1``.
@@ -154,10 +161,12 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         check_finite: bool = False,
+        check_forward: bool = True,
         bucket_cap_mb: float = 25.0,
         shard_optimizer_state: bool = False,
         tensor_parallel_plan: dict[str, str] | None = None,
         timeline: str | None = None,
+        timeline_steps: int = 1,
         save_distributed_checkpoint: bool = True,
         deferred_batch_norm: bool = True,
         pretrained: str | os.PathLike[str] | None = None,
@@ -169,6 +178,32 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        # Every option is checked first, each with one sentence naming it, its value and what is
+        # allowed, before anything else runs (LightningCLI shows that sentence as the error).
+        _check_sizes(pipeline_parallel_size, tensor_parallel_size, data_parallel_size)
+        if num_microbatches is not None:
+            check_count("num_microbatches", num_microbatches, also="None (2 x pipeline_parallel_size)")
+        if virtual_stages is not None:
+            check_count("virtual_stages", virtual_stages, also="None")
+        check_count("timeline_steps", timeline_steps)
+        for name, flag in (
+            ("check_finite", check_finite),
+            ("check_forward", check_forward),
+            ("shard_optimizer_state", shard_optimizer_state),
+            ("save_distributed_checkpoint", save_distributed_checkpoint),
+            ("deferred_batch_norm", deferred_batch_norm),
+        ):
+            check_flag(name, flag)
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {list(_START_METHODS)}, got {start_method!r}.")
+        if tensor_parallel_plan is not None and not (
+            isinstance(tensor_parallel_plan, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in tensor_parallel_plan.items())
+        ):
+            raise ValueError(
+                "tensor_parallel_plan must map module-name patterns to style names (a dict of strings), got "
+                f"{tensor_parallel_plan!r}."
+            )
         # No **kwargs: DDPStrategy forwards those to the DDP wrapper, which this strategy never
         # builds, and LightningCLI would list them as options.
         super().__init__(
@@ -181,21 +216,6 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             timeout=_check_timeout(timeout),
             start_method=start_method,
         )
-        # Validate everything now, before any process is launched or any data is loaded.
-        ParallelLayout.resolve(
-            _min_world(pipeline_parallel_size, tensor_parallel_size, data_parallel_size),
-            pipeline_parallel_size,
-            tensor_parallel_size,
-            data_parallel_size,
-        )
-        if num_microbatches is not None and (
-            not isinstance(num_microbatches, int)
-            or isinstance(num_microbatches, bool)
-            or num_microbatches < 1
-        ):
-            raise ValueError(
-                f"num_microbatches must be an integer >= 1 or None (automatic), got {num_microbatches!r}."
-            )
         self.pipeline_parallel_size = pipeline_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_size = data_parallel_size
@@ -204,6 +224,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         # The runtime's options, checked here, before any process is launched; the tensor-parallel
         # plan (possibly from the module) and the deadline are filled in at setup.
         self._options = RuntimeOptions(
+            num_microbatches=num_microbatches,
             schedule=schedule,
             partition=partition,
             recomputation=checkpoint,
@@ -218,6 +239,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         self.partition = partition
         self.checkpoint = self._options.recomputation_mode
         self.check_finite = check_finite
+        self.check_forward = check_forward
         self.bucket_cap_mb = bucket_cap_mb
         self.shard_optimizer_state = shard_optimizer_state
         self.tensor_parallel_plan = tensor_parallel_plan
@@ -232,7 +254,10 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         self.pretrained_prefix = pretrained_prefix
         self._forward_checked = False
         self.timeline = timeline or os.environ.get("LIGHTNING_PIPE_TIMELINE") or None
+        self.timeline_steps = timeline_steps
         self._recorder: TimelineRecorder | None = None
+        self._first_step: TimelineRecorder | None = None
+        self._timeline_written = False
         self._mesh: ParallelMesh | None = None
         self._runtime: ParallelRuntime | None = None
         self._warned_small_batch = False
@@ -309,6 +334,31 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             dataloader, self.mesh.layout, cast(dist.ProcessGroup, dist.group.WORLD), self.root_device, what,
             warn=rank_zero_warn, naming=lambda action: self._collective(action, others),
         )  # fmt: skip
+
+    @override
+    def _configure_launcher(self) -> None:
+        """Lightning calls this when the Trainer is built, knowing the devices and nodes but before
+        any process is launched: a layout that cannot fit them is refused here, once, in the
+        launching process, instead of in every launched rank."""
+        super()._configure_launcher()
+        world = self.num_nodes * self.num_processes
+        try:
+            layout = ParallelLayout.resolve(
+                world, self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size
+            )
+        except ValueError as err:
+            raise MisconfigurationException(
+                f"pipe_tp cannot lay out {world} processes ({self.num_processes} devices x {self.num_nodes} "
+                f"nodes): {err}"
+            ) from None
+        stages = layout.pipeline_parallel_size * self.virtual_stages
+        if isinstance(self.partition, list | tuple) and len(self.partition) != stages:
+            v = f" x virtual_stages ({self.virtual_stages})" if self.virtual_stages > 1 else ""
+            raise MisconfigurationException(
+                f"partition={list(self.partition)} gives {len(self.partition)} stages their layer counts, "
+                f"but the pipeline has {stages} stages (pipeline_parallel_size "
+                f"{layout.pipeline_parallel_size}{v} on {world} processes): give one layer count per stage."
+            )
 
     # ------------------------------------------------------------------ construction
     @contextmanager
@@ -415,6 +465,9 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
     def teardown(self) -> None:
         if self._runtime is not None:
             self._runtime.close()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+                self._timeline_not_written()
         module = self.lightning_module
         # Other stages' tensors have nothing to move (there may be no module after a failed setup).
         with meta_tensors_set_aside(module) if module is not None else nullcontext():
@@ -543,10 +596,9 @@ def _check_timeout(timeout: timedelta | float | None) -> timedelta | None:
     return timeout
 
 
-def _min_world(pp: int | str, tp: int, dp: int | str) -> int:
-    """Smallest world size that fits the given sizes (for validating them before launch)."""
-    return (
-        (pp if isinstance(pp, int) else 1)
-        * (tp if isinstance(tp, int) else 1)
-        * (dp if isinstance(dp, int) else 1)
-    )
+def _check_sizes(pp: object, tp: object, dp: object) -> None:
+    """Each size on its own (the world size is known only when the Trainer has its devices)."""
+    check_count("tensor_parallel_size", tp)
+    for name, value in (("pipeline_parallel_size", pp), ("data_parallel_size", dp)):
+        if value != "auto":
+            check_count(name, value, also="'auto'")

@@ -18,7 +18,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_pipe.checkpoint.full import to_cpu
-from lightning_pipe.pipeline.microbatch import batch_size, microbatch_sizes, signature, split_microbatches
+from lightning_pipe.pipeline.microbatch import (
+    as_layer_arguments,
+    batch_size,
+    microbatch_sizes,
+    signature,
+    split_microbatches,
+)
 from lightning_pipe.pipeline.p2p import PipelineCommunicationError
 from lightning_pipe.strategy import logging as pipe_logging
 from lightning_pipe.strategy.base import PipeTPParts
@@ -99,7 +105,7 @@ class PipelineSteps(PipeTPParts):
         sizes = microbatch_sizes(batch_size(batch), m)
         microbatches = split_microbatches(batch, m)
         to_input = getattr(module, "pipeline_input", default_pipeline_input)
-        inputs = [to_input(mb) for mb in microbatches]
+        inputs = [as_layer_arguments(to_input(mb)) for mb in microbatches]
         total = sum(sizes)
         weights = [n / total / trainer.accumulate_grad_batches for n in sizes] if training else None
         capture = pipe_logging.LogCapture() if self.is_last_stage else None
