@@ -29,9 +29,9 @@ from _launch import emit_json, launch, print_table, warn_if_busy
 from _stages import square_loss
 from torch import nn
 
-from lightning_pipe.pipeline.executor import PipelineExecutor
-from lightning_pipe.pipeline.microbatch import signature
-from lightning_pipe.pipeline.schedules import build_schedule
+from lightning_pipe.batches.microbatch import signature
+from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.schedule.builders import build_schedule
 
 WIDTH, ROWS = 256, 1024
 
@@ -48,7 +48,7 @@ def _peak_rss() -> int:
 def _release_sends_after_each_exchange() -> None:
     """What-if (``--release-sends``): wait for each batch's sends right away instead of at the
     end of the step, to show how much of the RSS is send buffers the transport keeps alive."""
-    from lightning_pipe.pipeline.p2p import P2PTransport
+    from lightning_pipe.execution.p2p import P2PTransport
 
     exchange = P2PTransport.exchange
 
@@ -63,7 +63,7 @@ def _detach_stored_losses() -> None:
     """What-if (``--detach-losses``): keep only detached losses in ``StepResult.outputs``; the
     attached ones keep each micro-batch's autograd graph, and with it the last stage's received
     input and its gradient, alive until the step ends."""
-    from lightning_pipe.pipeline.executor import PipelineExecutor
+    from lightning_pipe.execution.executor import PipelineExecutor
 
     forward = PipelineExecutor._forward
 

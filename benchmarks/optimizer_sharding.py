@@ -39,7 +39,7 @@ def _setup(shard: bool) -> tuple[nn.Module, torch.optim.Optimizer, GradientReduc
     model = nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
     reducer = GradientReducer(list(model.parameters()), dist.group.WORLD, BUCKET_MB, shard=shard)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    return model, optimizer, reducer, ShardedOptimizer(optimizer, reducer) if shard else None
+    return model, optimizer, reducer, ShardedOptimizer(optimizer, reducer.layout()) if shard else None
 
 
 def _step(model: nn.Module, optimizer: Any, reducer: GradientReducer, sharded: Any, x: torch.Tensor) -> None:
@@ -51,7 +51,7 @@ def _step(model: nn.Module, optimizer: Any, reducer: GradientReducer, sharded: A
     model(x).pow(2).mean().backward()
     reducer.finish()
     if sharded is not None:
-        sharded.attach_gradients()
+        sharded.attach_gradients(reducer.used)
     optimizer.step()  # sharded: its post-hook all-gathers the parameters
 
 
@@ -93,8 +93,10 @@ def memory_worker(shard: bool, steps: int) -> dict[str, Any]:
         "state_bytes": _state_bytes(setup[1]),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "largest_bucket_bytes": max(
-            sum(p.numel() * p.element_size() for p, _ in b) for b in setup[2].layout()
-        ),
+            sum(p.numel() * p.element_size() for p, _ in b.params) for b in setup[2].layout().buckets
+        )
+        if shard
+        else 0,
     }
 
 

@@ -30,11 +30,11 @@ import torch.distributed as dist
 from _launch import emit_json, launch, median, print_table, warn_if_busy
 from _stages import FixedTimeLayer, square_loss
 
-from lightning_pipe.pipeline.executor import PipelineExecutor
-from lightning_pipe.pipeline.microbatch import signature
-from lightning_pipe.pipeline.schedules import build_schedule
-from lightning_pipe.pipeline.simulate import simulate
-from lightning_pipe.pipeline.timeline import TimelineRecorder, gather_timeline
+from lightning_pipe.batches.microbatch import signature
+from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.schedule.builders import build_schedule
+from lightning_pipe.schedule.simulate import simulate
+from lightning_pipe.schedule.timeline import TimelineRecorder, gather_timeline
 
 TARGET = 1.02
 
@@ -63,6 +63,7 @@ def worker(
                 sigs: list[Any] = sigs,
                 sch: Any = schedule,
                 executor: PipelineExecutor = executor,
+                recorder: TimelineRecorder | None = None,
             ) -> None:
                 executor.run(
                     sch,
@@ -70,6 +71,7 @@ def worker(
                     inputs=inputs if rank == 0 else None,
                     head=square_loss,
                     signatures=sigs,
+                    recorder=recorder,
                 )
 
             dist.barrier()
@@ -87,10 +89,8 @@ def worker(
             executor.receive_early = None
             # One more step, recorded, for the timeline and the actual compute times.
             recorder = TimelineRecorder()
-            executor.recorder = recorder
             recorder.start()
-            step()
-            executor.recorder = None
+            step(recorder=recorder)
             events = gather_timeline(recorder)
             out[f"{kind}/{m}"] = {"durations": durations, "events": events}
     return out
@@ -163,7 +163,7 @@ def main() -> None:
             if at_turn:
                 early_ratio[key] = measured / median(at_turn)
             if args.timeline is not None:
-                from lightning_pipe.pipeline.timeline import plot_timeline, write_chrome_trace
+                from lightning_pipe.schedule.timeline import plot_timeline, write_chrome_trace
 
                 write_chrome_trace(events, args.timeline / f"{kind}_m{m}.json")
                 plot_timeline(

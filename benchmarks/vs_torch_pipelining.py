@@ -43,10 +43,10 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from lightning_pipe.pipeline.executor import PipelineExecutor
-from lightning_pipe.pipeline.microbatch import signature, split_microbatches
-from lightning_pipe.pipeline.partition import split_layers
-from lightning_pipe.pipeline.schedules import build_schedule
+from lightning_pipe.batches.microbatch import signature, split_microbatches
+from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.partition.balance import split_layers
+from lightning_pipe.schedule.builders import build_schedule
 
 TARGET = 0.95
 TORCH_SCHEDULES = {

@@ -18,7 +18,6 @@ from torch import nn
 
 from lightning_pipe import MeshAxis, ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
 from lightning_pipe.construction.meta import parameters_on_meta
-from lightning_pipe.pipeline.microbatch import split_microbatches
 
 
 class Block(nn.Module):
@@ -62,6 +61,7 @@ def main() -> None:
     mesh = init_mesh(ParallelLayout(args.dp, args.pp, args.tp), "cpu")
     model = build_model()
     options = RuntimeOptions(
+        num_microbatches=args.microbatches,
         schedule="1f1b",
         tensor_parallel_plan={"*.up": "colwise", "*.down": "rowwise"},
         shard_optimizer_state=args.shard_optimizer_state,
@@ -74,29 +74,25 @@ def main() -> None:
     c, losses = mesh.coordinates, {}
     for step in range(start, args.steps):
         x, y = (t.chunk(args.dp)[c.dp_rank] for t in global_batch(step))  # this replica's share
-        xs, ys = split_microbatches(x, args.microbatches), split_microbatches(y, args.microbatches)
         optimizer.zero_grad()
         runtime.begin_accumulation()
-        result = runtime.step(args.microbatches, xs, lambda out, i, ys=ys: F.mse_loss(out, ys[i]))
+        # The runtime splits the batch into micro-batches; the head ends each one on the last stage.
+        result = runtime.train_batch((x, y), lambda out, microbatch: F.mse_loss(out, microbatch.data[1]))
         runtime.clip_grad_norm_(1.0)
         optimizer.step()
-        if c.pp_rank == args.pp - 1:  # the last stage holds the losses: average over the replicas
-            loss = torch.stack(list(result.outputs.values())).mean().detach()
-            dist.all_reduce(loss, group=mesh.group(MeshAxis.DATA))
-            losses[step] = loss.item() / args.dp
+        loss = torch.tensor(result.loss)  # every rank of the pipeline has it: average the replicas'
+        dist.all_reduce(loss, group=mesh.group(MeshAxis.DATA))
+        losses[step] = loss.item() / args.dp
         if step + 1 == args.save_at:
             runtime.save_checkpoint(args.checkpoint, [optimizer], {"step": step + 1})
-    last = mesh.layout.rank_of(0, args.pp - 1, 0)
-    box = [losses]
-    dist.broadcast_object_list(box, src=last)
     if dist.get_rank() == 0:
-        ran = sorted(box[0].items())
+        ran = sorted(losses.items())
         for k, (step, loss) in enumerate(ran):
             if k < 3 or step % 10 == 0 or k == len(ran) - 1:  # the first steps (after a resume too)
                 print(f"step {step:3d}  loss {loss:.5f}")
         if args.losses:
             with open(args.losses, "w") as f:
-                json.dump(box[0], f)
+                json.dump(losses, f)
     dist.destroy_process_group()
 
 

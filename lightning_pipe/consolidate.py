@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_pipe.checkpoint.consolidate import consolidate_checkpoint
 from lightning_pipe.checkpoint.metadata import CheckpointError
-from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+from lightning_pipe.checkpoint.reader import CheckpointDirectory
+from lightning_pipe.checkpoint.single_file import consolidate_checkpoint
 from lightning_pipe.mesh import ParallelLayout
 
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         # The layout first: OUTPUT may be the checkpoint directory itself, which consolidating replaces.
-        layout = ParallelLayout(**ShardedCheckpoint(args.checkpoint).metadata.layout)
+        layout = ParallelLayout(**CheckpointDirectory(args.checkpoint).metadata.layout)
         checkpoint = consolidate_checkpoint(
             args.checkpoint, args.output, weights_only=args.weights_only, trust_pickle=args.trust_pickle
         )

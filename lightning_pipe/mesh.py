@@ -18,7 +18,7 @@ from typing import Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_pipe.options import check_count
+from lightning_pipe.arguments import check_count
 
 
 class MeshAxis(enum.Enum):

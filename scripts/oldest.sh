@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The oldest versions pyproject.toml declares (lightning 2.4, torchmetrics 1.1), in their own
 # environment (.venv-oldest), run on a smoke subset: fit, validate, test and predict at pp=2 and
-# pp=4, fit at pp=2 x tp=2, and an exact checkpoint resume at dp=2 x pp=2 (issue 17, item 5).
+# pp=4, fit at pp=2 x tp=2, and an exact checkpoint resume at dp=2 x pp=2.
 # .ci/run runs it after the full suite, so the declared range is tested, not assumed.
 # CI=true, or FRESH_VENV=1, rebuilds the environment from scratch.
 set -euo pipefail

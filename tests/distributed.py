@@ -4,6 +4,10 @@ Every test that needs several ranks goes through :func:`run_distributed`: a free
 one intra-op thread per process (the CI machine has two cores), and a hard deadline after which
 every child is killed and the test fails with the ranks that were still alive, so a hang costs
 seconds, not the CI limit. A child's exception is re-raised in the parent with its traceback.
+
+Such a test must carry ``@pytest.mark.distributed`` (``pytest -m "not distributed"`` is the fast,
+single-process loop): ``tests/conftest.py`` tells this module which test runs and whether it is
+marked (:func:`running_test`), and starting processes from an unmarked test is an error.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +28,37 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+class UnmarkedTestError(RuntimeError):
+    """A test without ``@pytest.mark.distributed`` tried to start processes."""
+
+
+_test: tuple[str, bool] | None = None
+"""The pytest test now running (its node id) and whether it is marked ``distributed``; ``None``
+outside pytest (a script may start ranks freely)."""
+
+
+@contextmanager
+def running_test(nodeid: str, marked: bool) -> Iterator[None]:
+    """While the test ``nodeid`` runs (its fixtures' setup and teardown included), let it start
+    processes only if it is ``marked`` distributed."""
+    global _test
+    previous, _test = _test, (nodeid, marked)
+    try:
+        yield
+    finally:
+        _test = previous
+
+
+def _check_marked(world_size: int) -> None:
+    if _test is not None and not _test[1]:
+        processes = f"{world_size} process{'es' if world_size != 1 else ''}"
+        raise UnmarkedTestError(
+            f"{_test[0]} starts {processes}: mark it @pytest.mark.distributed (or its module: "
+            "`pytestmark = pytest.mark.distributed`), so that `pytest -m 'not distributed'` stays the "
+            "fast single-process loop."
+        )
 
 
 def free_port() -> int:
@@ -104,6 +140,7 @@ def _launch(
 ) -> list[Outcome]:
     """Start the ranks, wait until all exit (or ``grace`` s after the first failure, or the
     deadline), kill what is left, and report every rank's outcome."""
+    _check_marked(world_size)
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:

@@ -1,5 +1,6 @@
 """A tiny GPT written for pipe_tp with a tensor-parallel plan (vocab-parallel embedding and loss,
-head-major fused QKV attention, Megatron MLP), used by the tensor-parallel tests."""
+head-major fused QKV attention, Megatron MLP), used by the tensor-parallel tests; ``LateGPT`` is
+the same model built in ``configure_model()`` (on the meta device under pipe_tp)."""
 
 from __future__ import annotations
 
@@ -110,3 +111,26 @@ def token_data(n: int, seed: int = 7) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
     return TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+class LateGPT(TinyGPT):
+    """TinyGPT whose layers are created in ``configure_model()`` (Lightning's large-model hook),
+    optionally with the output head tied to the token embedding."""
+
+    def __init__(self, tied: bool = False, build_now: bool = False) -> None:
+        L.LightningModule.__init__(self)
+        self.lr, self.tied = 0.1, tied
+        self.layers: nn.ModuleList | None = None  # type: ignore[assignment]
+        if build_now:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if self.layers is not None:  # every Trainer call runs the hook: build once
+            return
+        self.layers = nn.ModuleList([Embed(), Block(0.0), Block(0.0), Head()])
+        if self.tied:
+            self.layers[3].out.weight = self.layers[0].tokens.weight
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        ids, targets = batch
+        self.log("val_loss", cross_entropy(self(ids), targets))

@@ -1,7 +1,8 @@
-"""A small LightningModule written the way the pipe_tp contract asks, used by the strategy tests.
+"""Small LightningModules written the way the pipe_tp contract asks, used by the strategy tests.
 
 The same class, unchanged, trains under ``strategy="auto"`` (the single-device reference) and
-under ``pipe_tp``; the tests compare the two.
+under ``pipe_tp``; the tests compare the two. ``Regressor`` is an MLP on ``dataset``; ``TiedLM``
+ties its token embedding (first stage) to its output head (last stage), on ``TOKENS``.
 """
 
 from __future__ import annotations
@@ -92,3 +93,58 @@ def loader(ds: TensorDataset, batch: int, reference: bool) -> DataLoader:
             ds, batch_size=batch, sampler=DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
         )
     return DataLoader(ds, batch_size=batch)
+
+
+# A second model, for tied weights: its own vocabulary, width and sequence length.
+VOCAB, DIM, SEQ = 11, 8, 5
+
+
+class TiedLM(L.LightningModule):
+    """Token embedding on the first stage tied to the output head on the last."""
+
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2)])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        if unused:
+            self.blocks[1].add_module("never_called", nn.Linear(DIM, DIM))
+            self.blocks[1] = _SkipUnused(self.blocks[1])
+
+    def configure_pipeline(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        loss = F.cross_entropy(self(ids).reshape(-1, VOCAB), targets.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
+
+
+class _SkipUnused(nn.Module):
+    def __init__(self, inner: nn.Sequential) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner[1](self.inner[0](x))  # `never_called` never is
+
+
+def _tokens(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return TensorDataset(ids, torch.roll(ids, 1, dims=1))
+
+
+TOKENS = _tokens(32)

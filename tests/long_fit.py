@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_pipe import PipeTPStrategy
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import quiet_trainer
 
 DEADLINE = timedelta(seconds=120)
 """The exchange deadline: a signal must stop every rank far sooner than this."""
@@ -36,12 +37,8 @@ class WritePid(L.Callback):
 
 def fit_until_stopped(pid_dir: str) -> None:
     torch.set_num_threads(1)
-    trainer = L.Trainer(
-        strategy=PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=DEADLINE),
-        accelerator="cpu", devices=2, max_steps=1_000_000, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=pid_dir,
-        callbacks=[WritePid(pid_dir)],
-    )  # fmt: skip
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=DEADLINE)
+    trainer = quiet_trainer(strategy, 2, pid_dir, max_steps=1_000_000, callbacks=[WritePid(pid_dir)])
     trainer.fit(Regressor(), loader(dataset(64, seed=1), 8, reference=False))
 
 

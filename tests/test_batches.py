@@ -24,17 +24,12 @@ from torch.utils.data import DataLoader, IterableDataset, Subset
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import Outcome, run_distributed, run_distributed_outcomes
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import fit, quiet_trainer
+
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 TRAIN = dataset(32, seed=1)
-
-
-def _trainer(strategy: Any, devices: int, root: str, **kw: Any) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=kw.pop("max_epochs", 1),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, **kw,
-    )  # fmt: skip
 
 
 class Strided(IterableDataset):
@@ -69,7 +64,7 @@ def _owned(model: L.LightningModule, strategy: PipeTPStrategy) -> dict[str, torc
     return {
         n: p.detach().clone()
         for n, p in model.named_parameters()
-        if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank  # type: ignore[union-attr]
+        if strategy.runtime.partition.stage_of_key(n) == strategy.pp_rank  # type: ignore[union-attr]
     }
 
 
@@ -85,7 +80,7 @@ def _assert_owned_equal(got: list[dict[str, torch.Tensor]], reference: L.Lightni
 
 def _two_stage_fit(model: L.LightningModule, root: str) -> None:
     strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
-    _trainer(strategy, 2, root).fit(model)
+    fit(model, strategy, 2, root=root, max_epochs=1)
 
 
 def _both_fail(worker: Any) -> list[Outcome]:
@@ -119,7 +114,7 @@ def replica_worker(root: str) -> dict[str, torch.Tensor]:
     strategy = PipeTPStrategy(
         pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60)
     )
-    _trainer(strategy, 4, root, max_epochs=2).fit(model)
+    fit(model, strategy, 4, root=root, max_epochs=2)
     return _owned(model, strategy)
 
 
@@ -129,7 +124,7 @@ def test_data_sharded_by_data_parallel_rank_matches_one_device() -> None:
     with tempfile.TemporaryDirectory() as root:
         got = run_distributed(replica_worker, 4, root, timeout=200, init_group=False)
         reference = Regressor(step_lr=False)
-        _trainer("auto", 1, root, max_epochs=2).fit(reference, DataLoader(TRAIN, batch_size=8))
+        fit(reference, "auto", 1, DataLoader(TRAIN, batch_size=8), root, max_epochs=2)
     _assert_owned_equal(got, reference)
 
 
@@ -139,7 +134,7 @@ RAGGED = dataset(20, seed=3)  # batches of 8, 8 and 4
 def ragged_worker(root: str) -> dict[str, torch.Tensor]:
     model = Regressor()
     strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=6, timeout=timedelta(seconds=60))
-    _trainer(strategy, 2, root, max_epochs=2).fit(model, loader(RAGGED, 8, reference=False))
+    fit(model, strategy, 2, loader(RAGGED, 8, reference=False), root, max_epochs=2)
     return _owned(model, strategy)
 
 
@@ -147,7 +142,7 @@ def test_a_last_batch_smaller_than_num_microbatches_matches_one_device() -> None
     with tempfile.TemporaryDirectory() as root:
         got = run_distributed(ragged_worker, 2, root, timeout=200, init_group=False)
         reference = Regressor()
-        _trainer("auto", 1, root, max_epochs=2).fit(reference, loader(RAGGED, 8, reference=True))
+        fit(reference, "auto", 1, loader(RAGGED, 8, reference=True), root, max_epochs=2)
     _assert_owned_equal(got, reference)
 
 
@@ -159,7 +154,7 @@ class SkipsBatchOne(Regressor):
 
 def none_worker(root: str) -> None:
     strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
-    _trainer(strategy, 2, root).fit(SkipsBatchOne(), loader(TRAIN, 8, reference=False))
+    fit(SkipsBatchOne(), strategy, 2, loader(TRAIN, 8, reference=False), root, max_epochs=1)
 
 
 def test_training_step_returning_none_says_what_to_do() -> None:
@@ -210,7 +205,7 @@ def uneven_worker(root: str, sized: bool) -> tuple[dict[str, torch.Tensor], list
     strategy = PipeTPStrategy(
         pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60)
     )
-    trainer = _trainer(strategy, 4, root, max_epochs=2, use_distributed_sampler=False)
+    trainer = quiet_trainer(strategy, 4, root, max_epochs=2, use_distributed_sampler=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model)
@@ -226,7 +221,7 @@ def test_replicas_with_unequal_batch_counts_stop_together_at_the_shorter(sized: 
         results = run_distributed(uneven_worker, 4, root, sized, timeout=200, init_group=False)
         reference = Regressor(step_lr=False)
         both_had = DataLoader(Subset(TRAIN, range(24)), batch_size=8)
-        _trainer("auto", 1, root, max_epochs=2).fit(reference, both_had)
+        fit(reference, "auto", 1, both_had, root, max_epochs=2)
     _assert_owned_equal([owned for owned, _, _ in results], reference)
     assert [steps for _, _, steps in results] == [6, 6, 6, 6]
     expected = (
@@ -242,7 +237,7 @@ class ShortOnLastStage(Regressor):
     """The same samples on both stages, but the last stage's stream stops one batch early."""
 
     def train_dataloader(self) -> DataLoader:
-        stop = 24 if self.trainer.strategy.is_last_stage else len(TRAIN)  # type: ignore[attr-defined]
+        stop = 24 if self.trainer.strategy.holds_last_stage else len(TRAIN)  # type: ignore[attr-defined]
         return DataLoader(ShortStream(0, 1, stop), batch_size=8)
 
 

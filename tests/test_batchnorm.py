@@ -14,15 +14,15 @@ import tempfile
 from datetime import timedelta
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from torch import nn
 
 from lightning_pipe import PipeTPStrategy
-from lightning_pipe.pipeline.batchnorm import DeferredBatchNorm
+from lightning_pipe.execution.batchnorm import DeferredBatchNorm
 from tests.distributed import run_distributed
 from tests.lightning_models import HIDDEN, IN, OUT, Regressor, dataset, loader
+from tests.trainers import fit
 
 TOL = 1e-5
 TRAIN, VAL = dataset(48, seed=1), dataset(16, seed=2)
@@ -41,15 +41,11 @@ class BatchNormNet(Regressor):
         )  # fmt: skip
 
 
-def _fit(strategy: Any, devices: int, reference: bool, batch_size: int = 12) -> dict[str, Any]:
+def _fit_and_validate(strategy: Any, devices: int, reference: bool, batch_size: int = 12) -> dict[str, Any]:
     model = BatchNormNet()
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root, num_sanity_val_steps=0,
-        )  # fmt: skip
-        trainer.fit(model, loader(TRAIN, batch_size, reference))
+        data = loader(TRAIN, batch_size, reference)
+        trainer = fit(model, strategy, devices, data, root, max_epochs=1, num_sanity_val_steps=0)
         # sync_dist: with data parallelism each replica validates half of the data.
         val = trainer.validate(model, loader(VAL, 8, reference), verbose=False)[0]["val_loss_synced"]
     buffers = {n: b.clone() for n, b in model.named_buffers() if n.endswith(STATS)}
@@ -61,24 +57,25 @@ def bn_worker(pp: int, dp: int, checkpoint: str, deferred: bool) -> dict[str, An
         pipeline_parallel_size=pp,
         data_parallel_size=dp,
         num_microbatches=3,
-        checkpoint=checkpoint,
+        recompute=checkpoint,
         deferred_batch_norm=deferred,
         timeout=timedelta(seconds=60),
     )
-    result = _fit(strategy, pp * dp, reference=False, batch_size=12 // dp)
-    plan = strategy.runtime.plan
+    result = _fit_and_validate(strategy, pp * dp, reference=False, batch_size=12 // dp)
+    plan = strategy.runtime.partition
     assert plan is not None
     result["owned"] = {n for n in result["buffers"] if plan.stage_of_key(n) == strategy.pp_rank}
     return result
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("pp", "dp", "checkpoint"), [(2, 1, "always"), (1, 2, "never")], ids=["pp2-recompute", "dp2"]
 )
 def test_running_statistics_match_one_device(pp: int, dp: int, checkpoint: str) -> None:
     got = run_distributed(bn_worker, pp * dp, pp, dp, checkpoint, True, timeout=200, init_group=False)
     # dp=2 sees batches of 6 per replica, 12 together: the reference sees the batches of 12.
-    ref = _fit("auto", 1, reference=True)
+    ref = _fit_and_validate("auto", 1, reference=True)
     assert ref["buffers"]["layers.3.num_batches_tracked"] == 4
     seen = set()
     for rank, result in enumerate(got):
@@ -91,6 +88,7 @@ def test_running_statistics_match_one_device(pp: int, dp: int, checkpoint: str) 
     assert seen == set(ref["buffers"])
 
 
+@pytest.mark.distributed
 def test_without_deferral_statistics_update_per_micro_batch() -> None:
     got = run_distributed(bn_worker, 1, 1, 1, "never", False, timeout=120, init_group=False)
     assert got[0]["buffers"]["layers.3.num_batches_tracked"] == 4 * 3
@@ -137,11 +135,7 @@ def warning_worker(first: bool, dp: int, microbatches: int) -> list[str]:
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory() as root:
         warnings.simplefilter("always")
-        L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=2 * dp, max_steps=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root,
-        ).fit(model, loader(TRAIN, 8, False))  # fmt: skip
+        fit(model, strategy, 2 * dp, loader(TRAIN, 8, False), root, max_steps=1)
     return [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
 
 

@@ -14,16 +14,15 @@ What this file proves:
 * The reader names the problem for a missing path, a directory without metadata, a missing or
   damaged shard file, an unknown format version, damaged JSON, a record shape that disagrees with
   the stored tensor, an entry the metadata places in a file that lacks it.
-* ``state.py`` cuts, checks and re-numbers state exactly: ``shard_of``, ``full_shape``,
-  ``check_keys``, ``slice_optimizer_state``, ``model_shard``, ``optimizer_shard``,
-  ``load_model_shard`` (into another pipeline/tensor layout) and ``load_optimizer_shard``.
+* ``state.py`` cuts, checks and re-numbers state exactly: ``slice_for``, ``full_shape``,
+  ``check_keys``, ``slice_optimizer_state``, ``model_part``, ``optimizer_part``,
+  ``load_model_part`` (into another pipeline/tensor layout) and ``load_optimizer_part``.
 * ``consolidate_checkpoint`` and ``python -m lightning_pipe.consolidate`` turn a sharded checkpoint
   into one ordinary checkpoint file that ``torch.load(weights_only=True)`` and ``torch.optim`` accept.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -38,29 +37,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+from lightning_pipe.checkpoint import consolidate_checkpoint, is_checkpoint_directory
 from lightning_pipe.checkpoint.metadata import (
     HOW_TO_LOAD_FILE,
     LIGHTNING_STATE_FILE,
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
-    TensorRecord,
-    shard_file_name,
+    TensorEntry,
+    part_file_name,
 )
-from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+from lightning_pipe.checkpoint.reader import CheckpointDirectory
 from lightning_pipe.checkpoint.state import (
     check_keys,
     full_shape,
-    load_model_shard,
-    load_optimizer_shard,
-    model_shard,
-    optimizer_shard,
-    shard_of,
+    load_model_part,
+    load_optimizer_part,
+    model_part,
+    optimizer_part,
+    slice_for,
     slice_optimizer_state,
 )
-from lightning_pipe.checkpoint.writer import RankShard, write_sharded_checkpoint
-from lightning_pipe.pipeline.plan import PipelinePlan
+from lightning_pipe.checkpoint.writer import PartFile, write_checkpoint_directory
+from lightning_pipe.partition.model import PipelinePartition
+from tests.checkpoint_files import edit_metadata
 from tests.distributed import run_distributed
 
 TP = 2
@@ -122,16 +122,16 @@ def header() -> CheckpointMetadata:
     return CheckpointMetadata(layout=dict(LAYOUT), layer_names=["0", "1"], balance=[1, 1])
 
 
-def record(file: str, full: torch.Tensor, dim: int | None) -> TensorRecord:
-    return TensorRecord(files=(file,), shape=tuple(full.shape), dtype="float32", tp_dim=dim)
+def record(file: str, full: torch.Tensor, dim: int | None) -> TensorEntry:
+    return TensorEntry(files=(file,), shape=tuple(full.shape), dtype="float32", tp_dim=dim)
 
 
 # ------------------------------------------------------------------------ worker (runs on each rank)
-def model_shard_of_rank(values: dict[str, torch.Tensor], rank: int, pp: int = 0) -> RankShard:
+def model_shard_of_rank(values: dict[str, torch.Tensor], rank: int, pp: int = 0) -> PartFile:
     """What rank ``rank`` writes: its slice of each split value, the replicated ones on rank 0."""
-    file = shard_file_name(pp, rank)
+    file = part_file_name(pp, rank)
     payload: dict[str, torch.Tensor] = {}
-    records: dict[str, tuple[TensorRecord, int]] = {}
+    records: dict[str, tuple[TensorEntry, int]] = {}
     for key, full in values.items():
         dim = SPLIT_DIMS.get(key)
         if dim is None:
@@ -141,29 +141,29 @@ def model_shard_of_rank(values: dict[str, torch.Tensor], rank: int, pp: int = 0)
         else:
             payload[key] = full.chunk(TP, dim)[rank].clone()
             records[key] = (record(file, full, dim), rank)
-    return RankShard(file, {"model": payload, "optimizers": []}, model=records)
+    return PartFile(file, {"model": payload, "optimizers": []}, model=records)
 
 
-def optim_shard_of_rank(rank: int) -> RankShard:
+def optim_shard_of_rank(rank: int) -> PartFile:
     v = optim_values()
-    file = shard_file_name(0, rank)
+    file = part_file_name(0, rank)
     model: dict[str, torch.Tensor] = {"a.weight": v["a.weight"].chunk(TP, 0)[rank].clone()}
-    records: dict[str, tuple[TensorRecord, int]] = {"a.weight": (record(file, v["a.weight"], 0), rank)}
+    records: dict[str, tuple[TensorEntry, int]] = {"a.weight": (record(file, v["a.weight"], 0), rank)}
     a_state: dict[str, Any] = {"momentum_buffer": v["a.momentum"].chunk(TP, 0)[rank].clone()}
-    a_records: dict[str, tuple[TensorRecord, int]] = {
+    a_records: dict[str, tuple[TensorEntry, int]] = {
         "momentum_buffer": (record(file, v["a.momentum"], 0), rank)
     }
     optimizer: dict[str, dict[str, Any]] = {"a.weight": a_state}
-    optimizer_records = {"a.weight": a_records}
+    optimizer_entries = {"a.weight": a_records}
     if rank == 0:
         model["b.weight"] = v["b.weight"].clone()
         records["b.weight"] = (record(file, v["b.weight"], None), 0)
         a_state["step"] = 5  # a non-tensor value: a record without shape or dtype
-        a_records["step"] = (TensorRecord(files=(file,)), 0)
+        a_records["step"] = (TensorEntry(files=(file,)), 0)
         optimizer["b.weight"] = {"momentum_buffer": v["b.momentum"].clone()}
-        optimizer_records["b.weight"] = {"momentum_buffer": (record(file, v["b.momentum"], None), 0)}
-    return RankShard(
-        file, {"model": model, "optimizers": [optimizer]}, model=records, optimizers=[optimizer_records]
+        optimizer_entries["b.weight"] = {"momentum_buffer": (record(file, v["b.momentum"], None), 0)}
+    return PartFile(
+        file, {"model": model, "optimizers": [optimizer]}, model=records, optimizers=[optimizer_entries]
     )
 
 
@@ -186,8 +186,8 @@ def save_scenarios(root_name: str) -> dict[str, Failure | None]:
     rank = dist.get_rank()
     first = rank == 0
 
-    def save(path: Path, shard: RankShard, state: Any, order: list[str] | None = None) -> None:
-        write_sharded_checkpoint(path, shard, state if first else None, header() if first else None, order)
+    def save(path: Path, shard: PartFile, state: Any, order: list[str] | None = None) -> None:
+        write_checkpoint_directory(path, shard, state if first else None, header() if first else None, order)
 
     ckpt = root / "ckpt"
     # First save: other file names (pipeline stage 1) and an extra key, then replaced by the main one.
@@ -282,34 +282,36 @@ def assert_same(actual: Any, expected: Any, where: str = "") -> None:
 
 
 def read_all(path: Path) -> dict[str, Any]:
-    reader = ShardedCheckpoint(path)
+    reader = CheckpointDirectory(path)
     values = {key: reader.model_value(key) for key in reader.metadata.model}
     reader.lightning_state()
     return values
 
 
 # ------------------------------------------------------------------------------- writing, 2 ranks
+@pytest.mark.distributed
 def test_reader_returns_the_full_tensors_two_ranks_wrote(saved: tuple[Path, Any]) -> None:
-    reader = ShardedCheckpoint(saved[0] / "ckpt")
+    reader = CheckpointDirectory(saved[0] / "ckpt")
     expected = model_values(MAIN_SEED)
     assert list(reader.metadata.model) == KEY_ORDER
     for key, full in expected.items():
         assert_same(reader.model_value(key), full, key)
-    tp_files = (shard_file_name(0, 0), shard_file_name(0, 1))
-    assert reader.metadata.model["0.weight"] == TensorRecord(tp_files, (4, 3), "float32", 0)
-    assert reader.metadata.model["1.weight"] == TensorRecord(tp_files, (2, 4), "float32", 1)
-    assert reader.metadata.model["1.bias"] == TensorRecord((shard_file_name(0, 0),), (2,), "float32", None)
+    tp_files = (part_file_name(0, 0), part_file_name(0, 1))
+    assert reader.metadata.model["0.weight"] == TensorEntry(tp_files, (4, 3), "float32", 0)
+    assert reader.metadata.model["1.weight"] == TensorEntry(tp_files, (2, 4), "float32", 1)
+    assert reader.metadata.model["1.bias"] == TensorEntry((part_file_name(0, 0),), (2,), "float32", None)
     assert reader.metadata.layout == LAYOUT
     assert (reader.metadata.layer_names, reader.metadata.balance) == (["0", "1"], [1, 1])
     assert reader.metadata.optimizers == []
     assert_same(reader.lightning_state(), lightning_state(MAIN_SEED))
-    assert is_sharded_checkpoint(saved[0] / "ckpt")
+    assert is_checkpoint_directory(saved[0] / "ckpt")
 
 
+@pytest.mark.distributed
 def test_each_shard_file_holds_only_its_own_slice(saved: tuple[Path, Any]) -> None:
     full = model_values(MAIN_SEED)
     for rank in range(TP):
-        payload = torch.load(saved[0] / "ckpt" / shard_file_name(0, rank), weights_only=True)
+        payload = torch.load(saved[0] / "ckpt" / part_file_name(0, rank), weights_only=True)
         rows = slice(2 * rank, 2 * rank + 2)
         expected = {
             "0.weight": full["0.weight"][rows],
@@ -321,19 +323,21 @@ def test_each_shard_file_holds_only_its_own_slice(saved: tuple[Path, Any]) -> No
         assert_same(payload, {"model": expected, "optimizers": []}, f"rank {rank}")
 
 
+@pytest.mark.distributed
 def test_second_save_replaces_the_directory_and_leaves_no_temporaries(saved: tuple[Path, Any]) -> None:
     root = saved[0]
     expected_files = {
-        METADATA_FILE, LIGHTNING_STATE_FILE, HOW_TO_LOAD_FILE, shard_file_name(0, 0), shard_file_name(0, 1)
+        METADATA_FILE, LIGHTNING_STATE_FILE, HOW_TO_LOAD_FILE, part_file_name(0, 0), part_file_name(0, 1)
     }  # fmt: skip
     assert {p.name for p in (root / "ckpt").iterdir()} == expected_files  # no shard-pp1-* of the first
-    assert "2.extra" not in ShardedCheckpoint(root / "ckpt").metadata.model
+    assert "2.extra" not in CheckpointDirectory(root / "ckpt").metadata.model
     assert sorted(p.name for p in root.iterdir()) == sorted(
         ["a_file", "ckpt", "custom.ckpt", "data", "empty.ckpt", "link.ckpt", "optim.ckpt", "target.ckpt",
          "was_file.ckpt"]
     )  # fmt: skip
 
 
+@pytest.mark.distributed
 def test_save_over_a_symlink_replaces_the_link_not_its_target(saved: tuple[Path, Any]) -> None:
     root = saved[0]
     assert not (root / "link.ckpt").is_symlink() and (root / "link.ckpt").is_dir()
@@ -342,6 +346,7 @@ def test_save_over_a_symlink_replaces_the_link_not_its_target(saved: tuple[Path,
     assert_same(read_all(root / "empty.ckpt"), model_values(12))
 
 
+@pytest.mark.distributed
 def test_save_onto_a_users_directory_is_refused_and_leaves_it_alone(saved: tuple[Path, Any]) -> None:
     data = saved[0] / "data"
     assert [p.name for p in data.iterdir()] == ["keep.txt"]
@@ -350,6 +355,7 @@ def test_save_onto_a_users_directory_is_refused_and_leaves_it_alone(saved: tuple
     assert "Choose another checkpoint path" in message, message
 
 
+@pytest.mark.distributed
 def test_save_over_a_single_file_checkpoint_replaces_it(saved: tuple[Path, Any]) -> None:
     path = saved[0] / "was_file.ckpt"
     assert path.is_dir()
@@ -365,6 +371,7 @@ FAILURES = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("scenario", FAILED_SAVES)
 def test_failed_save_raises_on_every_rank_and_keeps_the_previous_checkpoint(
     saved: tuple[Path, Any], scenario: str
@@ -383,7 +390,7 @@ def test_failed_save_raises_on_every_rank_and_keeps_the_previous_checkpoint(
     assert outcomes[0][2] == []  # type: ignore[index]
     # The previous checkpoint is intact.
     assert_same(read_all(root / "ckpt"), model_values(MAIN_SEED))
-    assert_same(ShardedCheckpoint(root / "ckpt").lightning_state(), lightning_state(MAIN_SEED))
+    assert_same(CheckpointDirectory(root / "ckpt").lightning_state(), lightning_state(MAIN_SEED))
     assert not [p.name for p in root.iterdir() if p.name.endswith((".tmp", ".old"))]
     assert not (root / "a_file" / "ckpt").exists() and (root / "a_file").is_file()
 
@@ -391,16 +398,10 @@ def test_failed_save_raises_on_every_rank_and_keeps_the_previous_checkpoint(
 # ------------------------------------------------------------------------------------ reading errors
 def test_reader_rejects_a_missing_path_and_a_file(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
-        ShardedCheckpoint(tmp_path / "nowhere")
+        CheckpointDirectory(tmp_path / "nowhere")
     (tmp_path / "single.ckpt").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="is a file"):
-        ShardedCheckpoint(tmp_path / "single.ckpt")
-
-
-def edit_metadata(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
-    data = json.loads((path / METADATA_FILE).read_text())
-    change(data)
-    (path / METADATA_FILE).write_text(json.dumps(data))
+        CheckpointDirectory(tmp_path / "single.ckpt")
 
 
 def drop_metadata(path: Path) -> None:
@@ -408,17 +409,17 @@ def drop_metadata(path: Path) -> None:
 
 
 def drop_shard(path: Path) -> None:
-    (path / shard_file_name(0, 1)).unlink()
+    (path / part_file_name(0, 1)).unlink()
 
 
 def truncate_shard(path: Path) -> None:
-    file = path / shard_file_name(0, 1)
+    file = path / part_file_name(0, 1)
     with file.open("r+b") as f:
         f.truncate(os.path.getsize(file) // 2)
 
 
 def garble_shard(path: Path) -> None:
-    (path / shard_file_name(0, 1)).write_bytes(b"not a torch file" * 64)
+    (path / part_file_name(0, 1)).write_bytes(b"not a torch file" * 64)
 
 
 def future_version(path: Path) -> None:
@@ -446,7 +447,7 @@ def wrong_split_dim(path: Path) -> None:
 
 
 def phantom_entry(path: Path) -> None:
-    entry = {"files": [shard_file_name(0, 0)], "shape": [1], "dtype": "float32", "tp_dim": None}
+    entry = {"files": [part_file_name(0, 0)], "shape": [1], "dtype": "float32", "tp_dim": None}
     edit_metadata(path, lambda d: d["model"].update(ghost=entry))
 
 
@@ -473,6 +474,7 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_reader_names_what_is_wrong_with_a_damaged_checkpoint(damaged: Path, damage: str) -> None:
     change, message = DAMAGES[damage]
@@ -481,8 +483,9 @@ def test_reader_names_what_is_wrong_with_a_damaged_checkpoint(damaged: Path, dam
         read_all(damaged)
 
 
+@pytest.mark.distributed
 def test_lightning_state_with_objects_needs_weights_only_false(saved: tuple[Path, Any]) -> None:
-    reader = ShardedCheckpoint(saved[0] / "custom.ckpt")
+    reader = CheckpointDirectory(saved[0] / "custom.ckpt")
     with pytest.raises(CheckpointError, match=r"weights_only=True loading refuses"):
         reader.lightning_state()
     assert reader.lightning_state(weights_only=False) == {"hyper_parameters": {"obj": Opaque(3)}}
@@ -499,9 +502,9 @@ def marked(shape: tuple[int, ...], dim: int | None) -> nn.Parameter:
 
 def test_shard_of_cuts_a_full_value_along_the_marked_dim() -> None:
     full = torch.arange(24.0).reshape(4, 6)
-    by_rows = shard_of(full, marked((2, 6), 0), 2, 1)
+    by_rows = slice_for(full, marked((2, 6), 0), 2, 1)
     assert_same(by_rows, full[2:4])
-    by_cols = shard_of(full, marked((4, 2), 1), 3, 2)
+    by_cols = slice_for(full, marked((4, 2), 1), 3, 2)
     assert_same(by_cols, full[:, 4:6])
     assert by_cols.is_contiguous()
     assert by_cols.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
@@ -509,20 +512,20 @@ def test_shard_of_cuts_a_full_value_along_the_marked_dim() -> None:
 
 def test_shard_of_copies_local_and_replicated_values() -> None:
     local = torch.arange(12.0).reshape(2, 6)
-    out = shard_of(local, marked((2, 6), 0), 2, 1)
+    out = slice_for(local, marked((2, 6), 0), 2, 1)
     assert_same(out, local)
     assert out.data_ptr() != local.data_ptr()
     replicated = torch.arange(5.0)
-    out = shard_of(replicated, marked((5,), None), 2, 1)
+    out = slice_for(replicated, marked((5,), None), 2, 1)
     assert_same(out, replicated)
     assert out.data_ptr() != replicated.data_ptr()
-    assert shard_of(7, marked((2, 6), 0), 2, 1) == 7
-    assert_same(shard_of(torch.tensor(3.0), None, 2, 1), torch.tensor(3.0))
+    assert slice_for(7, marked((2, 6), 0), 2, 1) == 7
+    assert_same(slice_for(torch.tensor(3.0), None, 2, 1), torch.tensor(3.0))
 
 
 def test_shard_of_passes_a_scalar_step_of_a_tensor_parallel_param_through() -> None:
     step = torch.tensor(3.0)
-    out = shard_of(step, marked((2, 6), 0), 2, 1)
+    out = slice_for(step, marked((2, 6), 0), 2, 1)
     assert_same(out, step)
 
 
@@ -592,18 +595,18 @@ class Net(nn.Module):
         return self.layers(x) * self.scale
 
 
-NET_PLAN = PipelinePlan(layer_names=("layers.0", "layers.1"), balance=(1, 1), parameter_counts=(8, 6))
+NET_PLAN = PipelinePartition(layer_names=("layers.0", "layers.1"), balance=(1, 1), parameter_counts=(8, 6))
 
 
 def test_model_shard_takes_the_stage_keys_and_on_tensor_rank_1_only_split_ones() -> None:
     net = Net(tp=2)
     state = net.state_dict()
     assert_same(
-        model_shard(net, NET_PLAN, 0, 0), {k: state[k] for k in ("layers.0.weight", "layers.0.bias", "scale")}
+        model_part(net, NET_PLAN, 0, 0), {k: state[k] for k in ("layers.0.weight", "layers.0.bias", "scale")}
     )
-    assert_same(model_shard(net, NET_PLAN, 0, 1), {k: state[k] for k in ("layers.0.weight", "layers.0.bias")})
-    assert_same(model_shard(net, NET_PLAN, 1, 0), {k: state[k] for k in ("layers.1.weight", "layers.1.bias")})
-    assert_same(model_shard(net, NET_PLAN, 1, 1), {"layers.1.weight": state["layers.1.weight"]})
+    assert_same(model_part(net, NET_PLAN, 0, 1), {k: state[k] for k in ("layers.0.weight", "layers.0.bias")})
+    assert_same(model_part(net, NET_PLAN, 1, 0), {k: state[k] for k in ("layers.1.weight", "layers.1.bias")})
+    assert_same(model_part(net, NET_PLAN, 1, 1), {"layers.1.weight": state["layers.1.weight"]})
 
 
 def test_optimizer_shard_names_state_by_parameter() -> None:
@@ -614,11 +617,11 @@ def test_optimizer_shard_names_state_by_parameter() -> None:
     buffers = {name: optimizer.state[p]["momentum_buffer"] for name, p in net.named_parameters()}
     # A module's own parameters come before its children's in named_parameters().
     names = ["scale", "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]
-    rank0 = optimizer_shard(optimizer, net, NET_PLAN, 0, 0)
+    rank0 = optimizer_part(optimizer, net, NET_PLAN, 0, 0)
     assert rank0["param_names"] == names
     assert rank0["param_groups"] == optimizer.state_dict()["param_groups"]
     assert_same(rank0["state"], {n: {"momentum_buffer": buffers[n]} for n in names[:3]})
-    rank1 = optimizer_shard(optimizer, net, NET_PLAN, 1, 1)
+    rank1 = optimizer_part(optimizer, net, NET_PLAN, 1, 1)
     assert_same(rank1["state"], {"layers.1.weight": {"momentum_buffer": buffers["layers.1.weight"]}})
 
 
@@ -630,31 +633,33 @@ def sequential(tp: int) -> nn.Sequential:
     return net
 
 
+@pytest.mark.distributed
 def test_load_model_shard_recuts_for_another_layout(saved: tuple[Path, Any]) -> None:
-    reader = ShardedCheckpoint(saved[0] / "ckpt")  # saved with pp=1, tp=2
+    reader = CheckpointDirectory(saved[0] / "ckpt")  # saved with pp=1, tp=2
     full = model_values(MAIN_SEED)
-    one_stage = PipelinePlan(layer_names=("0", "1"), balance=(2,), parameter_counts=(16, 10))
-    assert_same(load_model_shard(reader, sequential(1), one_stage, 0, 1, 0, strict=True), full)
-    two_stages = PipelinePlan(layer_names=("0", "1"), balance=(1, 1), parameter_counts=(16, 10))
-    loaded = load_model_shard(reader, sequential(2), two_stages, 1, 2, 1, strict=True)
+    one_stage = PipelinePartition(layer_names=("0", "1"), balance=(2,), parameter_counts=(16, 10))
+    assert_same(load_model_part(reader, sequential(1), one_stage, 0, 1, 0, strict=True), full)
+    two_stages = PipelinePartition(layer_names=("0", "1"), balance=(1, 1), parameter_counts=(16, 10))
+    loaded = load_model_part(reader, sequential(2), two_stages, 1, 2, 1, strict=True)
     assert_same(loaded, {"1.weight": full["1.weight"][:, 2:4], "1.bias": full["1.bias"]})
-    loaded = load_model_shard(reader, sequential(2), two_stages, 0, 2, 0, strict=True)
+    loaded = load_model_part(reader, sequential(2), two_stages, 0, 2, 0, strict=True)
     assert_same(loaded, {"0.weight": full["0.weight"][:2], "0.bias": full["0.bias"][:2]})
     net = sequential(2)
     net.load_state_dict({**net.state_dict(), **loaded})  # the cut shapes fit the module
 
 
+@pytest.mark.distributed
 def test_load_model_shard_reports_keys_and_shapes(saved: tuple[Path, Any]) -> None:
-    reader = ShardedCheckpoint(saved[0] / "ckpt")
-    plan = PipelinePlan(layer_names=("0", "1", "2"), balance=(3,), parameter_counts=(16, 10, 6))
+    reader = CheckpointDirectory(saved[0] / "ckpt")
+    plan = PipelinePartition(layer_names=("0", "1", "2"), balance=(3,), parameter_counts=(16, 10, 6))
     bigger = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 3))
     with pytest.raises(CheckpointError, match=r"missing from the checkpoint: \['2\.weight', '2\.bias'\]"):
-        load_model_shard(reader, bigger, plan, 0, 1, 0, strict=True)
-    loaded = load_model_shard(reader, bigger, plan, 0, 1, 0, strict=False)
+        load_model_part(reader, bigger, plan, 0, 1, 0, strict=True)
+    loaded = load_model_part(reader, bigger, plan, 0, 1, 0, strict=False)
     assert set(loaded) == set(SPLIT_DIMS)
     wide = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
     with pytest.raises(CheckpointError, match=r"0\.weight: saved \[4, 3\], model \[5, 3\]"):
-        load_model_shard(reader, wide, plan, 0, 1, 0, strict=True)
+        load_model_part(reader, wide, plan, 0, 1, 0, strict=True)
 
 
 class Holder(nn.Module):
@@ -672,15 +677,16 @@ class OptimModule(nn.Module):
         self.b = Holder(marked((3,), None))
 
 
+@pytest.mark.distributed
 def test_load_optimizer_shard_renumbers_and_cuts_for_the_tensor_rank(saved: tuple[Path, Any]) -> None:
-    reader = ShardedCheckpoint(saved[0] / "optim.ckpt")
+    reader = CheckpointDirectory(saved[0] / "optim.ckpt")
     saved_state = reader.lightning_state()["optimizer_states"][0]
     v = optim_values()
     module = OptimModule(tp=2)
     # The optimizer lists the parameters in another order than the saver: state follows the names.
     optimizer = torch.optim.SGD([module.b.weight, module.a.weight], lr=1.0, momentum=0.0)
     owned = {id(module.a.weight), id(module.b.weight)}
-    out = load_optimizer_shard(reader, 0, saved_state, optimizer, module, owned, 2, 1)
+    out = load_optimizer_part(reader, 0, saved_state, optimizer, module, owned, 2, 1)
     expected_state = {
         0: {"momentum_buffer": v["b.momentum"]},
         1: {"momentum_buffer": v["a.momentum"][2:4], "step": 5},
@@ -691,20 +697,21 @@ def test_load_optimizer_shard_renumbers_and_cuts_for_the_tensor_rank(saved: tupl
     optimizer.load_state_dict(out)
     assert_same(optimizer.state[module.a.weight]["momentum_buffer"], v["a.momentum"][2:4])
     assert optimizer.param_groups[0]["lr"] == 0.1
-    only_b = load_optimizer_shard(reader, 0, saved_state, optimizer, module, {id(module.b.weight)}, 2, 0)
+    only_b = load_optimizer_part(reader, 0, saved_state, optimizer, module, {id(module.b.weight)}, 2, 0)
     assert_same(only_b["state"], {0: {"momentum_buffer": v["b.momentum"]}})
 
 
+@pytest.mark.distributed
 def test_load_optimizer_shard_rejects_another_optimizer(saved: tuple[Path, Any]) -> None:
-    reader = ShardedCheckpoint(saved[0] / "optim.ckpt")
+    reader = CheckpointDirectory(saved[0] / "optim.ckpt")
     saved_state = reader.lightning_state()["optimizer_states"][0]
     module = OptimModule(tp=1)
     two_groups = torch.optim.SGD([{"params": [module.a.weight]}, {"params": [module.b.weight]}], lr=1.0)
     with pytest.raises(CheckpointError, match="has 1 parameter groups, the model's optimizer has 2"):
-        load_optimizer_shard(reader, 0, saved_state, two_groups, module, set(), 1, 0)
+        load_optimizer_part(reader, 0, saved_state, two_groups, module, set(), 1, 0)
     only_a = torch.optim.SGD([module.a.weight], lr=1.0)
     with pytest.raises(CheckpointError, match=r"in the checkpoint but not in the model: \['b\.weight'\]"):
-        load_optimizer_shard(reader, 0, saved_state, only_a, module, set(), 1, 0)
+        load_optimizer_part(reader, 0, saved_state, only_a, module, set(), 1, 0)
 
 
 # ------------------------------------------------------------------------------------ consolidation
@@ -724,6 +731,7 @@ def expected_consolidated() -> dict[str, Any]:
     return state
 
 
+@pytest.mark.distributed
 def test_consolidate_writes_an_ordinary_checkpoint(saved: tuple[Path, Any], tmp_path: Path) -> None:
     output = tmp_path / "out" / "model.ckpt"
     returned = consolidate_checkpoint(saved[0] / "optim.ckpt", output)
@@ -739,6 +747,7 @@ def test_consolidate_writes_an_ordinary_checkpoint(saved: tuple[Path, Any], tmp_
     assert [p.name for p in output.parent.iterdir()] == ["model.ckpt"]
 
 
+@pytest.mark.distributed
 def test_consolidate_weights_only_and_over_a_sharded_directory(
     saved: tuple[Path, Any], tmp_path: Path
 ) -> None:
@@ -754,6 +763,7 @@ def test_consolidate_weights_only_and_over_a_sharded_directory(
     assert [p.name for p in tmp_path.iterdir()] == ["model.ckpt"]
 
 
+@pytest.mark.distributed
 def test_consolidate_cli(saved: tuple[Path, Any], tmp_path: Path) -> None:
     def cli(*args: str | Path) -> subprocess.Popen[str]:
         command = [sys.executable, "-m", "lightning_pipe.consolidate", *map(str, args)]

@@ -34,28 +34,28 @@ from torch import nn
 
 from lightning_pipe.checkpoint import consolidate_checkpoint
 from lightning_pipe.checkpoint import replace as replace_module
-from lightning_pipe.checkpoint.consolidate import save_atomically
 from lightning_pipe.checkpoint.metadata import (
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
-    shard_file_name,
+    part_file_name,
 )
-from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+from lightning_pipe.checkpoint.reader import CheckpointDirectory
 from lightning_pipe.checkpoint.replace import check_replaceable, recover_leftover, replace_path
+from lightning_pipe.checkpoint.single_file import save_atomically
 from lightning_pipe.checkpoint.state import (
-    load_model_shard,
-    load_optimizer_shard,
-    model_records,
-    model_shard,
-    optimizer_shard,
+    load_model_part,
+    load_optimizer_part,
+    model_entries,
+    model_part,
+    optimizer_part,
 )
-from lightning_pipe.checkpoint.writer import RankShard, write_sharded_checkpoint
+from lightning_pipe.checkpoint.writer import PartFile, write_checkpoint_directory
 from lightning_pipe.consolidate import main as consolidate_main
-from lightning_pipe.pipeline.plan import PipelinePlan, make_plan
-from lightning_pipe.tensor_parallel.plan import ShardStyle, apply_plan
+from lightning_pipe.partition.model import PipelinePartition, partition_model
+from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, apply_plan
+from tests.checkpoint_files import edit_metadata
 from tests.distributed import run_distributed
-from tests.test_checkpoint_format import edit_metadata
 
 LAYOUT = {"data_parallel_size": 1, "pipeline_parallel_size": 1, "tensor_parallel_size": 1}
 
@@ -85,12 +85,12 @@ class WithExtraState(nn.Module):
 def save_module(path: Path, module: nn.Module, lightning_state: dict[str, Any]) -> None:
     """A one-process sharded checkpoint of ``module`` (one stage, one tensor rank)."""
     # No key lies in a pipeline layer here: all of them are stage 0's to save.
-    plan = PipelinePlan(layer_names=("no_layer",), balance=(1,), parameter_counts=(0,))
-    file = shard_file_name(0, 0)
-    model = model_shard(module, plan, 0, 0)
-    shard = RankShard(file, {"model": model, "optimizers": []}, model_records(model, module, 1, 0, file))
+    plan = PipelinePartition(layer_names=("no_layer",), balance=(1,), parameter_counts=(0,))
+    file = part_file_name(0, 0)
+    model = model_part(module, plan, 0, 0)
+    shard = PartFile(file, {"model": model, "optimizers": []}, model_entries(model, module, 1, 0, file))
     header = CheckpointMetadata(layout=dict(LAYOUT), layer_names=list(plan.layer_names), balance=[1])
-    write_sharded_checkpoint(path, shard, lightning_state, header)
+    write_checkpoint_directory(path, shard, lightning_state, header)
 
 
 def sharded_dir(path: Path) -> Path:
@@ -113,7 +113,7 @@ def test_replace_path_replaces_a_symlink_and_leaves_its_target(tmp_path: Path) -
     new = sharded_dir(tmp_path / "new")
     replace_path(new, tmp_path / "last.ckpt")
     assert not (tmp_path / "last.ckpt").is_symlink() and (tmp_path / "last.ckpt").is_dir()
-    assert ShardedCheckpoint(target).lightning_state() == {"epoch": 1}
+    assert CheckpointDirectory(target).lightning_state() == {"epoch": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1.ckpt", "last.ckpt"]
 
 
@@ -151,7 +151,7 @@ def test_replace_path_restores_the_previous_checkpoint_when_the_last_rename_fail
     fail_renaming(new, monkeypatch)
     with pytest.raises(OSError, match="disk full"):
         replace_path(new, previous)
-    assert ShardedCheckpoint(previous).lightning_state() == {"epoch": 1}
+    assert CheckpointDirectory(previous).lightning_state() == {"epoch": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "x.ckpt"]
 
 
@@ -167,7 +167,7 @@ def test_replace_path_warns_when_only_the_old_copy_cannot_be_deleted(
     monkeypatch.setattr(replace_module.shutil, "rmtree", rmtree)
     with pytest.warns(UserWarning, match=r"is saved, but the previous one, moved to .*\.x\.ckpt\.old"):
         replace_path(tmp_path / "new", path)
-    assert ShardedCheckpoint(path).lightning_state() == {"epoch": 2}
+    assert CheckpointDirectory(path).lightning_state() == {"epoch": 2}
 
 
 def test_save_atomically_and_consolidate_refuse_a_users_directory_first(tmp_path: Path) -> None:
@@ -229,14 +229,14 @@ def test_metadata_of_the_wrong_shape_is_a_damaged_checkpoint(
     metadata = path / METADATA_FILE
     metadata.write_text(json.dumps(change(json.loads(metadata.read_text()))))
     with pytest.raises(CheckpointError, match=message):
-        ShardedCheckpoint(path)
+        CheckpointDirectory(path)
 
 
 def test_a_record_without_files_is_a_damaged_checkpoint(tmp_path: Path) -> None:
     path = sharded_dir(tmp_path / "x.ckpt")
     edit_metadata(path, lambda data: data["model"]["weight"].update(files=[]))
     with pytest.raises(CheckpointError, match="names no shard file for the model entry 'weight'"):
-        ShardedCheckpoint(path).model_value("weight")
+        CheckpointDirectory(path).model_value("weight")
 
 
 # ---------------------------------------------------------------------------------- aliased keys
@@ -252,11 +252,11 @@ class AliasedHead(nn.Module):
 
 def test_a_key_aliasing_a_layer_is_saved_and_loaded_by_that_layers_stage(tmp_path: Path) -> None:
     net = AliasedHead()
-    plan = make_plan(net, list(net.layers), 2)
+    plan = partition_model(net, list(net.layers), 2)
     assert plan.aliases == (("head.weight", 1), ("head.bias", 1))
     assert [plan.stage_of_key(k) for k in net.state_dict()] == [0, 0, 1, 1, 1, 1]
-    assert set(model_shard(net, plan, 0, 0)) == {"layers.0.weight", "layers.0.bias"}
-    assert set(model_shard(net, plan, 1, 0)) == {
+    assert set(model_part(net, plan, 0, 0)) == {"layers.0.weight", "layers.0.bias"}
+    assert set(model_part(net, plan, 1, 0)) == {
         "layers.1.weight",
         "layers.1.bias",
         "head.weight",
@@ -272,20 +272,20 @@ def test_a_key_aliasing_a_layer_is_saved_and_loaded_by_that_layers_stage(tmp_pat
     path.mkdir()
     header = CheckpointMetadata(layout=dict(LAYOUT), layer_names=list(plan.layer_names), balance=[1, 1])
     for pp_rank, source in enumerate((stale, trained)):
-        file = shard_file_name(pp_rank, 0)
-        model = model_shard(source, plan, pp_rank, 0)
+        file = part_file_name(pp_rank, 0)
+        model = model_part(source, plan, pp_rank, 0)
         torch.save({"model": model, "optimizers": []}, path / file)
         header.model.update(
-            {key: record for key, (record, _) in model_records(model, source, 1, 0, file).items()}
+            {key: record for key, (record, _) in model_entries(model, source, 1, 0, file).items()}
         )
     header.write(path)
     torch.save({}, path / "lightning_state.pt")
     assert header.model["head.weight"].files == ("shard-pp1-tp0.pt",)
 
     fresh = AliasedHead()
-    one_stage = make_plan(fresh, list(fresh.layers), 1)
+    one_stage = partition_model(fresh, list(fresh.layers), 1)
     fresh.load_state_dict(
-        load_model_shard(ShardedCheckpoint(path), fresh, one_stage, 0, 1, 0, True), strict=True
+        load_model_part(CheckpointDirectory(path), fresh, one_stage, 0, 1, 0, True), strict=True
     )
     assert torch.equal(fresh.head.weight, trained.layers[1].weight)
     assert torch.equal(fresh.layers[0].weight, stale.layers[0].weight)
@@ -298,14 +298,14 @@ def test_optimizer_state_that_cannot_be_cut_is_refused_at_save_time() -> None:
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     # An Adafactor-like row factor: one value per row, not shaped like the weight.
     optimizer.state[net[0].weight]["row_factor"] = torch.ones(4)
-    plan = make_plan(net, list(net), 1)
+    plan = partition_model(net, list(net), 1)
     with pytest.raises(
         CheckpointError, match=r"'row_factor' of the tensor-parallel parameter '0\.weight' has"
     ):
-        optimizer_shard(optimizer, net, plan, 0, 0)
+        optimizer_part(optimizer, net, plan, 0, 0)
     # A scalar (Adam's step) is the same on every tensor rank: saved once, no error.
     optimizer.state[net[0].weight] = {"step": torch.tensor(3.0)}
-    assert set(optimizer_shard(optimizer, net, plan, 0, 0)["state"]["0.weight"]) == {"step"}
+    assert set(optimizer_part(optimizer, net, plan, 0, 0)["state"]["0.weight"]) == {"step"}
 
 
 def test_a_parameter_group_mismatch_names_the_optimizer_fix(tmp_path: Path) -> None:
@@ -317,7 +317,7 @@ def test_a_parameter_group_mismatch_names_the_optimizer_fix(tmp_path: Path) -> N
     }
     optimizer = torch.optim.SGD([{"params": [net.bias]}, {"params": [net.weight]}], lr=0.1)
     with pytest.raises(CheckpointError) as info:
-        load_optimizer_shard(ShardedCheckpoint(path), 0, saved, optimizer, net, set(), 1, 0)
+        load_optimizer_part(CheckpointDirectory(path), 0, saved, optimizer, net, set(), 1, 0)
     message = str(info.value)
     assert "parameter group 0" in message and "configure_optimizers must put the same parameters" in message
     assert "strict_loading" not in message
@@ -326,10 +326,11 @@ def test_a_parameter_group_mismatch_names_the_optimizer_fix(tmp_path: Path) -> N
 def shard_aliased_worker() -> tuple[bool, str]:
     """Shard the aliased layer with a one-rank tensor group; report what ``head`` then is."""
     net = AliasedHead()
-    apply_plan(net, {"layers.1": ShardStyle.ROWWISE_SPLIT}, dist.group.WORLD, seed=0)
+    apply_plan(net, {"layers.1": TensorParallelStyle.ROWWISE_SPLIT}, dist.group.WORLD, seed=0)
     return net.head is net.layers[1], type(net.head).__name__
 
 
+@pytest.mark.distributed
 def test_sharding_a_layer_also_shards_its_other_names() -> None:
     # Otherwise ``head`` would keep the full, never-trained module and save it as the head.
     assert run_distributed(shard_aliased_worker, 1, timeout=60.0) == [(True, "RowParallelLinear")]
@@ -346,7 +347,7 @@ def test_a_crash_between_the_renames_is_recovered_by_the_next_save(
     fail_renaming(new, monkeypatch)
     with pytest.raises(OSError, match="disk full"):
         replace_path(new, tmp_path / "x.ckpt")
-    assert ShardedCheckpoint(tmp_path / "x.ckpt").lightning_state() == {"epoch": 1}
+    assert CheckpointDirectory(tmp_path / "x.ckpt").lightning_state() == {"epoch": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "x.ckpt"]
 
 
@@ -359,7 +360,7 @@ def test_a_full_disk_is_reported_as_a_full_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception
 ) -> None:
     from lightning_pipe.checkpoint import durable
-    from lightning_pipe.checkpoint.consolidate import save_atomically
+    from lightning_pipe.checkpoint.single_file import save_atomically
 
     target = tmp_path / "model.ckpt"
     save_atomically({"step": 1}, target)
@@ -392,11 +393,11 @@ def test_a_complete_checkpoint_left_by_a_crash_is_recovered_not_deleted(tmp_path
         UserWarning, match=r"x\.ckpt was missing: .*left the complete checkpoint \.x\.ckpt\.tmp"
     ):
         assert recover_leftover(tmp_path / "x.ckpt") == tmp_path / ".x.ckpt.tmp"
-    assert ShardedCheckpoint(tmp_path / "x.ckpt").lightning_state() == {"epoch": 2}
+    assert CheckpointDirectory(tmp_path / "x.ckpt").lightning_state() == {"epoch": 2}
     assert recover_leftover(tmp_path / "x.ckpt") is None  # present now: nothing to do
     # The next save replaces the recovered one as usual and clears the older leftover.
     save_module(tmp_path / "x.ckpt", nn.Linear(2, 2), {"epoch": 3})
-    assert ShardedCheckpoint(tmp_path / "x.ckpt").lightning_state() == {"epoch": 3}
+    assert CheckpointDirectory(tmp_path / "x.ckpt").lightning_state() == {"epoch": 3}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.ckpt"]
 
 
@@ -412,7 +413,7 @@ def test_a_save_over_a_crashed_complete_save_keeps_it_until_replaced(
     monkeypatch.setattr(writer, "save_durably", fail)
     with pytest.warns(UserWarning, match="was missing"), pytest.raises(CheckpointError, match="disk on fire"):
         save_module(tmp_path / "x.ckpt", nn.Linear(2, 2), {"epoch": 3})
-    assert ShardedCheckpoint(tmp_path / "x.ckpt").lightning_state() == {"epoch": 2}
+    assert CheckpointDirectory(tmp_path / "x.ckpt").lightning_state() == {"epoch": 2}
 
 
 # ------------------------------------------------------------------- completeness when consolidating

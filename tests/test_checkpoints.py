@@ -38,12 +38,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_pipe
 from lightning_pipe import PipeTPStrategy
-from lightning_pipe.checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+from lightning_pipe.checkpoint import consolidate_checkpoint, is_checkpoint_directory
 from lightning_pipe.checkpoint.full import gather_model_state
 from tests.distributed import run_distributed
 from tests.gpt_models import TinyGPT, token_data
-from tests.lightning_models import Regressor, dataset
-from tests.test_data_parallel import TOKENS, TiedLM
+from tests.lightning_models import TOKENS, Regressor, TiedLM, dataset
+from tests.trainers import fit, quiet_trainer
+
+pytestmark = pytest.mark.distributed
 
 EXACT, ACROSS = 1e-6, 1e-5
 GPT_DATA = token_data(32)
@@ -105,17 +107,15 @@ def _fit(
         callbacks.append(ModelCheckpoint(dirpath=os.path.dirname(save_to), filename=Path(save_to).stem))
     single = not isinstance(strategy, PipeTPStrategy)
     sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=0) if single else None
-    trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=max_epochs, max_steps=max_steps,
-        accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=save_to is not None, callbacks=callbacks,
-        default_root_dir=root,
+    trainer = fit(
+        model, strategy, devices, DataLoader(data, batch_size=batch, sampler=sampler), root, ckpt_path,
+        max_epochs=max_epochs, max_steps=max_steps, accumulate_grad_batches=2, gradient_clip_val=1.0,
+        enable_checkpointing=save_to is not None, callbacks=callbacks,
     )  # fmt: skip
-    trainer.fit(model, DataLoader(data, batch_size=batch, sampler=sampler), ckpt_path=ckpt_path)
     if single:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
-        state = gather_model_state(model, strategy.runtime.plan, strategy.mesh)
+        state = gather_model_state(model, strategy.runtime.partition, strategy.mesh)
     return Run(losses.values, state, trainer.global_step)
 
 
@@ -145,23 +145,21 @@ def gpt_resume_worker(ckpt: str, pp: int, devices: int) -> Run:
 def regressor_dp2_pp2_worker(root: str) -> dict[str, Run]:
     ckpt = os.path.join(root, "dp", "epoch-boundary.ckpt")
 
-    def fit(**kwargs: Any) -> Run:
+    def run(**kwargs: Any) -> Run:
         return _fit(AdamRegressor(), REG_DATA, _pipe(2, dp=2), 4, root, batch=4, **kwargs)
 
     return {
-        "uninterrupted": fit(max_epochs=4),
-        "interrupted": fit(max_epochs=2, save_to=ckpt),
-        "resumed": fit(max_epochs=4, ckpt_path=ckpt),
+        "uninterrupted": run(max_epochs=4),
+        "interrupted": run(max_epochs=2, save_to=ckpt),
+        "resumed": run(max_epochs=4, ckpt_path=ckpt),
     }
 
 
 def _mid_epoch(strategy_factory: Any, devices: int, root: str) -> Run:
     """Stop after 2 optimizer steps (batch 4 of the 5 in epoch 0), save, resume for 2 epochs."""
-    trainer = L.Trainer(
-        strategy=strategy_factory(), accelerator="cpu", devices=devices, max_steps=2,
-        accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
-    )  # fmt: skip
+    trainer = quiet_trainer(
+        strategy_factory(), devices, root, max_steps=2, accumulate_grad_batches=2, gradient_clip_val=1.0
+    )
     single = not isinstance(trainer.strategy, PipeTPStrategy)
     sampler = DistributedSampler(REG_DATA, num_replicas=1, rank=0, seed=0) if single else None
     trainer.fit(Regressor(), DataLoader(REG_DATA, batch_size=8, sampler=sampler))
@@ -233,7 +231,7 @@ def test_epoch_boundary_resume_is_exact_pp2_tp2(gpt: GPTRuns) -> None:
 def test_checkpoint_is_a_sharded_directory_with_layout_metadata(gpt: GPTRuns) -> None:
     import json
 
-    assert is_sharded_checkpoint(gpt.sharded)
+    assert is_checkpoint_directory(gpt.sharded)
     files = sorted(os.listdir(gpt.sharded))
     assert files == [
         "HOW_TO_LOAD.txt", "lightning_state.pt", "pipe_tp_metadata.json",
@@ -290,7 +288,7 @@ def test_consolidated_checkpoint_loads_strictly_into_the_plain_module(gpt: GPTRu
 
 
 def test_load_from_checkpoint_reads_a_sharded_directory_into_the_plain_module(gpt: GPTRuns) -> None:
-    """Issue 17, item 9: Lightning's classmethod reads files only; ours takes the directory too,
+    """Lightning's classmethod reads files only; ours takes the directory too,
     and the directory says how (for whoever meets the IsADirectoryError and looks inside)."""
     with pytest.raises(IsADirectoryError):
         ScheduledGPT.load_from_checkpoint(gpt.sharded)
@@ -355,11 +353,7 @@ class DeeperRegressor(Regressor):
 
 def _fit_error(model: L.LightningModule, ckpt: str, root: str) -> tuple[str, str]:
     """The exception fitting ``model`` from ``ckpt`` at pp=2 raises on this rank."""
-    trainer = L.Trainer(
-        strategy=_pipe(2), accelerator="cpu", devices=2, max_epochs=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        default_root_dir=root,
-    )  # fmt: skip
+    trainer = quiet_trainer(_pipe(2), 2, root, max_epochs=1)
     try:
         trainer.fit(model, DataLoader(REG_DATA, batch_size=8), ckpt_path=ckpt)
     except Exception as err:
@@ -402,12 +396,7 @@ def _save_errors(trainer: L.Trainer, root: str) -> dict[str, tuple[str, str]]:
 
 def bad_checkpoints_worker(root: str) -> dict[str, tuple[str, str]]:
     good = os.path.join(root, "good.ckpt")
-    trainer = L.Trainer(
-        strategy=_pipe(2), accelerator="cpu", devices=2, max_steps=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        default_root_dir=root,
-    )  # fmt: skip
-    trainer.fit(Regressor(), DataLoader(REG_DATA, batch_size=8))
+    trainer = fit(Regressor(), _pipe(2), 2, DataLoader(REG_DATA, batch_size=8), root, max_steps=1)
     trainer.save_checkpoint(good)
     if trainer.is_global_zero:
         truncated, incomplete = os.path.join(root, "truncated.ckpt"), os.path.join(root, "incomplete.ckpt")
@@ -474,14 +463,14 @@ def tied_worker(root: str) -> dict[str, Run]:
     """Embedding (stage 0) tied to the head (stage 1): both stages hold a copy and its AdamW state."""
     ckpt = os.path.join(root, "tied", "epoch-boundary.ckpt")
 
-    def fit(**kwargs: Any) -> Run:
+    def run(**kwargs: Any) -> Run:
         return _fit(TiedLM(), TOKENS, _pipe(2), 2, root, **kwargs)
 
     alias = os.path.join(root, "alias", "epoch-boundary.ckpt")
     return {
-        "uninterrupted": fit(max_epochs=4),
-        "interrupted": fit(max_epochs=2, save_to=ckpt),
-        "resumed": fit(max_epochs=4, ckpt_path=ckpt),
+        "uninterrupted": run(max_epochs=4),
+        "interrupted": run(max_epochs=2, save_to=ckpt),
+        "resumed": run(max_epochs=4, ckpt_path=ckpt),
         "alias": _fit(AliasedHeadRegressor(), REG_DATA, _pipe(2), 2, root, max_epochs=1, save_to=alias),
     }
 
@@ -528,12 +517,7 @@ def single_file_worker(root: str) -> None:
     strategy = PipeTPStrategy(
         pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2, timeout=TIMEOUT
     )
-    trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=4, max_epochs=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        default_root_dir=root,
-    )  # fmt: skip
-    trainer.fit(model, DataLoader(GPT_DATA, batch_size=8))
+    trainer = fit(model, strategy, 4, DataLoader(GPT_DATA, batch_size=8), root, max_epochs=1)
     trainer.save_checkpoint(os.path.join(root, "sharded.ckpt"))
     strategy.save_distributed_checkpoint = False
     trainer.save_checkpoint(os.path.join(root, "single.ckpt"))

@@ -9,89 +9,31 @@ backward still runs.
 from __future__ import annotations
 
 import os
-import tempfile
 from datetime import timedelta
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_pipe import PipelineExecutor, PipeTPStrategy, build_schedule
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from tests.distributed import run_distributed
-from tests.lightning_models import Regressor, dataset, loader
+from tests.lightning_models import TOKENS, Regressor, TiedLM, dataset, loader
+from tests.trainers import fit
+
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
-VOCAB, DIM, SEQ = 11, 8, 5
-
-
-class TiedLM(L.LightningModule):
-    """Token embedding on the first stage tied to the output head on the last."""
-
-    def __init__(self, unused: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2)])
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
-        if unused:
-            self.blocks[1].add_module("never_called", nn.Linear(DIM, DIM))
-            self.blocks[1] = _SkipUnused(self.blocks[1])
-
-    def configure_pipeline(self) -> list[nn.Module]:
-        return [self.embed, *self.blocks, self.head]
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        ids, targets = batch
-        loss = F.cross_entropy(self(ids).reshape(-1, VOCAB), targets.reshape(-1))
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
-
-
-class _SkipUnused(nn.Module):
-    def __init__(self, inner: nn.Sequential) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner[1](self.inner[0](x))  # `never_called` never is
-
-
-def _tokens(n: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-    return TensorDataset(ids, torch.roll(ids, 1, dims=1))
-
-
-TOKENS = _tokens(32)
-
-
-def _fit(model: L.LightningModule, strategy: Any, devices: int, data: DataLoader) -> None:
-    with tempfile.TemporaryDirectory() as root:
-        L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, accumulate_grad_batches=2,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root,
-        ).fit(model, data)  # fmt: skip
+TRAINING = {"max_epochs": 2, "accumulate_grad_batches": 2}  # every layout, and one device
 
 
 def _reference(model: L.LightningModule, ds: TensorDataset, batch: int) -> dict[str, torch.Tensor]:
     sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
-    _fit(model, "auto", 1, DataLoader(ds, batch_size=batch, sampler=sampler))
+    fit(model, "auto", 1, DataLoader(ds, batch_size=batch, sampler=sampler), **TRAINING)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -107,15 +49,17 @@ def layout_worker(kind: str, pp: int) -> dict[str, Any]:
         if kind == "mlp"
         else DataLoader(TOKENS, batch_size=per_replica)
     )
-    _fit(model, strategy, world, data)
+    fit(model, strategy, world, data, **TRAINING)
     c = strategy.mesh.coordinates
     return {
         "coords": (c.dp_rank, c.pp_rank),
-        "buckets": strategy.runtime.reducer.bucket_sizes if strategy.runtime.reducer else [],
+        "buckets": strategy.runtime.gradients.reducer.bucket_sizes
+        if strategy.runtime.gradients.reducer
+        else [],
         "params": {
             n: p.detach().clone()
             for n, p in model.named_parameters()
-            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank
+            if strategy.runtime.partition.stage_of_key(n) == strategy.pp_rank
         },
         "tied_copy": model.head.weight.detach().clone() if kind != "mlp" else None,
     }
@@ -184,8 +128,8 @@ def events_worker() -> dict[str, Any]:
         executor.run(schedule, 0, inputs=inputs, head=head)  # an accumulation step: must stay local
         accumulation = list(events)
         events.clear()
-        executor.before_last_backward = reducer.arm
-        executor.run(schedule, 0, inputs=inputs, head=head)  # the optimizer step's batch
+        # the optimizer step's batch
+        executor.run(schedule, 0, inputs=inputs, head=head, before_last_backward=reducer.arm)
         during = list(events)
         events.clear()
         reducer.finish()

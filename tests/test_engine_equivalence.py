@@ -18,12 +18,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_pipe.pipeline.executor import PipelineExecutor, apply_layers
-from lightning_pipe.pipeline.microbatch import signature
-from lightning_pipe.pipeline.partition import compute_balance, split_layers
-from lightning_pipe.pipeline.schedules import build_schedule
+from lightning_pipe.batches.microbatch import signature
+from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.execution.layers import apply_layers
+from lightning_pipe.partition.balance import compute_balance, split_layers
+from lightning_pipe.schedule.builders import build_schedule
 from tests.distributed import run_distributed
 from tests.models import make_batch, tuple_net
+
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-6
 KINDS = ["gpipe", "1f1b", "zb_h1"]
@@ -88,7 +91,7 @@ def engine_worker(cases: list[dict[str, Any]]) -> dict[str, Any]:
             for n, param in layer.named_parameters()
         }
         executor = PipelineExecutor(
-            {rank: stage_layers}, p, list(range(p)), torch.device("cpu"), checkpoint=case["checkpoint"]
+            {rank: stage_layers}, p, list(range(p)), torch.device("cpu"), recompute=case["checkpoint"]
         )
         executor.receive_early = case.get("early", True)  # on for every schedule unless the case says
         params = list(named.values())

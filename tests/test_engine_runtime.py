@@ -1,4 +1,4 @@
-"""``examples/train_engine.py``: ``ParallelRuntime`` without Lightning, under torchrun (issue 17).
+"""``examples/train_engine.py``: ``ParallelRuntime`` without Lightning, under torchrun.
 
 dp=2 x pp=2 x tp=2 (8 processes) with global-norm clipping and AdamW trains to the losses of a
 plain PyTorch loop on the whole batch (``clip_grad_norm_``, same initial weights) within 1e-5; its
@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pipe.construction.materialize import materialize
+
+pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_engine.py"
 STEPS = 12

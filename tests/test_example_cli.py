@@ -59,6 +59,7 @@ def test_cli_help_lists_strategy_options(capsys: pytest.CaptureFixture[str]) -> 
     assert "find_unused_parameters" not in out and "static_graph" not in out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "layout",
     [

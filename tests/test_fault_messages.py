@@ -15,22 +15,23 @@ from datetime import timedelta
 from typing import Any
 
 import lightning as L
+import pytest
 
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import run_distributed_outcomes
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import quiet_trainer
+
+pytestmark = pytest.mark.distributed
 
 DATA = dataset(32, seed=1)
 DEADLINE = timedelta(seconds=40)
 
 
 def _trainer(root: str, callbacks: list[L.Callback] | None = None, max_steps: int = 3) -> L.Trainer:
-    return L.Trainer(
-        strategy=PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=DEADLINE),
-        accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-        callbacks=callbacks or [],
-    )  # fmt: skip
+    """pp=2 on two ranks, with the short exchange deadline."""
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=DEADLINE)
+    return quiet_trainer(strategy, 2, root, max_steps=max_steps, callbacks=callbacks or [])
 
 
 def rank_zero_save_worker(root: str) -> None:
@@ -69,7 +70,7 @@ class Vanish(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == 1:
-            first = list(pl_module.layers)[trainer.strategy.runtime.plan.layer_range(1)[0]]  # type: ignore[attr-defined]
+            first = list(pl_module.layers)[trainer.strategy.runtime.partition.layer_range(1)[0]]  # type: ignore[attr-defined]
             first.register_forward_pre_hook(lambda *args: os._exit(3) if trainer.global_step == 2 else None)
 
 

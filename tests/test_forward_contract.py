@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from lightning_pipe import PipeTPStrategy
-from lightning_pipe.pipeline.forward_contract import check_forward
+from lightning_pipe.batches.forward_contract import check_forward
 from tests.distributed import run_distributed_outcomes
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import fit
 
 
 class Pair(nn.Module):
@@ -124,14 +125,10 @@ class ResidualForward(Regressor):
 
 def residual_worker(root: str) -> None:
     strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
-    trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root,
-    )  # fmt: skip
-    trainer.fit(ResidualForward(), loader(dataset(16, seed=1), 8, reference=False))
+    fit(ResidualForward(), strategy, 2, loader(dataset(16, seed=1), 8, reference=False), root, max_epochs=1)
 
 
+@pytest.mark.distributed
 def test_fit_stops_every_rank_when_forward_is_not_the_chain() -> None:
     with tempfile.TemporaryDirectory() as root:
         outcomes = run_distributed_outcomes(residual_worker, 2, root, timeout=120, init_group=False)
@@ -194,12 +191,8 @@ def two_arguments_worker(as_list: bool) -> dict[str, torch.Tensor]:
 
 
 def _fit_two(model: L.LightningModule, strategy: Any, devices: int, reference: bool) -> None:
-    with tempfile.TemporaryDirectory() as root:
-        L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, max_steps=3, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root,
-        ).fit(model, loader(dataset(24, seed=1), 8, reference))  # fmt: skip
+    """The same data and steps for the pipeline and for the one-device reference."""
+    fit(model, strategy, devices, loader(dataset(24, seed=1), 8, reference), max_steps=3)
 
 
 @pytest.mark.distributed
@@ -262,11 +255,7 @@ def acknowledged_worker(check: bool) -> list[str]:
     )
     with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory() as root:
         warnings.simplefilter("always")
-        L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=2, max_steps=2, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root,
-        ).fit(ClonedChain(), loader(dataset(16, seed=1), 8, reference=False))  # fmt: skip
+        fit(ClonedChain(), strategy, 2, loader(dataset(16, seed=1), 8, reference=False), root, max_steps=2)
     return [str(w.message) for w in caught if "could not check" in str(w.message)]
 
 

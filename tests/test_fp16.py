@@ -1,4 +1,4 @@
-"""``precision="16-mixed"`` under pipe_tp (issue 17, item 6): the gradient scaler's inf/NaN check
+"""``precision="16-mixed"`` under pipe_tp: the gradient scaler's inf/NaN check
 is agreed over every rank of the model before any rank steps.
 
 pp=2 x tp=2 (4 processes) trains the tiny GPT with an fp16 gradient scaler on the CPU (the
@@ -26,6 +26,7 @@ from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
 from tests.distributed import run_distributed
 from tests.gpt_models import TinyGPT, token_data
+from tests.trainers import quiet_trainer
 
 DATA = token_data(32)
 INJECT_AT = 2  # the global step whose gradients get an inf
@@ -48,12 +49,10 @@ class InjectInf(L.Callback):
 
 
 def _trainer(strategy: Any, devices: int, root: str, callbacks: list[Any], epochs: int = 2) -> L.Trainer:
+    """An fp16 gradient scaler that starts at 2**10 and grows after 3 steps without an inf."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
-    return L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, callbacks=callbacks, plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
-    )  # fmt: skip
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler)]
+    return quiet_trainer(strategy, devices, root, max_epochs=epochs, callbacks=callbacks, plugins=plugins)
 
 
 def _strategy() -> PipeTPStrategy:
@@ -71,7 +70,7 @@ def worker(root: str) -> dict[str, Any]:
     trainer.fit(model, DataLoader(DATA, batch_size=8))
     path = os.path.join(root, "fp16.ckpt")
     trainer.save_checkpoint(path)
-    final = gather_model_state(model, strategy.runtime.plan, strategy.mesh)
+    final = gather_model_state(model, strategy.runtime.partition, strategy.mesh)
     # Resume: the scale comes back from the checkpoint.
     resumed: list[float] = []
 
@@ -84,6 +83,7 @@ def worker(root: str) -> dict[str, Any]:
     return {"final": final, "scales": inject.scales, "resumed_scale": resumed[0]}
 
 
+@pytest.mark.distributed
 def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank_like_one_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

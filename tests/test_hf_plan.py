@@ -1,4 +1,4 @@
-"""A Hugging Face model's own tensor-parallel plan, unchanged (issue 16, item 5).
+"""A Hugging Face model's own tensor-parallel plan, unchanged.
 
 ``LlamaForCausalLM._tp_plan`` with ``tie_word_embeddings=True`` names its styles the Hugging Face
 way (``colwise_gather_output`` for ``lm_head``, ``embedding_rowwise`` for the tied embedding); under
@@ -9,7 +9,6 @@ that shards one side of a tied weight only is refused naming both sides.
 
 from __future__ import annotations
 
-import tempfile
 from datetime import timedelta
 from typing import Any
 
@@ -22,9 +21,10 @@ from transformers import LlamaForCausalLM
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
-from lightning_pipe.tensor_parallel.plan import ShardStyle, resolve_plan
+from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, resolve_plan
 from tests.distributed import run_distributed
 from tests.hf_models import LlamaLM, MetaLlamaLM, llama_data, tiny_config
+from tests.trainers import fit
 
 TOL = 1e-5
 TRAIN = llama_data(16)
@@ -32,12 +32,7 @@ TRAIN = llama_data(16)
 
 def _fit(model: LlamaLM, strategy: Any, devices: int) -> None:
     sampler = DistributedSampler(TRAIN, num_replicas=1, rank=0, seed=0) if devices == 1 else None
-    with tempfile.TemporaryDirectory() as root:
-        L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root,
-        ).fit(model, DataLoader(TRAIN, batch_size=8, sampler=sampler))  # fmt: skip
+    fit(model, strategy, devices, DataLoader(TRAIN, batch_size=8, sampler=sampler), max_epochs=2)
 
 
 def tied_worker() -> dict[str, Any]:
@@ -47,15 +42,16 @@ def tied_worker() -> dict[str, Any]:
     )
     _fit(model, strategy, 4)
     head, embed = model.llama.lm_head, model.llama.model.embed_tokens
-    on_last = strategy.is_last_stage
+    on_last = strategy.holds_last_stage
     return {
-        "state": gather_model_state(model, strategy.runtime.plan, strategy.mesh),
+        "state": gather_model_state(model, strategy.runtime.partition, strategy.mesh),
         "kinds": (type(embed).__name__, type(head).__name__),
         "tied_here": head.weight is embed.weight,
         "on_last": on_last,
     }
 
 
+@pytest.mark.distributed
 def test_a_tied_llama_with_its_own_plan_trains_like_one_device() -> None:
     got = run_distributed(tied_worker, 4, timeout=300, init_group=False)
     reference = LlamaLM(tied=True)
@@ -73,11 +69,11 @@ def test_hugging_face_style_names_map_to_ours() -> None:
     plan = {f"llama.{k}": v for k, v in model.llama._tp_plan.items()}
     assert plan["llama.lm_head"] == "colwise_gather_output"
     resolved = resolve_plan(model, plan, 2)
-    assert resolved["llama.lm_head"] is ShardStyle.COLWISE_GATHER
-    assert resolved["llama.model.embed_tokens"] is ShardStyle.VOCAB
-    assert resolved["llama.model.layers.0.self_attn.o_proj"] is ShardStyle.ROWWISE
+    assert resolved["llama.lm_head"] is TensorParallelStyle.COLWISE_GATHER
+    assert resolved["llama.model.embed_tokens"] is TensorParallelStyle.VOCAB
+    assert resolved["llama.model.layers.0.self_attn.o_proj"] is TensorParallelStyle.ROWWISE
     split = resolve_plan(model, {"llama.model.layers.*.mlp.down_proj": "rowwise_split_input"}, 2)
-    assert set(split.values()) == {ShardStyle.ROWWISE_SPLIT}
+    assert set(split.values()) == {TensorParallelStyle.ROWWISE_SPLIT}
 
 
 @pytest.mark.parametrize(
@@ -125,7 +121,7 @@ def test_tied_modules_sharded_along_different_dims_are_refused() -> None:
 class _Initial(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
-        self.state = gather_model_state(pl_module, s.runtime.plan, s.mesh)  # type: ignore[attr-defined]
+        self.state = gather_model_state(pl_module, s.runtime.partition, s.mesh)  # type: ignore[attr-defined]
 
 
 def meta_llama_worker() -> dict[str, Any]:
@@ -133,22 +129,21 @@ def meta_llama_worker() -> dict[str, Any]:
     model, initial = MetaLlamaLM(), _Initial()
     strategy = PipeTPStrategy(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2)
     sampler = DistributedSampler(TRAIN, num_replicas=1, rank=0, seed=0)
-    with tempfile.TemporaryDirectory() as root:
-        L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=4, max_epochs=2, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root, callbacks=[initial], use_distributed_sampler=False,
-        ).fit(model, DataLoader(TRAIN, batch_size=8, sampler=sampler))  # fmt: skip
+    fit(
+        model, strategy, 4, DataLoader(TRAIN, batch_size=8, sampler=sampler),
+        max_epochs=2, callbacks=[initial], use_distributed_sampler=False,
+    )  # fmt: skip
     assert model.llama is not None
     held = [p for p in model.llama.parameters() if not p.is_meta]
     return {
         "initial": initial.state,
-        "final": gather_model_state(model, strategy.runtime.plan, strategy.mesh),
+        "final": gather_model_state(model, strategy.runtime.partition, strategy.mesh),
         "held": sum(p.numel() for p in held),
         "whole": sum(p.numel() for p in LlamaForCausalLM(tiny_config(tied=True)).parameters()),
     }
 
 
+@pytest.mark.distributed
 def test_a_meta_built_hugging_face_llama_trains_like_one_device_from_its_initial_weights() -> None:
     got = run_distributed(meta_llama_worker, 4, timeout=300, init_group=False)
     initial = got[0]["initial"]

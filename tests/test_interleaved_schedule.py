@@ -1,4 +1,4 @@
-"""Interleaved 1F1B as data (issue 18, item 1): no processes, the builder, validator and simulator.
+"""Interleaved 1F1B as data: no processes, the builder, validator and simulator.
 
 For p in {2, 3, 4, 8} ranks, v in {2, 3} stages per rank and every m from 1 to 32: the schedule
 validates (every action once, legal order, messages that pair up, no deadlock), each rank holds
@@ -14,10 +14,10 @@ import itertools
 
 import pytest
 
-from lightning_pipe.pipeline.actions import ActionType, ScheduleError
-from lightning_pipe.pipeline.interleaved import loop_placement
-from lightning_pipe.pipeline.schedules import build_schedule
-from lightning_pipe.pipeline.simulate import simulate
+from lightning_pipe.schedule.actions import ActionType, ScheduleError
+from lightning_pipe.schedule.builders import build_schedule
+from lightning_pipe.schedule.interleaved import loop_placement
+from lightning_pipe.schedule.simulate import simulate
 
 SIZES = list(itertools.product((2, 3, 4, 8), (2, 3)))
 
@@ -84,7 +84,7 @@ def test_virtual_stages_need_the_interleaved_schedule() -> None:
 
 
 def test_schedule_cli_compares_every_schedule(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_pipe.schedule import main
+    from lightning_pipe.schedule.cli import main
 
     assert main(["--compare", "--stages", "4", "--microbatches", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -21,6 +21,7 @@ import pytest
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import Outcome, run_distributed_outcomes
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import fit
 
 pytestmark = pytest.mark.distributed
 
@@ -45,7 +46,7 @@ class Die(L.Callback):
             return
         runtime = trainer.strategy.runtime  # type: ignore[attr-defined]
         if self.where == "forward":
-            layer = runtime.layers[runtime.plan.layer_range(runtime.stage_indices[0])[0]]
+            layer = runtime.layers[runtime.partition.layer_range(runtime.stage_indices[0])[0]]
             layer.register_forward_pre_hook(lambda *_: self._die() if trainer.global_step == 2 else None)
         elif self.where == "step":
             trainer.optimizers[0].register_step_post_hook(
@@ -65,12 +66,7 @@ def worker(root: str, devices: int, pp: int, die: Die, options: dict[str, Any]) 
     strategy = PipeTPStrategy(
         pipeline_parallel_size=pp, num_microbatches=4, timeout=timedelta(seconds=60), **options
     )
-    trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=4, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, callbacks=[die],
-    )  # fmt: skip
-    trainer.fit(Regressor(), loader(DATA, 8, reference=False))
+    fit(Regressor(), strategy, devices, loader(DATA, 8, reference=False), root, max_steps=4, callbacks=[die])
 
 
 def _run(devices: int, pp: int, die: Die, **options: Any) -> list[Outcome]:

@@ -183,6 +183,7 @@ def mesh_worker() -> dict[str, Any]:
     }
 
 
+@pytest.mark.distributed
 def test_init_mesh_groups_match_layout() -> None:
     results = run_distributed(mesh_worker, 4, timeout=120)
     layout = ParallelLayout(2, 2, 1)

@@ -1,4 +1,4 @@
-"""Models built without storage (issue 16): in ``configure_model()`` or under
+"""Models built without storage: in ``configure_model()`` or under
 ``trainer.init_module(empty_init=True)``, each rank materialises only its own stage and tensor
 slice, with initial weights that do not depend on the layout, and trains like one device.
 
@@ -25,40 +25,18 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_human_re
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_pipe import PipeTPStrategy, consolidate_checkpoint, cross_entropy
+from lightning_pipe import PipeTPStrategy, consolidate_checkpoint
 from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.construction.meta import ValueLostError, parameters_on_meta
 from lightning_pipe.strategy.summary import PipelineModelSummary
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from tests.distributed import run_distributed, run_distributed_outcomes
-from tests.gpt_models import Block, Embed, Head, TinyGPT, token_data
+from tests.gpt_models import LateGPT, token_data
+from tests.trainers import fit, quiet_trainer
 
 TOL = 1e-5
 DATA = token_data(32)
 SEED = 1234
-
-
-class LateGPT(TinyGPT):
-    """TinyGPT whose layers are created in ``configure_model()`` (Lightning's large-model hook),
-    optionally with the output head tied to the token embedding."""
-
-    def __init__(self, tied: bool = False, build_now: bool = False) -> None:
-        L.LightningModule.__init__(self)
-        self.lr, self.tied = 0.1, tied
-        self.layers: nn.ModuleList | None = None  # type: ignore[assignment]
-        if build_now:
-            self.configure_model()
-
-    def configure_model(self) -> None:
-        if self.layers is not None:  # every Trainer call runs the hook: build once
-            return
-        self.layers = nn.ModuleList([Embed(), Block(0.0), Block(0.0), Head()])
-        if self.tied:
-            self.layers[3].out.weight = self.layers[0].tokens.weight
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        ids, targets = batch
-        self.log("val_loss", cross_entropy(self(ids), targets))
 
 
 class Snapshot(L.Callback):
@@ -66,7 +44,7 @@ class Snapshot(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
-        self.initial = gather_model_state(pl_module, s.runtime.plan, s.mesh)  # type: ignore[attr-defined]
+        self.initial = gather_model_state(pl_module, s.runtime.partition, s.mesh)  # type: ignore[attr-defined]
         self.local = {
             n: p.detach().clone() for n, p in pl_module.named_parameters() if not p.is_meta
         }  # what this rank holds, before any step
@@ -76,7 +54,7 @@ class Snapshot(L.Callback):
 def _holdings(model: LateGPT, strategy: PipeTPStrategy) -> dict[str, Any]:
     """What this rank holds: per layer, whether its parameters have storage; per tensor-parallel
     parameter, whether its storage is exactly its slice."""
-    own = set(strategy.runtime.plan.layer_range(strategy.pp_rank))  # type: ignore[union-attr]
+    own = set(strategy.runtime.partition.layer_range(strategy.pp_rank))  # type: ignore[union-attr]
     assert model.layers is not None
     owned_ids = {id(p) for i in own for p in model.layers[i].parameters()}
     layers = {
@@ -108,21 +86,20 @@ def worker(pp: int, tp: int, dp: int, seeded: bool, how: str, tied: bool) -> dic
     )  # fmt: skip
     snapshot = Snapshot()
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=pp * tp * dp, max_epochs=2, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
+        trainer = quiet_trainer(
+            strategy, pp * tp * dp, root, max_epochs=2, enable_model_summary=True,  # the summary is checked
             callbacks=[snapshot, ModelSummary(max_depth=2)],
         )  # fmt: skip
         if how == "init_module":
             with trainer.init_module(empty_init=True):
                 model = LateGPT(tied, build_now=True)
             assert model.layers is not None and model.layers[1].mlp[0].weight.is_meta
-        elif how == "eager":  # built whole on every rank, as before issue 16
+        elif how == "eager":  # built whole on every rank, as models without configure_model() are
             model = LateGPT(tied, build_now=True)
         else:
             model = LateGPT(tied)
         trainer.fit(model, DataLoader(DATA, batch_size=8 // dp))
-    final = gather_model_state(model, strategy.runtime.plan, strategy.mesh)
+    final = gather_model_state(model, strategy.runtime.partition, strategy.mesh)
     (callback,) = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]  # type: ignore[attr-defined]
     summary = callback._summary(trainer, model)  # what the callback printed on rank 0
     assert isinstance(summary, PipelineModelSummary)
@@ -139,11 +116,7 @@ def _one_device(initial: dict[str, torch.Tensor], tied: bool) -> dict[str, torch
     model = LateGPT(tied, build_now=True)
     model.load_state_dict(initial)
     sampler = DistributedSampler(DATA, num_replicas=1, rank=0, seed=SEED)  # what Lightning injects
-    with tempfile.TemporaryDirectory() as root:
-        L.Trainer(
-            accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-        ).fit(model, DataLoader(DATA, batch_size=8, sampler=sampler))  # fmt: skip
+    fit(model, "auto", 1, DataLoader(DATA, batch_size=8, sampler=sampler), max_epochs=2)
     return model.state_dict()
 
 
@@ -168,6 +141,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("pp", "tp", "dp", "how", "tied"), LAYOUTS)
 def test_meta_built_model_holds_its_stage_starts_layout_independent_and_matches_one_device(
     pp: int, tp: int, dp: int, how: str, tied: bool
@@ -217,6 +191,7 @@ def _check_summary(got: list[dict[str, Any]], tied: bool) -> None:
         assert per_device[row] == f"{get_human_readable_count(held)} (stage {stage})", (name, per_device[row])
 
 
+@pytest.mark.distributed
 def test_without_a_seed_tensor_and_data_parallel_peers_start_equal() -> None:
     """dp=2 x tp=2 without seed_everything: each process has its own default seed, yet every rank
     starts from rank 0's stream: data-parallel peers hold identical tensors, tensor-parallel peers
@@ -265,13 +240,10 @@ class Unresettable(L.LightningModule):
 def unresettable_worker() -> None:
     strategy = PipeTPStrategy(pipeline_parallel_size=2, timeout=timedelta(seconds=60))
     data = DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 4)), batch_size=4)
-    with tempfile.TemporaryDirectory() as root:
-        L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=2, max_steps=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
-        ).fit(Unresettable(), data)  # fmt: skip
+    fit(Unresettable(), strategy, 2, data, max_steps=1)
 
 
+@pytest.mark.distributed
 def test_a_parameter_without_initialisation_is_named_at_setup() -> None:
     outcomes = run_distributed_outcomes(unresettable_worker, 2, timeout=120, init_group=False)
     last = outcomes[1]
@@ -289,20 +261,17 @@ def roundtrip_worker(root: str) -> dict[str, Any]:
 
     def trainer(pp: int = 2, tp: int = 2, **kw: Any) -> L.Trainer:
         strategy = PipeTPStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2)
-        return L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=4, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, **kw,
-        )  # fmt: skip
+        return quiet_trainer(strategy, 4, root, **kw)
 
     data = DataLoader(DATA, batch_size=8)
     first, model = trainer(max_epochs=1), LateGPT(tied=True)
     first.fit(model, data)
     path = os.path.join(root, "meta.ckpt")
     first.save_checkpoint(path)
-    saved = gather_model_state(model, first.strategy.runtime.plan, first.strategy.mesh)  # type: ignore[attr-defined]
+    saved = gather_model_state(model, first.strategy.runtime.partition, first.strategy.mesh)  # type: ignore[attr-defined]
     second, fresh = trainer(), LateGPT(tied=True)
     second.validate(fresh, data, ckpt_path=path, verbose=False)
-    loaded = gather_model_state(fresh, second.strategy.runtime.plan, second.strategy.mesh)  # type: ignore[attr-defined]
+    loaded = gather_model_state(fresh, second.strategy.runtime.partition, second.strategy.mesh)  # type: ignore[attr-defined]
     consolidated = None
     if first.is_global_zero:  # one process, no torch.distributed: what a user runs for inference
         consolidate_checkpoint(path, os.path.join(root, "whole.ckpt"))
@@ -312,6 +281,7 @@ def roundtrip_worker(root: str) -> dict[str, Any]:
     return {"saved": saved, "loaded": loaded, "steps": third.global_step, "consolidated": consolidated}
 
 
+@pytest.mark.distributed
 def test_a_meta_built_model_saves_loads_and_resumes() -> None:
     with tempfile.TemporaryDirectory() as root:
         got = run_distributed(roundtrip_worker, 4, root, timeout=300, init_group=False)

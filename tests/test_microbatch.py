@@ -7,7 +7,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 
-from lightning_pipe.pipeline.microbatch import (
+from lightning_pipe.batches.microbatch import (
     batch_size,
     microbatch_sizes,
     signature,

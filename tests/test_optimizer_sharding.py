@@ -1,4 +1,4 @@
-"""``shard_optimizer_state=True`` (ZeRO-1, issue 19): each data-parallel replica keeps the optimizer
+"""``shard_optimizer_state=True`` (ZeRO-1): each data-parallel replica keeps the optimizer
 state of its slices of the gradient buckets, and training ends where one device ends.
 
 * dp=2 with Adam (two parameter groups, a per-step LR schedule) and buckets small enough that
@@ -36,10 +36,11 @@ from lightning_pipe import PipeTPStrategy
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from tests.distributed import run_distributed
 from tests.gpt_models import TinyGPT, token_data
-from tests.lightning_models import IN, OUT, Regressor, dataset, loader
-from tests.test_data_parallel import TOKENS, TiedLM
+from tests.lightning_models import IN, OUT, TOKENS, Regressor, TiedLM, dataset, loader
+from tests.trainers import fit
 
 TOL = 1e-5
+TRAINING = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}  # every layout, and one device
 
 
 class AdamRegressor(Regressor):
@@ -99,19 +100,6 @@ def _data(kind: str, batch: int, reference: bool) -> DataLoader:
     return DataLoader(ds, batch_size=batch, sampler=sampler)
 
 
-def _fit(
-    model: L.LightningModule, strategy: Any, devices: int, data: DataLoader, root: str, **kw: Any
-) -> L.Trainer:
-    ckpt_path = kw.pop("ckpt_path", None)
-    trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=kw.pop("epochs", 2),
-        accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root, **kw,
-    )  # fmt: skip
-    trainer.fit(model, data, ckpt_path=ckpt_path)
-    return trainer
-
-
 def layout_worker(kind: str, pp: int, tp: int) -> dict[str, Any]:
     model = _model(kind)
     strategy = PipeTPStrategy(
@@ -119,18 +107,11 @@ def layout_worker(kind: str, pp: int, tp: int) -> dict[str, Any]:
         bucket_cap_mb=0.0004, timeout=timedelta(seconds=90),
     )  # fmt: skip
     world = int(os.environ["WORLD_SIZE"])
-    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _fit(
-            model,
-            strategy,
-            world,
-            _data(kind, 8 // (world // (pp * tp)), False),
-            root,
-            enable_checkpointing=False,
-        )
+        fit(model, strategy, world, _data(kind, 8 // (world // (pp * tp)), False), max_epochs=2, **TRAINING)
     runtime = strategy.runtime
-    (sharded,) = runtime.sharded.values()
+    (sharded,) = runtime.gradients.sharded.values()
     own = runtime.parameters
     per_element = 1 if kind == "gpt" else 2  # SGD momentum; Adam(W)'s two moments
     tp_dims = {n: tensor_parallel_dim(p) for n, p in model.named_parameters()}
@@ -139,14 +120,15 @@ def layout_worker(kind: str, pp: int, tp: int) -> dict[str, Any]:
         "params": {
             n: p.detach().clone()
             for n, p in model.named_parameters(remove_duplicate=False)
-            if runtime.plan.stage_of_key(n) in runtime.stage_indices
+            if runtime.partition.stage_of_key(n) in runtime.stage_indices
         },
         "state_elements": sharded.state_elements()
         - sum(1 for s in sharded.optimizer.state.values() if "step" in s),
         # What an unsharded optimizer would hold: state for every parameter that ever had a gradient.
-        "unsharded_elements": per_element * sum(p.numel() for p in own if runtime.reducer.used[id(p)]),
-        "buckets": len(runtime.reducer.shards),
-        "slice_elements": per_element * sum(t.numel() for t in runtime.reducer.shards),
+        "unsharded_elements": per_element
+        * sum(p.numel() for p in own if runtime.gradients.reducer.used[id(p)]),
+        "buckets": len(runtime.gradients.reducer.shards),
+        "slice_elements": per_element * sum(t.numel() for t in runtime.gradients.reducer.shards),
         "grads_none": all(p.grad is None for p in own),
         "tp_dims": tp_dims,
         "future_warnings": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)],
@@ -155,11 +137,11 @@ def layout_worker(kind: str, pp: int, tp: int) -> dict[str, Any]:
 
 def _reference(kind: str) -> dict[str, torch.Tensor]:
     model = _model(kind)
-    with tempfile.TemporaryDirectory() as root:
-        _fit(model, "auto", 1, _data(kind, 8, True), root, enable_checkpointing=False)
+    fit(model, "auto", 1, _data(kind, 8, True), max_epochs=2, **TRAINING)
     return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("kind", "pp", "tp"),
     [("mlp", 1, 1), ("tied", 2, 1), ("gpt", 1, 2), ("tp-mlp", 1, 2)],
@@ -199,16 +181,16 @@ def test_sharded_optimizer_matches_one_device_and_holds_half_the_state(kind: str
 
 def refused_worker() -> str:
     try:
-        with tempfile.TemporaryDirectory() as root:
-            _fit(
-                LbfgsRegressor(), PipeTPStrategy(shard_optimizer_state=True, pipeline_parallel_size=1), 2,
-                _data("mlp", 4, False), root, enable_checkpointing=False,
-            )  # fmt: skip
+        fit(
+            LbfgsRegressor(), PipeTPStrategy(shard_optimizer_state=True, pipeline_parallel_size=1), 2,
+            _data("mlp", 4, False), max_epochs=2, **TRAINING,
+        )  # fmt: skip
     except MisconfigurationException as err:
         return str(err)
     return "no error"
 
 
+@pytest.mark.distributed
 def test_optimizer_that_is_not_elementwise_is_refused_by_name() -> None:
     for message in run_distributed(refused_worker, 2, timeout=120, init_group=False):
         assert "Adafactor is not known to be" in message and "shard_optimizer_state=False" in message
@@ -222,17 +204,15 @@ def checkpoint_worker(root: str, shard: bool, resume: str | None, distributed: b
         timeout=timedelta(seconds=90), save_distributed_checkpoint=distributed,
     )  # fmt: skip
     cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, filename="last", save_on_train_epoch_end=True)
-    _fit(
-        model, strategy, world, _data("mlp", 8 // world, False), root, epochs=2 if resume is None else 4,
-        callbacks=[cb], ckpt_path=resume,
+    fit(
+        model, strategy, world, _data("mlp", 8 // world, False), root, resume,
+        max_epochs=2 if resume is None else 4, enable_checkpointing=True, callbacks=[cb], **TRAINING,
     )  # fmt: skip
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _one_device(epochs: int) -> L.Trainer:
-    model = AdamRegressor()
-    with tempfile.TemporaryDirectory() as root:
-        return _fit(model, "auto", 1, _data("mlp", 8, True), root, enable_checkpointing=False, epochs=epochs)
+    return fit(AdamRegressor(), "auto", 1, _data("mlp", 8, True), max_epochs=epochs, **TRAINING)
 
 
 def _assert_state_equal(got: dict[int, Any], expected: dict[int, Any]) -> None:
@@ -242,6 +222,7 @@ def _assert_state_equal(got: dict[int, Any], expected: dict[int, Any]) -> None:
             torch.testing.assert_close(got[index][key], value, atol=TOL, rtol=0, msg=f"{index}.{key}")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("writer", "readers"),
     [((4, True), [(2, True), (1, False)]), ((1, False), [(2, True)])],
@@ -250,7 +231,7 @@ def _assert_state_equal(got: dict[int, Any], expected: dict[int, Any]) -> None:
 def test_checkpoint_moves_between_sharded_and_unsharded_layouts(
     tmp_path: Path, writer: tuple[int, bool], readers: list[tuple[int, bool]]
 ) -> None:
-    from lightning_pipe.checkpoint.consolidate import consolidate_checkpoint
+    from lightning_pipe.checkpoint.single_file import consolidate_checkpoint
 
     world, shard = writer
     run_distributed(checkpoint_worker, world, str(tmp_path), shard, None, timeout=300, init_group=False)
@@ -274,6 +255,7 @@ def test_checkpoint_moves_between_sharded_and_unsharded_layouts(
             )
 
 
+@pytest.mark.distributed
 def test_single_file_checkpoint_holds_the_unsharded_state(tmp_path: Path) -> None:
     """save_distributed_checkpoint=False gathers the whole state into one file on rank 0."""
     run_distributed(checkpoint_worker, 2, str(tmp_path), True, None, False, timeout=300, init_group=False)
@@ -285,38 +267,39 @@ def test_single_file_checkpoint_holds_the_unsharded_state(tmp_path: Path) -> Non
 
 def fp16_worker() -> str:
     try:
-        with tempfile.TemporaryDirectory() as root:
-            model = AdamRegressor()
-            strategy = PipeTPStrategy(pipeline_parallel_size=1, shard_optimizer_state=True)
-            plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
-            L.Trainer(
-                strategy=strategy, accelerator="cpu", devices=2, plugins=[plugin], max_steps=1, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
-            ).fit(model, _data("mlp", 4, False))  # fmt: skip
+        model = AdamRegressor()
+        strategy = PipeTPStrategy(pipeline_parallel_size=1, shard_optimizer_state=True)
+        plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+        fit(model, strategy, 2, _data("mlp", 4, False), plugins=[plugin], max_steps=1)
     except MisconfigurationException as err:
         return str(err)
     return "no error"
 
 
+@pytest.mark.distributed
 def test_fp16_with_sharding_is_refused_before_training() -> None:
     for message in run_distributed(fp16_worker, 2, timeout=120, init_group=False):
         assert 'precision="16-mixed" with shard_optimizer_state=True is not supported yet' in message
 
 
 def second_optimizer_worker() -> str:
-    from lightning_pipe.data_parallel.reducer import GradientReducer
-    from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer, ShardingError
+    from lightning_pipe import ParallelLayout, init_mesh
+    from lightning_pipe.data_parallel.sharded_optimizer import ShardingError
+    from lightning_pipe.faults.naming import CollectiveNaming
+    from lightning_pipe.runtime.gradients import Gradients
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    reducer = GradientReducer(list(model.parameters()), torch.distributed.group.WORLD, shard=True)
-    ShardedOptimizer(torch.optim.Adam(model[0].parameters()), reducer)
+    mesh = init_mesh(ParallelLayout(2, 1, 1), "cpu")
+    gradients = Gradients(list(model.parameters()), [], mesh, CollectiveNaming(mesh.rank), shard=True)
+    gradients.shard_optimizer(torch.optim.Adam(model[0].parameters()))
     try:
-        ShardedOptimizer(torch.optim.Adam(model[1].parameters()), reducer)
+        gradients.shard_optimizer(torch.optim.Adam(model[1].parameters()))
     except ShardingError as err:
         return str(err)
     return "no error"
 
 
+@pytest.mark.distributed
 def test_a_second_sharded_optimizer_is_refused() -> None:
     """One optimizer's step gathers parameters into the buffers that hold the other's gradients."""
     for message in run_distributed(second_optimizer_worker, 2, timeout=120):

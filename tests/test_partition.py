@@ -8,7 +8,7 @@ import random
 import pytest
 from torch import nn
 
-from lightning_pipe.pipeline.partition import (
+from lightning_pipe.partition.balance import (
     PartitionMethod,
     compute_balance,
     parameter_count,

@@ -1,4 +1,4 @@
-"""``partition="time"`` (issue 18, item 4): layers timed one at a time on a sample micro-batch,
+"""``partition="time"``: layers timed one at a time on a sample micro-batch,
 split so that the slowest stage is as fast as it can be.
 
 * No processes: :func:`profile_layers` measures what each layer costs (a sleeping layer is slow,
@@ -12,7 +12,6 @@ split so that the slowest stage is as fast as it can be.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from datetime import timedelta
 from typing import Any
@@ -23,10 +22,11 @@ import torch
 from torch import nn
 
 from lightning_pipe import PipeTPStrategy
-from lightning_pipe.pipeline.partition import compute_balance
-from lightning_pipe.pipeline.profile import profile_layers
+from lightning_pipe.partition.balance import compute_balance
+from lightning_pipe.partition.profile import profile_layers
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import fit
 
 SLOW_S = 0.01
 PROFILED_SLOW_S = 0.2
@@ -125,12 +125,8 @@ class SlowRegressor(Regressor):
 
 
 def _fit(strategy: Any, devices: int, model: L.LightningModule) -> None:
-    with tempfile.TemporaryDirectory() as root:
-        L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root,
-        ).fit(model, loader(dataset(16, seed=1), 8, reference=devices == 1))  # fmt: skip
+    """One epoch on the same data for the pipeline and for the one-device reference."""
+    fit(model, strategy, devices, loader(dataset(16, seed=1), 8, reference=devices == 1), max_epochs=1)
 
 
 def fit_worker() -> dict[str, Any]:
@@ -139,12 +135,12 @@ def fit_worker() -> dict[str, Any]:
     _fit(strategy, 2, model)
     runtime = strategy.runtime
     out: dict[str, Any] = {
-        "balance": runtime.plan.balance,
+        "balance": runtime.partition.balance,
         "log": runtime.describe(None),
         "params": {
             n: p.detach().clone()
             for n, p in model.named_parameters()
-            if runtime.plan.stage_of_key(n) in runtime.stage_indices
+            if runtime.partition.stage_of_key(n) in runtime.stage_indices
         },
     }
     try:
@@ -155,6 +151,7 @@ def fit_worker() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.distributed
 def test_fit_partitioned_by_time_matches_one_device() -> None:
     got = run_distributed(fit_worker, 2, timeout=240, init_group=False)
     assert [r["balance"] for r in got] == [(2, 4), (2, 4)]

@@ -1,4 +1,4 @@
-"""Pretrained weights per stage (issue 16, item 2): a meta-built model starts from files, each rank
+"""Pretrained weights per stage: a meta-built model starts from files, each rank
 reading only the tensors it materialises.
 
 A tied Hugging Face Llama written with ``save_pretrained`` (one ``model.safetensors``, and sharded
@@ -10,7 +10,6 @@ file initialises a meta-built GPT the same way. Wrong prefixes and shapes are er
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -27,9 +26,9 @@ from lightning_pipe.construction.materialize import MaterializeError, materializ
 from lightning_pipe.construction.meta import parameters_on_meta
 from lightning_pipe.construction.pretrained import WeightFiles
 from tests.distributed import run_distributed
-from tests.gpt_models import token_data
+from tests.gpt_models import LateGPT, token_data
 from tests.hf_models import LlamaLM, MetaLlamaLM, llama_data
-from tests.test_meta_construction import LateGPT
+from tests.trainers import fit
 
 TOL = 1e-5
 TRAIN = llama_data(16)
@@ -38,19 +37,14 @@ TRAIN = llama_data(16)
 class _Initial(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
-        self.state = gather_model_state(pl_module, s.runtime.plan, s.mesh)  # type: ignore[attr-defined]
+        self.state = gather_model_state(pl_module, s.runtime.partition, s.mesh)  # type: ignore[attr-defined]
 
 
 def _fit(model: L.LightningModule, strategy: Any, devices: int, data: Any, **kw: Any) -> L.Trainer:
+    """Two epochs in the one-device order on every layout (the sampler is given, not injected)."""
     sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=0)
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root, use_distributed_sampler=False, **kw,
-        )  # fmt: skip
-        trainer.fit(model, DataLoader(data, batch_size=8, sampler=sampler))
-    return trainer
+    batches = DataLoader(data, batch_size=8, sampler=sampler)
+    return fit(model, strategy, devices, batches, max_epochs=2, use_distributed_sampler=False, **kw)
 
 
 def llama_worker(path: str) -> dict[str, Any]:
@@ -62,10 +56,11 @@ def llama_worker(path: str) -> dict[str, Any]:
     _fit(model, strategy, 4, TRAIN, callbacks=[initial])
     return {
         "initial": initial.state,
-        "final": gather_model_state(model, strategy.runtime.plan, strategy.mesh),
+        "final": gather_model_state(model, strategy.runtime.partition, strategy.mesh),
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("shards", [False, True], ids=["model.safetensors", "sharded"])
 def test_a_hugging_face_directory_initialises_each_stage_and_trains_like_one_device(
     tmp_path: Path, shards: bool
@@ -96,13 +91,14 @@ def gpt_worker(path: str) -> dict[str, Any]:
     trainer = _fit(model, strategy, 2, GPT_DATA, callbacks=[initial])
     sharded = os.path.join(os.path.dirname(path), "sharded.ckpt")
     trainer.save_checkpoint(sharded)
-    trained = gather_model_state(model, strategy.runtime.plan, strategy.mesh)
+    trained = gather_model_state(model, strategy.runtime.partition, strategy.mesh)
     again, second = LateGPT(tied=True), _Initial()
     strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, pretrained=sharded)
     _fit(again, strategy, 2, GPT_DATA, callbacks=[second], max_steps=1)
     return {"initial": initial.state, "trained": trained, "from_sharded": second.state}
 
 
+@pytest.mark.distributed
 def test_a_lightning_file_and_a_sharded_directory_initialise_a_meta_built_model(tmp_path: Path) -> None:
     source = LateGPT(tied=True, build_now=True)
     path = tmp_path / "weights.ckpt"

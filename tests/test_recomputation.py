@@ -15,7 +15,6 @@ import tempfile
 from datetime import timedelta
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,11 +22,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_pipe import PipeTPStrategy
-from lightning_pipe.pipeline.executor import PipelineExecutor
-from lightning_pipe.pipeline.schedules import build_schedule
+from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.schedule.builders import build_schedule
 from tests.distributed import run_distributed
 from tests.gpt_models import TinyGPT, token_data
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import fit
 
 TOL = 1e-5
 M = 4
@@ -53,7 +53,7 @@ def test_recomputation_runs_forward_again_and_keeps_less(mode: str, schedule: st
     torch.manual_seed(0)
     layers = [nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2)]
     counts = _count_forwards(layers)
-    executor = PipelineExecutor({0: layers}, 1, [0], torch.device("cpu"), checkpoint=mode)
+    executor = PipelineExecutor({0: layers}, 1, [0], torch.device("cpu"), recompute=mode)
     executor.measure_activation_memory = True
     x, y = torch.randn(M * 4, 8), torch.randn(M * 4, 2)
     xs, ys = x.chunk(M), y.chunk(M)
@@ -81,7 +81,7 @@ def test_recomputation_runs_forward_again_and_keeps_less(mode: str, schedule: st
 def _dropout_grads(schedule: str, mode: str, seed: int = 0) -> list[torch.Tensor]:
     torch.manual_seed(0)
     layers = [nn.Linear(8, 64), nn.Dropout(0.5), nn.Tanh(), nn.Linear(64, 2)]
-    executor = PipelineExecutor({0: layers}, 1, [0], torch.device("cpu"), checkpoint=mode)
+    executor = PipelineExecutor({0: layers}, 1, [0], torch.device("cpu"), recompute=mode)
     x, y = torch.randn(M * 4, 8), torch.randn(M * 4, 2)
     xs, ys = x.chunk(M), y.chunk(M)
     torch.manual_seed(seed)  # the dropout masks' draw
@@ -102,14 +102,6 @@ def test_recomputation_replays_dropout_masks(schedule: str) -> None:
     assert not torch.allclose(_dropout_grads(schedule, "always", seed=1)[0], expected[0], atol=1e-3)
 
 
-def _trainer(strategy: Any, devices: int, root: str) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root,
-    )  # fmt: skip
-
-
 DATA = dataset(24, seed=1)  # 3 batches of 8
 
 
@@ -118,34 +110,35 @@ def fit_worker(root: str) -> dict[str, Any]:
     for mode in EXPECTED_CALLS:
         model = Regressor()
         strategy = PipeTPStrategy(
-            pipeline_parallel_size=2, num_microbatches=M, checkpoint=mode, timeout=timedelta(seconds=60)
+            pipeline_parallel_size=2, num_microbatches=M, recompute=mode, timeout=timedelta(seconds=60)
         )
         counts = _count_forwards(list(model.layers))
-        _trainer(strategy, 2, root).fit(model, loader(DATA, 8, reference=False))
-        own = strategy.runtime.plan.layer_range(strategy.pp_rank)  # type: ignore[union-attr]
+        fit(model, strategy, 2, loader(DATA, 8, reference=False), root, max_epochs=1)
+        own = strategy.runtime.partition.layer_range(strategy.pp_rank)  # type: ignore[union-attr]
         out[mode] = {
             "calls": [counts[i] for i in own],
             "params": {
                 n: p.detach().clone()
                 for n, p in model.named_parameters()
-                if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank  # type: ignore[union-attr]
+                if strategy.runtime.partition.stage_of_key(n) == strategy.pp_rank  # type: ignore[union-attr]
             },
         }
     # Tensor-parallel dropout cannot be replayed by recomputation: refused at setup.
     try:
-        strategy = PipeTPStrategy(tensor_parallel_size=2, checkpoint="always", timeout=timedelta(seconds=60))
-        _trainer(strategy, 2, root).fit(TinyGPT(dropout=0.1), torch.utils.data.DataLoader(token_data(8)))
+        strategy = PipeTPStrategy(tensor_parallel_size=2, recompute="always", timeout=timedelta(seconds=60))
+        fit(TinyGPT(dropout=0.1), strategy, 2, torch.utils.data.DataLoader(token_data(8)), root, max_epochs=1)
         out["refusal"] = "no error"
     except MisconfigurationException as err:
         out["refusal"] = str(err)
     return out
 
 
+@pytest.mark.distributed
 def test_fit_recomputes_on_every_stage_and_matches_one_device() -> None:
     with tempfile.TemporaryDirectory() as root:
         got = run_distributed(fit_worker, 2, root, timeout=300, init_group=False)
         reference = Regressor()
-        _trainer("auto", 1, root).fit(reference, loader(DATA, 8, reference=True))
+        fit(reference, "auto", 1, loader(DATA, 8, reference=True), root, max_epochs=1)
     expected = dict(reference.named_parameters())
     for mode, calls in EXPECTED_CALLS.items():
         for rank, result in enumerate(got):
@@ -157,6 +150,6 @@ def test_fit_recomputes_on_every_stage_and_matches_one_device() -> None:
                 torch.testing.assert_close(value, expected[name].detach(), atol=TOL, rtol=0, msg=name)
     for result in got:
         assert result["refusal"] == (
-            'checkpoint="always" cannot replay the per-rank random stream of tensor-parallel "dropout" '
-            'layers; use checkpoint="never" or drop the "dropout" entries.'
+            'recompute="always" cannot replay the per-rank random stream of tensor-parallel "dropout" '
+            'layers; use recompute="never" or drop the "dropout" entries.'
         )

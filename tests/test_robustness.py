@@ -9,22 +9,21 @@ within the test's deadline, with the expected message, and none may need killing
 from __future__ import annotations
 
 import re
-import tempfile
 from datetime import timedelta
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe import PipelineExecutor, PipeTPStrategy, build_schedule
-from lightning_pipe.pipeline.actions import ActionType, PipelineSchedule
-from lightning_pipe.pipeline.executor import apply_layers
-from lightning_pipe.pipeline.microbatch import signature
+from lightning_pipe.batches.microbatch import signature
+from lightning_pipe.execution.layers import apply_layers
+from lightning_pipe.schedule.actions import ActionType, PipelineSchedule
 from tests.distributed import Outcome, run_distributed_outcomes
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import fit
 
 CPU = torch.device("cpu")
 
@@ -107,6 +106,7 @@ def stalled_sender_worker() -> None:
     executor.run(schedule, rank, inputs=inputs if rank == 0 else None, head=head if rank == 1 else None)
 
 
+@pytest.mark.distributed
 def test_a_rank_that_stops_sending_ends_the_job_at_the_deadline() -> None:
     outcomes = run_distributed_outcomes(stalled_sender_worker, 2, timeout=60)
     _assert_all_failed(
@@ -147,6 +147,7 @@ def shape_change_worker() -> None:
         )  # fmt: skip
 
 
+@pytest.mark.distributed
 def test_an_output_that_changes_shape_mid_run_is_reported_with_both_shapes() -> None:
     outcomes = run_distributed_outcomes(shape_change_worker, 2, timeout=60)
     _assert_all_failed(
@@ -187,15 +188,11 @@ def user_exception_worker() -> None:
     strategy = PipeTPStrategy(
         pipeline_parallel_size=3, partition=[2, 2, 3], num_microbatches=2, timeout=timedelta(seconds=90)
     )
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=3, max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, default_root_dir=root,
-        )  # fmt: skip
-        trainer.fit(model, loader(dataset(40, seed=1), 8, reference=False))
+    data = loader(dataset(40, seed=1), 8, reference=False)
+    fit(model, strategy, 3, data, max_epochs=1, num_sanity_val_steps=0)
 
 
+@pytest.mark.distributed
 def test_user_exception_on_the_middle_stage_stops_every_rank() -> None:
     outcomes = run_distributed_outcomes(user_exception_worker, 3, timeout=120, init_group=False)
     _assert_all_failed(

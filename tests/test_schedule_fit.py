@@ -1,6 +1,6 @@
 """``Trainer.fit`` with ``schedule="interleaved_1f1b"`` (two stages per rank, loop placement) and
 ``schedule="zb_h1"`` (zero-bubble: backward split into input and weight gradients) ends where one
-device ends (issue 18, items 1 and 2): weights after two epochs within 1e-5, at pp=2 and pp=4,
+device ends: weights after two epochs within 1e-5, at pp=2 and pp=4,
 with 1, 3 and 8 micro-batches, accumulation, global-norm clipping, activation recomputation,
 data parallelism and a token embedding tied to the output head across ranks.
 """
@@ -8,11 +8,9 @@ data parallelism and a token embedding tied to the output head across ranks.
 from __future__ import annotations
 
 import os
-import tempfile
 from datetime import timedelta
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -20,8 +18,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import run_distributed
-from tests.lightning_models import HIDDEN, IN, OUT, Regressor, dataset, loader
-from tests.test_data_parallel import TOKENS, TiedLM
+from tests.lightning_models import HIDDEN, IN, OUT, TOKENS, Regressor, TiedLM, dataset, loader
+from tests.trainers import fit
+
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 TRAIN = dataset(40, seed=1)
@@ -40,12 +40,9 @@ class DeepRegressor(Regressor):
         self.layers = nn.Sequential(*layers)
 
 
-def _trainer(strategy: Any, devices: int, root: str, acc: int, clip: float | None) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, accumulate_grad_batches=acc,
-        gradient_clip_val=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root,
-    )  # fmt: skip
+def _settings(acc: int, clip: float | None) -> dict[str, Any]:
+    """Two epochs with the case's accumulation and clipping, under pipe_tp and on one device."""
+    return {"max_epochs": 2, "accumulate_grad_batches": acc, "gradient_clip_val": clip}
 
 
 CASES = [
@@ -68,16 +65,15 @@ def worker(schedule: str, pp: int, m: int, recompute: str, acc: int, clip: float
     v = _virtual(schedule)
     strategy = PipeTPStrategy(
         pipeline_parallel_size=pp, schedule=schedule, virtual_stages=v, num_microbatches=m,
-        checkpoint=recompute, timeout=timedelta(seconds=90),
+        recompute=recompute, timeout=timedelta(seconds=90),
     )  # fmt: skip
-    with tempfile.TemporaryDirectory() as root:
-        _trainer(strategy, pp, root, acc, clip).fit(model, loader(TRAIN, 8, reference=False))
+    fit(model, strategy, pp, loader(TRAIN, 8, reference=False), **_settings(acc, clip))
     runtime = strategy.runtime
     assert runtime.stage_indices == tuple(strategy.pp_rank + c * pp for c in range(v))
     return {
         n: p.detach().clone()
         for n, p in model.named_parameters()
-        if runtime.plan.stage_of_key(n) in runtime.stage_indices
+        if runtime.partition.stage_of_key(n) in runtime.stage_indices
     }
 
 
@@ -88,8 +84,7 @@ def test_fit_matches_one_device(
     got = run_distributed(worker, pp, schedule, pp, m, recompute, acc, clip, timeout=300, init_group=False)
     merged = {n: p for r in got for n, p in r.items()}
     model = DeepRegressor()
-    with tempfile.TemporaryDirectory() as root:
-        _trainer("auto", 1, root, acc, clip).fit(model, loader(TRAIN, 8, reference=True))
+    fit(model, "auto", 1, loader(TRAIN, 8, reference=True), **_settings(acc, clip))
     assert merged.keys() == dict(model.named_parameters()).keys()
     for name, param in model.named_parameters():
         torch.testing.assert_close(merged[name], param.detach(), atol=TOL, rtol=0, msg=name)
@@ -104,13 +99,12 @@ def tied_worker(schedule: str) -> dict[str, Any]:
         timeout=timedelta(seconds=90),
     )
     world = int(os.environ["WORLD_SIZE"])
-    with tempfile.TemporaryDirectory() as root:
-        _trainer(strategy, world, root, 2, None).fit(model, DataLoader(TOKENS, batch_size=4))
+    fit(model, strategy, world, DataLoader(TOKENS, batch_size=4), **_settings(2, None))
     runtime = strategy.runtime
     return {
         n: p.detach().clone()
         for n, p in model.named_parameters(remove_duplicate=False)
-        if runtime.plan.stage_of_key(n) in runtime.stage_indices
+        if runtime.partition.stage_of_key(n) in runtime.stage_indices
     }
 
 
@@ -121,8 +115,7 @@ def test_dp2_with_weights_tied_across_ranks_matches_one_device(schedule: str) ->
     got = run_distributed(tied_worker, 4, schedule, timeout=300, init_group=False)
     model = TiedLM()
     sampler = DistributedSampler(TOKENS, num_replicas=1, rank=0, seed=0)
-    with tempfile.TemporaryDirectory() as root:
-        _trainer("auto", 1, root, 2, None).fit(model, DataLoader(TOKENS, batch_size=8, sampler=sampler))
+    fit(model, "auto", 1, DataLoader(TOKENS, batch_size=8, sampler=sampler), **_settings(2, None))
     expected = dict(model.named_parameters(remove_duplicate=False))
     for rank, result in enumerate(got):
         for name, value in result.items():
@@ -137,8 +130,7 @@ def too_few_layers_worker() -> str:
         pipeline_parallel_size=2, schedule="interleaved_1f1b", virtual_stages=4, timeout=timedelta(seconds=60)
     )
     try:
-        with tempfile.TemporaryDirectory() as root:
-            _trainer(strategy, 2, root, 1, None).fit(Regressor(), loader(TRAIN, 8, reference=False))
+        fit(Regressor(), strategy, 2, loader(TRAIN, 8, reference=False), **_settings(1, None))
     except Exception as err:  # the message is what the test checks
         return str(err)
     return "no error"

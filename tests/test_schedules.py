@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from lightning_pipe.pipeline.actions import (
+from lightning_pipe.schedule.actions import (
     Action,
     ActionType,
     B,
@@ -20,16 +20,16 @@ from lightning_pipe.pipeline.actions import (
     ScheduleError,
     comm_batches,
 )
-from lightning_pipe.pipeline.render import render_schedule
-from lightning_pipe.pipeline.schedules import (
+from lightning_pipe.schedule.builders import (
     ScheduleKind,
-    add_communication,
     build_schedule,
     gpipe_compute_order,
     one_f_one_b_compute_order,
 )
-from lightning_pipe.pipeline.simulate import match_messages, simulate
-from lightning_pipe.pipeline.validate import validate_schedule
+from lightning_pipe.schedule.lockstep import ReceiveAt, lower
+from lightning_pipe.schedule.render import render_schedule
+from lightning_pipe.schedule.simulate import match_messages, simulate
+from lightning_pipe.schedule.validate import validate_schedule
 
 KINDS = ["gpipe", "1f1b"]
 
@@ -380,7 +380,7 @@ def test_split_backward_schedule_validates_and_simulates() -> None:
         [F(s, 0), Action(s, ActionType.BACKWARD_INPUT, 0), Action(s, ActionType.BACKWARD_WEIGHT, 0)]
         for s in range(2)
     ]
-    actions = add_communication(orders, 2, (0, 1))
+    actions = lower(orders, (0, 1), ReceiveAt.NEEDED, "the test's")
     assert actions[0] == [F(0, 0), SF(0, 0), RB(0, 0), orders[0][1], orders[0][2]]
     assert actions[1] == [RF(1, 0), F(1, 0), orders[1][1], SB(1, 0), orders[1][2]]
     schedule = make(actions, 1)

@@ -69,6 +69,7 @@ def signal_worker(pid_dir: str, target: int) -> None:
     fit_until_stopped(pid_dir)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("target", [0, 1])
 def test_sigterm_with_an_external_launcher_stops_every_rank(
     target: int, capfd: pytest.CaptureFixture[str]
@@ -88,6 +89,7 @@ def test_sigterm_with_an_external_launcher_stops_every_rank(
     assert ended - signalled < LIMIT + 2  # the harness polls every 50 ms and loads results
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("target", [0, 1], ids=["parent-rank0", "child-rank1"])
 def test_sigterm_with_lightnings_launcher_stops_every_rank(target: int) -> None:
     with tempfile.TemporaryDirectory() as pid_dir:
@@ -133,7 +135,7 @@ def test_lightnings_sigterm_exception_exits_non_zero_and_names_rank_zero(
     (143 on rank 0), whichever of that and the signal watcher wins the race."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_pipe.signals import passed_on_by_rank_zero
+    from lightning_pipe.faults.signals import passed_on_by_rank_zero
 
     other = SIGTERMException()
     passed_on_by_rank_zero(other, 1, "rank 1 (dp_rank 0, pp_rank 1, tp_rank 0)")

@@ -4,7 +4,6 @@ with messages that name the fix, and the bf16 precisions train."""
 from __future__ import annotations
 
 import re
-import tempfile
 from datetime import timedelta
 from typing import Any
 
@@ -16,28 +15,22 @@ from lightning.pytorch.plugins import MixedPrecision
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import fit
 
 TRAIN, VAL = dataset(40, seed=1), dataset(16, seed=2)
 
 
 def _fit(
-    model: L.LightningModule, strategy: Any, devices: int, reference: bool = False, **kw: Any
+    model: L.LightningModule,
+    strategy: Any,
+    devices: int,
+    reference: bool = False,
+    max_epochs: int = 1,
+    **kw: Any,
 ) -> L.Trainer:
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=devices,
-            max_epochs=kw.pop("max_epochs", 1),
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-            **kw,
-        )
-        trainer.fit(model, loader(TRAIN, 8, reference), loader(VAL, 8, reference))
-    return trainer
+    """Train and validate on the same data under pipe_tp and on one device."""
+    train, val = loader(TRAIN, 8, reference), loader(VAL, 8, reference)
+    return fit(model, strategy, devices, train, val=val, max_epochs=max_epochs, **kw)
 
 
 class FusedAdam(Regressor):
@@ -100,6 +93,7 @@ def single() -> dict[str, Any]:
     return run_distributed(single_process_worker, 1, timeout=300, init_group=False)[0]
 
 
+@pytest.mark.distributed
 def test_one_process_equals_one_device(single: dict[str, Any]) -> None:
     model = Regressor()
     trainer = _fit(model, "auto", 1, reference=True, max_epochs=2)
@@ -111,6 +105,7 @@ def test_one_process_equals_one_device(single: dict[str, Any]) -> None:
         assert single["metrics"][key] == pytest.approx(value, abs=1e-5), key
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("case", "pattern"),
     [
@@ -134,7 +129,7 @@ def test_setup_errors_name_the_fix(single: dict[str, Any], case: str, pattern: s
     [
         ({"schedule": "zigzag"}, r"Unknown pipeline schedule 'zigzag': expected one of 'gpipe', '1f1b'"),
         ({"partition": "balanced"}, r"Unknown partition 'balanced': expected one of 'uniform', 'parameters'"),
-        ({"checkpoint": "sometimes"}, r"Unknown checkpoint mode 'sometimes': expected one of 'never'"),
+        ({"recompute": "sometimes"}, r"Unknown recompute mode 'sometimes': expected one of 'never'"),
         ({"num_microbatches": 0}, r"^num_microbatches must be an integer >= 1 or None \(2 x pipeline_"),
         (
             {"pipeline_parallel_size": 0},
@@ -228,6 +223,14 @@ def test_a_bad_value_from_lightning_cli_is_one_sentence(capsys: pytest.CaptureFi
     assert "world size" not in str(err.value)
 
 
+def test_the_former_name_of_recompute_still_works_and_says_its_new_name() -> None:
+    with pytest.warns(
+        DeprecationWarning, match=r"checkpoint='always'\) is deprecated: the option is now called `recompute`"
+    ):
+        strategy = PipeTPStrategy(checkpoint="always")
+    assert strategy.recompute.value == "always"
+
+
 def test_timeout_in_seconds_is_accepted() -> None:
     assert PipeTPStrategy(timeout=30)._timeout == timedelta(seconds=30)
     assert PipeTPStrategy(timeout=2.5)._timeout == timedelta(seconds=2.5)
@@ -241,7 +244,7 @@ def bf16_worker(precision: str) -> dict[str, Any]:
         "params": {
             n: p.detach().float().clone()
             for n, p in model.named_parameters()
-            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank
+            if strategy.runtime.partition.stage_of_key(n) == strategy.pp_rank
         },
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
@@ -255,6 +258,7 @@ def bf16_worker(precision: str) -> dict[str, Any]:
 BF16_TOL = {"bf16-mixed": 5e-4, "bf16-true": 5e-3}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_bf16_precisions_train_like_one_device(precision: str) -> None:
     got = run_distributed(bf16_worker, 2, precision, timeout=300, init_group=False)

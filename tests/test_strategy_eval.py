@@ -22,9 +22,12 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipeTPStrategy
-from lightning_pipe.checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+from lightning_pipe.checkpoint import consolidate_checkpoint, is_checkpoint_directory
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import fit
+
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 TRAIN, VAL, TEST = dataset(40, seed=1), dataset(16, seed=2), dataset(12, seed=3)
@@ -40,7 +43,7 @@ def _load_state(path: str) -> dict[str, torch.Tensor]:
 def _listing(directory: str) -> list[tuple[str, str]]:
     """Checkpoint names and kinds: pipe_tp's are complete sharded directories, one device's files."""
     return [
-        (name, "sharded" if is_sharded_checkpoint(os.path.join(directory, name)) else "file")
+        (name, "sharded" if is_checkpoint_directory(os.path.join(directory, name)) else "file")
         for name in sorted(os.listdir(directory))
     ]
 
@@ -91,12 +94,7 @@ def eval_worker() -> dict[str, Any]:
     out = _session(strategy, 2, reference=False)
     # The same module, unchanged, also trains under plain DDP (configure_pipeline is ignored there).
     model = Regressor()
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root,
-        )  # fmt: skip
-        trainer.fit(model, loader(TRAIN, 8, reference=False))
+    trainer = fit(model, "ddp", 2, loader(TRAIN, 8, reference=False), max_epochs=1)
     out["ddp_loss"] = float(trainer.callback_metrics["train_loss_epoch"])
     out["ddp_weight"] = model.layers[0].weight.detach().clone()
     return out

@@ -9,7 +9,6 @@ size to keep CI fast.
 
 from __future__ import annotations
 
-import tempfile
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -21,6 +20,9 @@ import torch
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, dataset, loader
+from tests.trainers import fit
+
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 TRAIN, VAL = dataset(40, seed=1), dataset(16, seed=2)
@@ -33,20 +35,9 @@ CASES = [
 ]
 
 
-def _trainer(strategy: Any, devices: int, case: dict[str, Any], root: str) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
-        max_epochs=2,
-        accumulate_grad_batches=case["acc"],
-        gradient_clip_val=case["clip"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+def _settings(case: dict[str, Any]) -> dict[str, Any]:
+    """The case's Trainer settings, the same under pipe_tp and on one device."""
+    return {"max_epochs": 2, "accumulate_grad_batches": case["acc"], "gradient_clip_val": case["clip"]}
 
 
 def _metrics(trainer: L.Trainer) -> dict[str, float]:
@@ -63,16 +54,16 @@ def fit_worker(pp: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
             schedule=case["schedule"],
             timeout=timedelta(seconds=60),
         )
-        with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer = _trainer(strategy, pp, case, root)
-            trainer.fit(model, loader(TRAIN, 8, reference=False), loader(VAL, 8, reference=False))
+            train, val = loader(TRAIN, 8, reference=False), loader(VAL, 8, reference=False)
+            trainer = fit(model, strategy, pp, train, val=val, **_settings(case))
         # One replica: every rank logs the same values, and Lightning must not ask for sync_dist.
         asked = [str(w.message) for w in caught if "sync_dist=True" in str(w.message)]
         owned = {
             n: p.detach().clone()
             for n, p in model.named_parameters()
-            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank
+            if strategy.runtime.partition.stage_of_key(n) == strategy.pp_rank
         }
         out[case["id"]] = {
             "params": owned, "metrics": _metrics(trainer), "step": trainer.global_step, "asked": asked
@@ -82,9 +73,8 @@ def fit_worker(pp: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
 
 def reference(case: dict[str, Any]) -> dict[str, Any]:
     model = Regressor()
-    with tempfile.TemporaryDirectory() as root:
-        trainer = _trainer("auto", 1, case, root)
-        trainer.fit(model, loader(TRAIN, 8, reference=True), loader(VAL, 8, reference=True))
+    train, val = loader(TRAIN, 8, reference=True), loader(VAL, 8, reference=True)
+    trainer = fit(model, "auto", 1, train, val=val, **_settings(case))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"params": params, "metrics": _metrics(trainer), "step": trainer.global_step}
 
@@ -116,16 +106,14 @@ def dp_worker() -> dict[str, Any]:
     model = Regressor()
     strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
     case = {"acc": 2, "clip": 0.05}
-    with tempfile.TemporaryDirectory() as root:
-        trainer = _trainer(strategy, 4, case, root)
-        trainer.fit(model, loader(TRAIN, 4, reference=False))
+    fit(model, strategy, 4, loader(TRAIN, 4, reference=False), **_settings(case))
     coords = strategy.mesh.coordinates
     return {
         "coords": (coords.dp_rank, coords.pp_rank),
         "params": {
             n: p.detach().clone()
             for n, p in model.named_parameters()
-            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank
+            if strategy.runtime.partition.stage_of_key(n) == strategy.pp_rank
         },
     }
 
@@ -135,8 +123,7 @@ def test_data_parallel_pipelines_match_one_device_on_the_whole_batch() -> None:
     got = run_distributed(dp_worker, 4, timeout=300, init_group=False)
     assert [r["coords"] for r in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     model = Regressor()
-    with tempfile.TemporaryDirectory() as root:
-        _trainer("auto", 1, {"acc": 2, "clip": 0.05}, root).fit(model, loader(TRAIN, 8, reference=True))
+    fit(model, "auto", 1, loader(TRAIN, 8, reference=True), **_settings({"acc": 2, "clip": 0.05}))
     for replica in (got[:2], got[2:]):
         merged = {n: p for r in replica for n, p in r["params"].items()}
         for name, expected in model.named_parameters():

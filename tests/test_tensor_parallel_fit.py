@@ -4,7 +4,6 @@ reproducible; and bad plans fail at setup with the module's name."""
 
 from __future__ import annotations
 
-import tempfile
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +19,7 @@ from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.plan import resolve_plan
 from tests.distributed import run_distributed
 from tests.gpt_models import TinyGPT, token_data
+from tests.trainers import fit
 
 TOL = 1e-5
 DATA = token_data(32)
@@ -29,14 +29,10 @@ def _fit(
     model: TinyGPT, strategy: Any, devices: int, reference: bool, batch: int = 8, accumulate: int = 1
 ) -> L.Trainer:
     sampler = DistributedSampler(DATA, num_replicas=1, rank=0, seed=0) if reference else None
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, max_epochs=2, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root, gradient_clip_val=0.5, accumulate_grad_batches=accumulate,
-        )  # fmt: skip
-        trainer.fit(model, DataLoader(DATA, batch_size=batch, sampler=sampler))
-    return trainer
+    return fit(
+        model, strategy, devices, DataLoader(DATA, batch_size=batch, sampler=sampler),
+        max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=accumulate,
+    )  # fmt: skip
 
 
 def tp_worker(pp: int, tp: int, dropout: float, runs: int, dp: int = 1) -> list[dict[str, Any]]:
@@ -52,12 +48,13 @@ def tp_worker(pp: int, tp: int, dropout: float, runs: int, dp: int = 1) -> list[
         trainer = _fit(
             model, strategy, pp * tp * dp, reference=False, batch=8 // dp, accumulate=2 if dp > 1 else 1
         )
-        state = gather_model_state(model, strategy.runtime.plan, strategy.mesh)  # whole model, on rank 0
+        state = gather_model_state(model, strategy.runtime.partition, strategy.mesh)  # whole model, on rank 0
         kinds = sorted({type(m).__name__ for m in model.modules() if "Parallel" in type(m).__name__})
         replicated = {
             n: p.detach().clone()
             for n, p in model.named_parameters()
-            if strategy.runtime.plan.stage_of_key(n) == strategy.pp_rank and tensor_parallel_dim(p) is None
+            if strategy.runtime.partition.stage_of_key(n) == strategy.pp_rank
+            and tensor_parallel_dim(p) is None
         }
         out.append({
             "state": state,
@@ -75,6 +72,7 @@ def _reference(dropout: float = 0.0, accumulate: int = 1) -> tuple[dict[str, tor
     return model.state_dict(), {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("pp", "tp"), [(1, 2), (2, 2)], ids=["tp2", "pp2xtp2"])
 def test_tensor_parallel_fit_matches_one_device(pp: int, tp: int) -> None:
     got = run_distributed(tp_worker, pp * tp, pp, tp, 0.0, 1, timeout=300, init_group=False)
@@ -103,6 +101,7 @@ def _assert_replicas_identical(got: list[list[dict[str, Any]]]) -> None:
                 torch.testing.assert_close(other[name], value, atol=0, rtol=0, msg=name)
 
 
+@pytest.mark.distributed
 def test_dp2_pp2_tp2_on_eight_processes_matches_one_device() -> None:
     """All three axes at once, with accumulate_grad_batches=2: each replica sees half of every batch
     of 8; one device sees the whole batches."""
@@ -114,6 +113,7 @@ def test_dp2_pp2_tp2_on_eight_processes_matches_one_device() -> None:
     _assert_replicas_identical(got)
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_dropout_runs_and_is_reproducible() -> None:
     got = run_distributed(tp_worker, 2, 1, 2, 0.1, 2, timeout=300, init_group=False)
     first, second = got[0]
@@ -188,13 +188,7 @@ def dropout_mask_worker() -> dict[str, Any]:
             self.replicated = _record_masks(pl_module, torch.nn.Dropout)
 
     recorder = Recorder()
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root, callbacks=[recorder],
-        )  # fmt: skip
-        trainer.fit(model, DataLoader(DATA, batch_size=8))
+    fit(model, strategy, 2, DataLoader(DATA, batch_size=8), max_epochs=1, callbacks=[recorder])
     return {
         "tp_rank": strategy.mesh.coordinates.tp_rank,
         "regions": recorder.regions,
@@ -202,6 +196,7 @@ def dropout_mask_worker() -> dict[str, Any]:
     }
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_dropout_masks() -> None:
     """Replicated activations get the same mask on both tensor ranks; ``"dropout"`` entries get
     different masks per rank, exactly the ones a generator seeded ``2718 + tp_rank`` draws (seed 0:

@@ -39,6 +39,8 @@ from lightning_pipe.tensor_parallel.layers import (
 from lightning_pipe.tensor_parallel.regions import count_collectives
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 TOL = 1e-6
 BLOCK_TOL = 1e-5
 B, S = 2, 3

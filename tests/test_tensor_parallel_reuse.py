@@ -28,20 +28,13 @@ from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.plan import resolve_plan
-from lightning_pipe.tensor_parallel.stage import count_sharding
+from lightning_pipe.tensor_parallel.stage import count_slicing
 from tests.distributed import run_distributed
 from tests.hf_models import LlamaLM, llama_data
+from tests.trainers import fit, quiet_trainer
 
 TOL = 1e-5
 TRAIN, VAL = llama_data(16), llama_data(8, seed=4)
-
-
-def _trainer(strategy: Any, devices: int, root: str, epochs: int, **kw: Any) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, num_sanity_val_steps=0, **kw,
-    )  # fmt: skip
 
 
 def _loaders(reference: bool) -> tuple[DataLoader, DataLoader]:
@@ -58,14 +51,12 @@ def _strategy(pp: int, tp: int) -> Any:
 def _flow(model: LlamaLM, make_strategy: Any, devices: int, root: str) -> dict[str, Any]:
     """fit one epoch, save, validate, predict; then a new Trainer resumes the fit for one more."""
     train, val = _loaders(reference=devices == 1)
-    trainer = _trainer(make_strategy(), devices, root, epochs=1)
-    trainer.fit(model, train)
+    trainer = fit(model, make_strategy(), devices, train, root, max_epochs=1, num_sanity_val_steps=0)
     path = os.path.join(root, "epoch1.ckpt")
     trainer.save_checkpoint(path)
     validated = trainer.validate(model, val, verbose=False)[0]
     predictions = torch.cat(trainer.predict(model, val))  # type: ignore[arg-type]
-    again = _trainer(make_strategy(), devices, root, epochs=2)
-    again.fit(model, train, ckpt_path=path)
+    again = fit(model, make_strategy(), devices, train, root, path, max_epochs=2, num_sanity_val_steps=0)
     return {"val_loss": validated["val_loss"], "predictions": predictions, "trainer": again}
 
 
@@ -74,9 +65,9 @@ def llama_worker(pp: int, tp: int, root: str) -> dict[str, Any]:
     unsharded = sum(p.numel() for p in model.parameters())
     result = _flow(model, lambda: _strategy(pp, tp), pp * tp, os.path.join(root, f"r{os.environ['RANK']}"))
     strategy = result.pop("trainer").strategy
-    own = [model.pipe[i] for i in strategy.runtime.plan.layer_range(strategy.pp_rank)]
+    own = [model.pipe[i] for i in strategy.runtime.partition.layer_range(strategy.pp_rank)]
     result.update(
-        state=gather_model_state(model, strategy.runtime.plan, strategy.mesh),
+        state=gather_model_state(model, strategy.runtime.partition, strategy.mesh),
         elements=sum(p.numel() for p in model.parameters()),
         own_elements=sum(p.numel() for layer in own for p in layer.parameters()),
         unsharded=unsharded,
@@ -85,6 +76,7 @@ def llama_worker(pp: int, tp: int, root: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("pp", "tp"), [(1, 2), (2, 2)], ids=["tp2", "pp2xtp2"])
 def test_llama_calls_reuse_the_sharded_model_and_match_one_device(pp: int, tp: int) -> None:
     with tempfile.TemporaryDirectory() as root:
@@ -112,26 +104,28 @@ class _InitialState(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = trainer.strategy
-        self.state = gather_model_state(pl_module, s.runtime.plan, s.mesh)  # type: ignore[attr-defined]
+        self.state = gather_model_state(pl_module, s.runtime.partition, s.mesh)  # type: ignore[attr-defined]
 
 
 def unseeded_worker(root: str) -> dict[str, Any]:
     model = LlamaLM(seed=None)  # every rank draws its own weights
     initial = _InitialState()
     train, _ = _loaders(reference=False)
-    trainer = _trainer(_strategy(1, 2), 2, root, epochs=2, callbacks=[initial])
-    trainer.fit(model, train)
+    trainer = fit(
+        model, _strategy(1, 2), 2, train, root, max_epochs=2, num_sanity_val_steps=0, callbacks=[initial]
+    )
     strategy = trainer.strategy
     replicated = {
         n: p.detach().clone() for n, p in model.named_parameters() if tensor_parallel_dim(p) is None
     }
     return {
         "initial": initial.state,
-        "final": gather_model_state(model, strategy.runtime.plan, strategy.mesh),  # type: ignore[attr-defined]
+        "final": gather_model_state(model, strategy.runtime.partition, strategy.mesh),  # type: ignore[attr-defined]
         "replicated": replicated,
     }
 
 
+@pytest.mark.distributed
 def test_unseeded_tensor_ranks_start_from_one_model() -> None:
     with tempfile.TemporaryDirectory() as root:
         got = run_distributed(unseeded_worker, 2, root, timeout=300, init_group=False)
@@ -139,7 +133,7 @@ def test_unseeded_tensor_ranks_start_from_one_model() -> None:
             torch.testing.assert_close(got[1]["replicated"][name], value, atol=0, rtol=0, msg=name)
         reference = LlamaLM(seed=None)
         reference.load_state_dict(got[0]["initial"])
-        _trainer("auto", 1, root, epochs=2).fit(reference, _loaders(reference=True)[0])
+        fit(reference, "auto", 1, _loaders(reference=True)[0], root, max_epochs=2, num_sanity_val_steps=0)
     for key, expected in reference.state_dict().items():
         torch.testing.assert_close(got[0]["final"][key], expected, atol=TOL, rtol=0, msg=key)
 
@@ -147,14 +141,17 @@ def test_unseeded_tensor_ranks_start_from_one_model() -> None:
 def layout_change_worker(root: str) -> str:
     model = LlamaLM()
     train, val = _loaders(reference=False)
-    _trainer(_strategy(1, 2), 2, root, epochs=1).fit(model, train)
+    fit(model, _strategy(1, 2), 2, train, root, max_epochs=1, num_sanity_val_steps=0)
     try:
-        _trainer(_strategy(2, 1), 2, root, epochs=1).validate(model, val, verbose=False)
+        quiet_trainer(_strategy(2, 1), 2, root, max_epochs=1, num_sanity_val_steps=0).validate(
+            model, val, verbose=False
+        )
     except MisconfigurationException as err:
         return str(err)
     return "no error"
 
 
+@pytest.mark.distributed
 def test_a_later_call_with_another_layout_is_refused() -> None:
     with tempfile.TemporaryDirectory() as root:
         messages = run_distributed(layout_change_worker, 2, root, timeout=200, init_group=False)
@@ -182,7 +179,7 @@ def test_a_plan_that_shards_nothing_is_an_error() -> None:
     with pytest.raises(
         ValueError, match=r"matches 1 modules \(e\.g\. \['spare'\]\), but none of them is inside"
     ):
-        count_sharding(model, resolved, layers, [0] * len(layers), 1)
+        count_slicing(model, resolved, layers, [0] * len(layers), 1)
 
 
 def test_plan_is_resolved_by_identity_and_counted_per_stage() -> None:
@@ -191,7 +188,7 @@ def test_plan_is_resolved_by_identity_and_counted_per_stage() -> None:
     # 7 projections per decoder layer, each named once (by its first, Hugging Face name).
     assert len(resolved) == 14 and all(name.startswith("llama.model.layers.") for name in resolved)
     layers = model.configure_pipeline()
-    counts = count_sharding(model, resolved, layers, [0, 0, 1, 1], 2)
+    counts = count_slicing(model, resolved, layers, [0, 0, 1, 1], 2)
     per_layer = sum(p.numel() for p in model.llama.model.layers[0].parameters() if p.dim() == 2)
     assert counts.modules == (7, 7) and counts.elements == (per_layer, per_layer)
     # Reached through the pipeline wrappers, the same modules resolve to the same names.

@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_pipe.pipeline.executor import PipelineExecutor
-from lightning_pipe.pipeline.microbatch import signature
-from lightning_pipe.pipeline.partition import compute_balance, split_layers
-from lightning_pipe.pipeline.schedules import build_schedule
-from lightning_pipe.pipeline.simulate import simulate
-from lightning_pipe.pipeline.timeline import (
+from lightning_pipe.batches.microbatch import signature
+from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.partition.balance import compute_balance, split_layers
+from lightning_pipe.schedule.builders import build_schedule
+from lightning_pipe.schedule.cli import main as schedule_cli
+from lightning_pipe.schedule.simulate import simulate
+from lightning_pipe.schedule.timeline import (
     SPAN,
     TimelineEvent,
     TimelineRecorder,
@@ -34,7 +35,6 @@ from lightning_pipe.pipeline.timeline import (
     timeline_stats,
     write_chrome_trace,
 )
-from lightning_pipe.schedule import main as schedule_cli
 from tests.distributed import run_distributed
 from tests.models import make_batch, tuple_net
 
@@ -117,7 +117,6 @@ def recorded_worker(kinds: list[str]) -> dict[str, list[TimelineEvent]]:
     opt = torch.optim.SGD(params, lr=0.1)
     executor = PipelineExecutor({rank: stage}, p, list(range(p)), torch.device("cpu"))
     recorder = TimelineRecorder()
-    executor.recorder = recorder
     out = {}
     for kind in kinds:
         schedule = build_schedule(kind, p, M)
@@ -131,6 +130,7 @@ def recorded_worker(kinds: list[str]) -> dict[str, list[TimelineEvent]]:
                 inputs=[x for x, _ in mbs],
                 head=lambda out, i, mbs=mbs: F.mse_loss(out, mbs[i][1]),
                 signatures=[signature(x) for x, _ in mbs],
+                recorder=recorder,
             )
             with recorder.span("optimizer step"):
                 opt.step()
@@ -148,6 +148,7 @@ def recorded() -> dict[str, list[TimelineEvent]]:
     return results[0]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", KINDS)
 def test_recorded_timeline_two_ranks(
     recorded: dict[str, list[TimelineEvent]], kind: str, tmp_path: Path
@@ -233,10 +234,9 @@ def fit_timeline_worker(path: str, max_steps: int, timeline_steps: int) -> list[
     import warnings
     from datetime import timedelta
 
-    import lightning as L
-
     from lightning_pipe import PipeTPStrategy
     from tests.lightning_models import Regressor, dataset, loader
+    from tests.trainers import fit
 
     strategy = PipeTPStrategy(
         pipeline_parallel_size=2, num_microbatches=M, timeline=path, timeline_steps=timeline_steps,
@@ -244,11 +244,8 @@ def fit_timeline_worker(path: str, max_steps: int, timeline_steps: int) -> list[
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory() as root:
         warnings.simplefilter("always")
-        L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=2, max_steps=max_steps, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root,
-        ).fit(Regressor(), loader(dataset(64, seed=1), 8, reference=False))  # fmt: skip
+        data = loader(dataset(64, seed=1), 8, reference=False)
+        fit(Regressor(), strategy, 2, data, root, max_steps=max_steps)
     return [str(w.message) for w in caught if "timeline" in str(w.message)]
 
 

@@ -1,4 +1,4 @@
-"""Zero-bubble ZB-H1 as data, and the input/weight split of backward (issue 18, item 2), in one
+"""Zero-bubble ZB-H1 as data, and the input/weight split of backward, in one
 process: the builder, validator and simulator for p in {2, 3, 4, 8} and m in 1..32, and
 :func:`backward_input` against an ordinary backward on modules that stress the split (a weight
 used twice, a multi-output node, a stage without an input gradient, normalisation layers).
@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe.pipeline.actions import ActionType
-from lightning_pipe.pipeline.schedules import build_schedule
-from lightning_pipe.pipeline.simulate import simulate
-from lightning_pipe.pipeline.split_backward import backward_input
-from lightning_pipe.pipeline.zero_bubble import zero_bubble_compute_order
+from lightning_pipe.execution.split_backward import backward_input
+from lightning_pipe.schedule.actions import ActionType
+from lightning_pipe.schedule.builders import build_schedule
+from lightning_pipe.schedule.simulate import simulate
+from lightning_pipe.schedule.zero_bubble import zero_bubble_compute_order
 
 # ---------------------------------------------------------------------------------------- schedule
 
@@ -244,7 +244,7 @@ def test_backward_input_special_nodes_equal_one_backward(module_type: type[nn.Mo
 def test_replayed_last_stage_accumulates_each_weight_once_in_the_last_weight_pass() -> None:
     """With recomputation the last stage's loss and its replayed layers are two graphs; a weight
     used by both (an L2 penalty in the loss) must reach the reducer's hook once in the armed W."""
-    from lightning_pipe.pipeline.executor import PipelineExecutor
+    from lightning_pipe.execution.executor import PipelineExecutor
 
     torch.manual_seed(0)
     layers = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)]
@@ -258,9 +258,9 @@ def test_replayed_last_stage_accumulates_each_weight_once_in_the_last_weight_pas
     for layer in layers:
         for p in layer.parameters():
             p.register_post_accumulate_grad_hook(lambda q: fires.__setitem__(id(q), fires[id(q)] + armed[0]))
-    executor = PipelineExecutor({0: layers}, 1, [0], torch.device("cpu"), checkpoint="always")
-    executor.before_last_backward = lambda: armed.__setitem__(0, True)
-    executor.run(build_schedule("zb_h1", 1, 3), 0, inputs=list(xs), head=head)
+    executor = PipelineExecutor({0: layers}, 1, [0], torch.device("cpu"), recompute="always")
+    arm = lambda: armed.__setitem__(0, True)  # noqa: E731
+    executor.run(build_schedule("zb_h1", 1, 3), 0, inputs=list(xs), head=head, before_last_backward=arm)
     assert set(fires.values()) == {1}, fires
     reference = copy.deepcopy(nn.Sequential(*layers))
     reference.zero_grad()

@@ -17,8 +17,8 @@ from torch import nn
 from lightning_pipe.checkpoint.optimizer_view import local_to_whole, whole_groups
 from lightning_pipe.checkpoint.state import parameter_names, writes_key
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
-from lightning_pipe.pipeline.plan import PipelinePlan
-from lightning_pipe.tensor_parallel.layers import gather_shards, tensor_parallel_dim
+from lightning_pipe.partition.model import PipelinePartition
+from lightning_pipe.tensor_parallel.layers import gather_slices, tensor_parallel_dim
 
 
 def unshard(value: Any, param: torch.Tensor | None, group: dist.ProcessGroup) -> Any:
@@ -26,7 +26,7 @@ def unshard(value: Any, param: torch.Tensor | None, group: dist.ProcessGroup) ->
     dim = tensor_parallel_dim(param) if param is not None else None
     if dim is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:  # type: ignore[union-attr]
         return value
-    return gather_shards(value.detach(), dim, group)
+    return gather_slices(value.detach(), dim, group)
 
 
 def to_cpu(value: Any) -> Any:
@@ -51,16 +51,16 @@ def _gather_to_rank0(part: dict[Any, Any], mesh: ParallelMesh, into: dict[Any, A
     return into
 
 
-def gather_model_state(module: nn.Module, plan: PipelinePlan, mesh: ParallelMesh) -> dict[str, Any]:
+def gather_model_state(module: nn.Module, partition: PipelinePartition, mesh: ParallelMesh) -> dict[str, Any]:
     """Collective: the unsharded module's state dict on global rank 0 (``{}`` elsewhere)."""
-    stages = plan.stages_of_rank(mesh.coordinates.pp_rank, mesh.layout.pipeline_parallel_size)
+    stages = partition.stages_of_rank(mesh.coordinates.pp_rank, mesh.layout.pipeline_parallel_size)
     current = module.state_dict(keep_vars=True)
     group = mesh.group(MeshAxis.TENSOR)
     # Every tensor rank of a stage gathers the same keys in the same order.
     own = {
         k: unshard(v, v if isinstance(v, torch.Tensor) else None, group)
         for k, v in current.items()
-        if writes_key(plan, k, stages)
+        if writes_key(partition, k, stages)
     }
     return _gather_to_rank0(
         own, mesh, {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in current.items()}

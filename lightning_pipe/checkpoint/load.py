@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_pipe.checkpoint.consolidate import consolidate_checkpoint
+from lightning_pipe.checkpoint.single_file import consolidate_checkpoint
 
 M = TypeVar("M")
 
@@ -46,7 +46,7 @@ def load_from_checkpoint(
     if trust_pickle and "weights_only" in inspect.signature(loader).parameters:
         kwargs["weights_only"] = False  # Lightning >= 2.5; older versions read without the flag
     if not Path(path).is_dir():
-        return loader(path, map_location=map_location, strict=strict, **kwargs)  # type: ignore[no-any-return]
+        return loader(path, map_location=map_location, strict=strict, **kwargs)
     # A directory is read as a sharded checkpoint whatever it holds: one without its metadata gets
     # the explanation that fit and consolidate give, not Lightning's IsADirectoryError.
     checkpoint = consolidate_checkpoint(path, weights_only=True, trust_pickle=trust_pickle)
@@ -54,4 +54,4 @@ def load_from_checkpoint(
     torch.save(checkpoint, buffer)
     del checkpoint
     buffer.seek(0)
-    return loader(buffer, map_location=map_location, strict=strict, **kwargs)  # type: ignore[no-any-return]
+    return loader(buffer, map_location=map_location, strict=strict, **kwargs)

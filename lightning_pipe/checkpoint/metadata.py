@@ -14,7 +14,7 @@ Each ``shard-*.pt`` is written by one rank of the first data-parallel replica an
 and optimizer tensors of its pipeline stage, its own slice of each tensor-parallel parameter and
 (on tensor rank 0 only) the replicated ones. Tensors are keyed by the names of the *unsharded*
 LightningModule: state-dict keys for the model, parameter names for the optimizer. Each
-:class:`TensorRecord` says which files hold a value and along which dim to concatenate them, so a
+:class:`TensorEntry` says which files hold a value and along which dim to concatenate them, so a
 reader needs no knowledge of the layout that wrote it: that is what lets a checkpoint move between
 layouts and be consolidated offline.
 
@@ -36,7 +36,7 @@ VERSION = 1
 METADATA_FILE = "pipe_tp_metadata.json"
 LIGHTNING_STATE_FILE = "lightning_state.pt"
 HOW_TO_LOAD_FILE = "HOW_TO_LOAD.txt"
-"""Written into every sharded checkpoint: what to do with it (issue 17, item 9)."""
+"""Written into every sharded checkpoint: what to do with it."""
 HOW_TO_LOAD = """\
 This directory is one lightning_pipe (pipe_tp) sharded checkpoint. Ways to use it:
 
@@ -58,12 +58,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved, read or loaded into this model, and why."""
 
 
-def shard_file_name(pp_rank: int, tp_rank: int) -> str:
+def part_file_name(pp_rank: int, tp_rank: int) -> str:
     return f"shard-pp{pp_rank}-tp{tp_rank}.pt"
 
 
 @dataclass(frozen=True)
-class TensorRecord:
+class TensorEntry:
     """Where one saved value lives.
 
     ``files`` lists the shard files holding it: one file for a replicated value, one per tensor
@@ -86,7 +86,7 @@ class TensorRecord:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TensorRecord:
+    def from_json(cls, data: dict[str, Any]) -> TensorEntry:
         shape = data.get("shape")
         return cls(
             files=tuple(data["files"]),
@@ -96,7 +96,7 @@ class TensorRecord:
         )
 
 
-OptimizerRecords = dict[str, dict[str, TensorRecord]]
+OptimizerEntries = dict[str, dict[str, TensorEntry]]
 """Parameter name -> optimizer state key (``exp_avg``, ``momentum_buffer``, ``step``...) -> record."""
 
 
@@ -108,9 +108,9 @@ class CheckpointMetadata:
     """``data_parallel_size``, ``pipeline_parallel_size``, ``tensor_parallel_size`` of the saver."""
     layer_names: list[str]
     balance: list[int]
-    model: dict[str, TensorRecord] = field(default_factory=dict)
+    model: dict[str, TensorEntry] = field(default_factory=dict)
     """State-dict key -> record, in the module's state-dict order."""
-    optimizers: list[OptimizerRecords] = field(default_factory=list)
+    optimizers: list[OptimizerEntries] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -148,10 +148,10 @@ class CheckpointMetadata:
                 layout=layout,
                 layer_names=list(data["layer_names"]),
                 balance=[int(b) for b in data["balance"]],
-                model={key: TensorRecord.from_json(r) for key, r in data["model"].items()},
+                model={key: TensorEntry.from_json(r) for key, r in data["model"].items()},
                 optimizers=[
                     {
-                        name: {k: TensorRecord.from_json(r) for k, r in entries.items()}
+                        name: {k: TensorEntry.from_json(r) for k, r in entries.items()}
                         for name, entries in opt.items()
                     }
                     for opt in data["optimizers"]
@@ -191,6 +191,6 @@ class CheckpointMetadata:
         return cls.from_json(data, path)
 
 
-def is_sharded_checkpoint(path: str | Path) -> bool:
+def is_checkpoint_directory(path: str | Path) -> bool:
     """Whether ``path`` is a directory holding a sharded checkpoint's metadata file."""
     return (Path(path) / METADATA_FILE).is_file()

@@ -1,6 +1,6 @@
 """Read values out of a sharded checkpoint, whole, whatever layout wrote it.
 
-:class:`ShardedCheckpoint` returns each value as the full (unsharded) tensor: the shards listed by
+:class:`CheckpointDirectory` returns each value as the full (unsharded) tensor: the shards listed by
 its record, concatenated along the saved ``tp_dim``. Callers then cut the slice their own layout
 needs. Shard files are opened once each with ``mmap=True``, so a rank that needs a few of a file's
 tensors reads those pages, not the file, and always with ``weights_only=True``: a shard file holds
@@ -19,14 +19,14 @@ from lightning_pipe.checkpoint.metadata import (
     METADATA_FILE,
     CheckpointError,
     CheckpointMetadata,
-    TensorRecord,
-    shard_file_name,
+    TensorEntry,
+    part_file_name,
 )
 
 _SHOWN = 8
 
 
-class ShardedCheckpoint:
+class CheckpointDirectory:
     """A sharded checkpoint directory, opened for reading."""
 
     def __init__(self, path: str | Path) -> None:
@@ -59,7 +59,7 @@ class ShardedCheckpoint:
                 ) from err
         return self._files[name]
 
-    def _read(self, record: TensorRecord, where: tuple[str, ...], what: str) -> Any:
+    def _read(self, record: TensorEntry, where: tuple[str, ...], what: str) -> Any:
         if not record.files:
             raise CheckpointError(
                 f"The metadata of {self.path} names no shard file for {what}; the checkpoint is damaged. "
@@ -100,7 +100,7 @@ class ShardedCheckpoint:
         """
         layout = self.metadata.layout
         expected = [
-            shard_file_name(p, t)
+            part_file_name(p, t)
             for p in range(layout["pipeline_parallel_size"])
             for t in range(layout["tensor_parallel_size"])
         ]

@@ -29,7 +29,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from lightning_pipe.checkpoint.metadata import METADATA_FILE, CheckpointError, is_sharded_checkpoint
+from lightning_pipe.checkpoint.metadata import METADATA_FILE, CheckpointError, is_checkpoint_directory
 
 
 def remove_path(path: Path) -> None:
@@ -54,7 +54,7 @@ def recover_leftover(path: Path) -> Path | None:
     if path.is_symlink() or path.exists():
         return None
     for leftover in (path.parent / f".{path.name}.tmp", path.parent / f".{path.name}.old"):
-        if leftover.is_dir() and not leftover.is_symlink() and is_sharded_checkpoint(leftover):
+        if leftover.is_dir() and not leftover.is_symlink() and is_checkpoint_directory(leftover):
             leftover.rename(path)
             warnings.warn(
                 f"{path} was missing: a save that crashed between its renames left the complete "
@@ -69,7 +69,7 @@ def check_replaceable(path: Path) -> None:
     """Raise unless a checkpoint save may put its result at ``path``."""
     if path.is_symlink() or not path.exists() or not path.is_dir():
         return
-    if is_sharded_checkpoint(path) or not any(path.iterdir()):
+    if is_checkpoint_directory(path) or not any(path.iterdir()):
         return
     raise CheckpointError(
         f"Cannot save a checkpoint to {path}: it is a directory that is not a lightning_pipe checkpoint "

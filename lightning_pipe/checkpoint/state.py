@@ -21,38 +21,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.checkpoint.metadata import CheckpointError, TensorRecord
+from lightning_pipe.checkpoint.metadata import CheckpointError, TensorEntry
 from lightning_pipe.checkpoint.optimizer_view import local_groups, whole_groups, whole_model_names
-from lightning_pipe.checkpoint.reader import ShardedCheckpoint
-from lightning_pipe.pipeline.plan import PipelinePlan
+from lightning_pipe.checkpoint.reader import CheckpointDirectory
+from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 
 _SHOWN = 8  # names listed in an error before "and N more"
 
 
 Stages = int | Collection[int]
-"""The stage indices a rank holds (one, or several), as :meth:`PipelinePlan.stages_of_rank` gives them."""
+"""The stage indices a rank holds (one, or several), as :meth:`PipelinePartition.stages_of_rank`
+gives them."""
 
 
 def _stage_set(stages: Stages) -> frozenset[int]:
     return frozenset((stages,)) if isinstance(stages, int) else frozenset(stages)
 
 
-def holds_key(plan: PipelinePlan, key: str, stages: Stages) -> bool:
+def holds_key(partition: PipelinePartition, key: str, stages: Stages) -> bool:
     """Whether a rank holding ``stages`` uses the state-dict entry ``key``: its owner's stage, or
     every stage for a key outside the layers."""
-    stage = plan.stage_of_key(key)
+    stage = partition.stage_of_key(key)
     return stage is None or stage in _stage_set(stages)
 
 
-def writes_key(plan: PipelinePlan, key: str, stages: Stages) -> bool:
+def writes_key(partition: PipelinePartition, key: str, stages: Stages) -> bool:
     """Whether a rank holding ``stages`` saves ``key``: its owner, or stage 0's for keys outside layers.
 
     An alias of a layer's tensor (``self.head = self.layers[-1]``) is owned by that layer's stage
-    (:attr:`PipelinePlan.aliases`): only it trains the tensor, so stage 0's copy would be stale,
+    (:attr:`PipelinePartition.aliases`): only it trains the tensor, so stage 0's copy would be stale,
     and loading it would overwrite the trained one.
     """
-    stage, held = plan.stage_of_key(key), _stage_set(stages)
+    stage, held = partition.stage_of_key(key), _stage_set(stages)
     return stage in held if stage is not None else 0 in held
 
 
@@ -65,7 +66,7 @@ def full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def shard_of(value: Any, param: torch.Tensor | None, tp: int, tp_rank: int) -> Any:
+def slice_for(value: Any, param: torch.Tensor | None, tp: int, tp_rank: int) -> Any:
     """This tensor rank's copy of a saved full ``value`` of (or shaped like) ``param``.
 
     Always a fresh tensor: values read from a memory-mapped shard file must not stay backed by it.
@@ -81,16 +82,16 @@ def shard_of(value: Any, param: torch.Tensor | None, tp: int, tp_rank: int) -> A
 
 def _record(
     value: Any, param: torch.Tensor | None, tp: int, tp_rank: int, file: str
-) -> tuple[TensorRecord, int]:
+) -> tuple[TensorEntry, int]:
     if not isinstance(value, torch.Tensor):
-        return TensorRecord(files=(file,)), 0
+        return TensorEntry(files=(file,)), 0
     dim = tensor_parallel_dim(param) if param is not None else None
     sharded = dim is not None and param is not None and value.shape == param.shape
     shape = list(value.shape)
     if sharded:
         shape[dim] *= tp  # type: ignore[index]
     return (
-        TensorRecord(files=(file,), shape=tuple(shape), dtype=str(value.dtype).removeprefix("torch."),
+        TensorEntry(files=(file,), shape=tuple(shape), dtype=str(value.dtype).removeprefix("torch."),
                      tp_dim=dim if sharded else None),
         tp_rank if sharded else 0,
     )  # fmt: skip
@@ -105,11 +106,13 @@ def _is_sharded(value: Any, param: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- saving
-def model_shard(module: nn.Module, plan: PipelinePlan, stages: Stages, tp_rank: int) -> dict[str, Any]:
+def model_part(
+    module: nn.Module, partition: PipelinePartition, stages: Stages, tp_rank: int
+) -> dict[str, Any]:
     """The model state this rank saves: its stage's keys, split ones always, replicated on tp 0."""
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        if not writes_key(plan, key, stages):
+        if not writes_key(partition, key, stages):
             continue
         if tp_rank != 0 and not (isinstance(value, torch.Tensor) and tensor_parallel_dim(value) is not None):
             continue
@@ -117,9 +120,9 @@ def model_shard(module: nn.Module, plan: PipelinePlan, stages: Stages, tp_rank: 
     return out
 
 
-def model_records(
+def model_entries(
     values: Mapping[str, Any], module: nn.Module, tp: int, tp_rank: int, file: str
-) -> dict[str, tuple[TensorRecord, int]]:
+) -> dict[str, tuple[TensorEntry, int]]:
     params = module.state_dict(keep_vars=True)
     return {key: _record(value, params.get(key), tp, tp_rank, file) for key, value in values.items()}
 
@@ -138,8 +141,12 @@ def parameter_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list
     return [names[id(p)] for p in params]
 
 
-def optimizer_shard(
-    optimizer: torch.optim.Optimizer, module: nn.Module, plan: PipelinePlan, stages: Stages, tp_rank: int
+def optimizer_part(
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    partition: PipelinePartition,
+    stages: Stages,
+    tp_rank: int,
 ) -> dict[str, Any]:
     """This rank's part of the optimizer state, keyed by parameter name, with the param groups."""
     saved = optimizer.state_dict()
@@ -148,7 +155,7 @@ def optimizer_shard(
     state: dict[str, dict[str, Any]] = {}
     for index, entry in saved["state"].items():
         name, param = names[index], params[index]
-        if not writes_key(plan, name, stages):
+        if not writes_key(partition, name, stages):
             continue
         check_cuttable(entry, param, name)
         kept = {k: v for k, v in entry.items() if tp_rank == 0 or _is_sharded(v, param)}
@@ -189,9 +196,9 @@ def check_optimizer_cuttable(optimizer: torch.optim.Optimizer, module: nn.Module
             check_cuttable(optimizer.state[param], param, names.get(id(param), f"number {position}"))
 
 
-def optimizer_records(
+def optimizer_entries(
     state: Mapping[str, Mapping[str, Any]], module: nn.Module, tp: int, tp_rank: int, file: str
-) -> dict[str, dict[str, tuple[TensorRecord, int]]]:
+) -> dict[str, dict[str, tuple[TensorEntry, int]]]:
     params = dict(module.named_parameters())
     return {
         name: {k: _record(v, params[name], tp, tp_rank, file) for k, v in entry.items()}
@@ -249,10 +256,15 @@ def check_shapes(
         )
 
 
-def load_model_shard(
-    reader: ShardedCheckpoint, module: nn.Module, plan: PipelinePlan, stages: Stages, tp: int, tp_rank: int,
+def load_model_part(
+    reader: CheckpointDirectory,
+    module: nn.Module,
+    partition: PipelinePartition,
+    stages: Stages,
+    tp: int,
+    tp_rank: int,
     strict: bool,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The state-dict entries a rank holding ``stages`` uses, read from ``reader`` and cut for ``tp_rank``."""
     current = module.state_dict(keep_vars=True)
     saved = reader.metadata.model
@@ -260,16 +272,16 @@ def load_model_shard(
         check_keys(saved, current, f"The checkpoint {reader.path}")
     check_shapes({k: r.shape for k, r in saved.items()}, current, tp, f"The checkpoint {reader.path}")
     return {
-        key: shard_of(
+        key: slice_for(
             reader.model_value(key), value if isinstance(value, torch.Tensor) else None, tp, tp_rank
         )
         for key, value in current.items()
-        if key in saved and holds_key(plan, key, stages)
+        if key in saved and holds_key(partition, key, stages)
     }
 
 
-def load_optimizer_shard(
-    reader: ShardedCheckpoint,
+def load_optimizer_part(
+    reader: CheckpointDirectory,
     index: int,
     saved: Mapping[str, Any],
     optimizer: torch.optim.Optimizer,
@@ -328,5 +340,5 @@ def slice_optimizer_state(
                         f"neither the parameter ({list(full_shape(param, tp))}) nor its shard "
                         f"({list(param.shape)}): the checkpoint belongs to another model."
                     )
-            out[i][k] = shard_of(v, param, tp, tp_rank)
+            out[i][k] = slice_for(v, param, tp, tp_rank)
     return out

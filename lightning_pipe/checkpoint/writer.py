@@ -38,8 +38,8 @@ from lightning_pipe.checkpoint.metadata import (
     LIGHTNING_STATE_FILE,
     CheckpointError,
     CheckpointMetadata,
-    OptimizerRecords,
-    TensorRecord,
+    OptimizerEntries,
+    TensorEntry,
 )
 from lightning_pipe.checkpoint.replace import (
     check_replaceable,
@@ -54,7 +54,7 @@ _CHECKING, _CREATING = "checking the checkpoint path", "creating the temporary d
 
 
 @dataclass
-class RankShard:
+class PartFile:
     """What one writing rank saves: its file's payload and where each value of it belongs.
 
     ``parts`` holds, for each record, this rank's position among the record's files (its tensor
@@ -64,8 +64,8 @@ class RankShard:
 
     file_name: str
     payload: dict[str, Any]
-    model: dict[str, tuple[TensorRecord, int]] = field(default_factory=dict)
-    optimizers: list[dict[str, dict[str, tuple[TensorRecord, int]]]] = field(default_factory=list)
+    model: dict[str, tuple[TensorEntry, int]] = field(default_factory=dict)
+    optimizers: list[dict[str, dict[str, tuple[TensorEntry, int]]]] = field(default_factory=list)
 
 
 def _raise_if_failed(outcomes: list[tuple[str | None, Any]], path: Path, what: str) -> None:
@@ -78,10 +78,10 @@ def _raise_if_failed(outcomes: list[tuple[str | None, Any]], path: Path, what: s
 
 
 def _merge(
-    parts: list[dict[str, tuple[TensorRecord, int]]], order: list[str] | None = None
-) -> dict[str, TensorRecord]:
+    parts: list[dict[str, tuple[TensorEntry, int]]], order: list[str] | None = None
+) -> dict[str, TensorEntry]:
     """One record per key from every rank's partial records: the files sorted by part."""
-    found: dict[str, list[tuple[int, TensorRecord]]] = {}
+    found: dict[str, list[tuple[int, TensorEntry]]] = {}
     for records in parts:
         for key, (record, part) in records.items():
             found.setdefault(key, []).append((part, record))
@@ -91,7 +91,7 @@ def _merge(
     for key in keys:
         pieces = sorted(found[key], key=lambda item: item[0])
         first = pieces[0][1]
-        merged[key] = TensorRecord(
+        merged[key] = TensorEntry(
             files=tuple(f for _, r in pieces for f in r.files),
             shape=first.shape,
             dtype=first.dtype,
@@ -100,9 +100,9 @@ def _merge(
     return merged
 
 
-def write_sharded_checkpoint(
+def write_checkpoint_directory(
     path: str | Path,
-    shard: RankShard | None,
+    shard: PartFile | None,
     lightning_state: dict[str, Any] | None,
     metadata: CheckpointMetadata | None,
     key_order: list[str] | None = None,
@@ -175,11 +175,11 @@ def write_sharded_checkpoint(
     _raise_if_failed(exchange(error, None, group), path, "committing the checkpoint")
 
 
-def _merge_optimizer(parts: list[dict[str, dict[str, tuple[TensorRecord, int]]]]) -> OptimizerRecords:
+def _merge_optimizer(parts: list[dict[str, dict[str, tuple[TensorEntry, int]]]]) -> OptimizerEntries:
     flat = [
         {f"{name}\0{k}": v for name, entries in part.items() for k, v in entries.items()} for part in parts
     ]
-    merged: OptimizerRecords = {}
+    merged: OptimizerEntries = {}
     for key, record in _merge(flat).items():
         name, state_key = key.split("\0")
         merged.setdefault(name, {})[state_key] = record

@@ -9,7 +9,8 @@ pp=4, pp=2 x tp=2 and dp=2 x pp=2 start from bit-identical weights, and tensor a
 peers agree without a byte of communication. The generator is the CPU's whatever the device: the
 same weights on a laptop and on a GPU node.
 
-A tensor-parallel module built from a meta module (:func:`record_source`) initialises that full
+A tensor-parallel module cut from a meta module (:mod:`lightning_pipe.tensor_parallel.sources`)
+initialises that full
 module on the CPU and keeps only its slice: the full layer exists once, on the host, for as long as
 one module's initialisation takes, and the device only ever allocates the slice (Megatron's
 ``use_cpu_initialization`` path does the same, so that a slice equals the same slice of the full
@@ -34,8 +35,8 @@ import torch
 from torch import nn
 
 from lightning_pipe.construction.pretrained import WeightFiles
+from lightning_pipe.tensor_parallel.sources import source_of
 
-_SOURCE = "_lightning_pipe_source"
 _SHOWN = 8
 
 InitFn = Callable[[nn.Module], None]
@@ -44,12 +45,6 @@ InitFn = Callable[[nn.Module], None]
 
 class MaterializeError(RuntimeError):
     """Some tensors of a meta-built model got no initial value."""
-
-
-def record_source(built: nn.Module, full: nn.Module, build: Callable[[nn.Module], nn.Module]) -> None:
-    """Remember that ``built`` is ``build(full)`` (a tensor-parallel slice of ``full``), so that
-    materialising ``built`` initialises ``full`` and slices it the same way."""
-    built.__dict__[_SOURCE] = (full, build)
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -147,7 +142,7 @@ class _Values:
         # either name (Hugging Face keeps only the embedding's).
         self.keys: dict[int, list[str]] = {}
         for name, module in model.named_modules(remove_duplicate=False):
-            source = module.__dict__.get(_SOURCE)
+            source = source_of(module)
             for holder in (source[0], module) if source is not None else (module,):
                 for attr, t, _ in _direct(holder):
                     if t.is_meta:
@@ -199,7 +194,7 @@ class _Values:
     def _of_module(self, module: nn.Module, name: str) -> dict[str, torch.Tensor]:
         if id(module) in self._memo:
             return self._memo[id(module)]
-        source = module.__dict__.get(_SOURCE)
+        source = source_of(module)
         if source is None or not any(t.is_meta for _, t, _ in _direct(source[0])):
             values = self._loaded_or_initialised(module, name)
         else:
@@ -282,7 +277,7 @@ def materialize(
     # slice now: its state-dict key then saves and loads this rank's current values.
     cut: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        source = module.__dict__.get(_SOURCE)
+        source = source_of(module)
         if source is None:
             continue
         for attr, full, _ in _direct(source[0]):

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from lightning_pipe.checkpoint.metadata import CheckpointError, is_sharded_checkpoint
-from lightning_pipe.checkpoint.reader import ShardedCheckpoint
+from lightning_pipe.checkpoint.metadata import CheckpointError, is_checkpoint_directory
+from lightning_pipe.checkpoint.reader import CheckpointDirectory
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -65,11 +65,11 @@ class WeightFiles:
         self._files: dict[str, Any] = {}  # safetensors file name -> open handle
         self._where: dict[str, str] = {}  # file key -> safetensors file name
         self._state: dict[str, Any] | None = None
-        self._sharded: ShardedCheckpoint | None = None
+        self._sharded: CheckpointDirectory | None = None
         if not self.path.exists():
             raise FileNotFoundError(f"The pretrained weights {self.path} do not exist.")
-        if self.path.is_dir() and is_sharded_checkpoint(self.path):
-            self._sharded = ShardedCheckpoint(self.path)
+        if self.path.is_dir() and is_checkpoint_directory(self.path):
+            self._sharded = CheckpointDirectory(self.path)
             self._keys = set(self._sharded.metadata.model)
         elif self.path.is_dir() and (self.path / _INDEX).is_file():
             self._read_index(self.path / _INDEX)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,8 +39,31 @@ from torch import nn
 
 from lightning_pipe.collectives import reduce_scatter_flat
 
-if TYPE_CHECKING:  # the sharded optimizer imports this module
-    from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer
+
+@dataclass(frozen=True)
+class BucketView:
+    """One gradient bucket as a ZeRO-1 optimizer sees it."""
+
+    params: tuple[tuple[nn.Parameter, int], ...]
+    """Its parameters and where each starts in the bucket."""
+    buffer: torch.Tensor
+    """The flat gradient buffer (the parameters' ``.grad`` are views into it)."""
+    shard: torch.Tensor
+    """This replica's slice of the buffer (a view): the averaged gradient after ``finish``."""
+    shard_range: range
+    """The elements of the buffer the shard covers."""
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The buckets of a sharding :class:`GradientReducer`, fixed once it is built: what
+    :class:`~.sharded_optimizer.ShardedOptimizer` steps and gathers."""
+
+    buckets: tuple[BucketView, ...]
+    group: dist.ProcessGroup
+    """The data-parallel group the buckets are reduced and gathered over."""
+    size: int
+    """Replicas in the group."""
 
 
 @dataclass
@@ -69,8 +91,6 @@ class GradientReducer:
     late: Sequence[nn.Parameter] = ()
     shards: list[torch.Tensor] = field(default_factory=list, init=False)
     """With ``shard``: this rank's averaged slice of each bucket (after :meth:`finish`)."""
-    sharded_optimizer: ShardedOptimizer | None = field(default=None, init=False)
-    """The one :class:`~.sharded_optimizer.ShardedOptimizer` stepping these buckets' slices."""
     used: dict[int, bool] = field(default_factory=dict, init=False)
     """After :meth:`finish`: by ``id()``, whether any replica's backward reached the parameter."""
     _buckets: list[_Bucket] = field(default_factory=list, init=False)
@@ -131,18 +151,22 @@ class GradientReducer:
             width = numel // self.size
             self.shards.append(buffer[self.rank * width : (self.rank + 1) * width])
 
-    def shard_range(self, bucket: int) -> range:
-        """The elements of bucket ``bucket`` whose average this rank receives (``shard``)."""
-        width = self.shards[bucket].numel()
-        return range(self.rank * width, (self.rank + 1) * width)
-
-    def buffer(self, bucket: int) -> torch.Tensor:
-        """Bucket ``bucket``'s flat gradient buffer (the parameters' ``.grad`` are views into it)."""
-        return self._buckets[bucket].buffer
-
-    def layout(self) -> list[list[tuple[nn.Parameter, int]]]:
-        """Per bucket, its parameters and where each starts in the bucket."""
-        return [list(zip(b.params, b.offsets, strict=True)) for b in self._buckets]
+    def layout(self) -> BucketLayout:
+        """The buckets as a ZeRO-1 optimizer sees them (with ``shard``: fixed once built)."""
+        if not self.shard:
+            raise ValueError("A bucket layout with shards needs a GradientReducer built with shard=True.")
+        buckets = tuple(
+            BucketView(
+                tuple(zip(b.params, b.offsets, strict=True)),
+                b.buffer,
+                self.shards[b.index],
+                range(
+                    self.rank * self.shards[b.index].numel(), (self.rank + 1) * self.shards[b.index].numel()
+                ),
+            )
+            for b in self._buckets
+        )
+        return BucketLayout(buckets, self.group, self.size)
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -171,7 +195,7 @@ class GradientReducer:
         for bucket in self._buckets:
             bucket.pending, bucket.work, bucket.launched = len(bucket.params), None, False
 
-    def _hook(self, position: int):  # type: ignore[no-untyped-def]
+    def _hook(self, position: int):
         def on_grad_ready(param: nn.Parameter) -> None:
             self._used[position] = 1
             index, slot = self._where[id(param)]

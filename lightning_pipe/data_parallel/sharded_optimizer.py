@@ -29,7 +29,7 @@ sharding, and one device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.collectives import all_gather_flat
-from lightning_pipe.data_parallel.reducer import GradientReducer
+from lightning_pipe.data_parallel.reducer import BucketLayout
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -95,34 +95,23 @@ class ShardedOptimizer:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        reducer: GradientReducer,
+        layout: BucketLayout,
         naming: Callable[[str], AbstractContextManager[None]] = lambda what: nullcontext(),
     ) -> None:
         check_shardable(optimizer)
         self._naming = naming
-        if not reducer.shard:
-            raise ValueError("ShardedOptimizer needs a GradientReducer built with shard=True.")
         if optimizer.state:
             raise ShardingError(
                 f"{type(optimizer).__name__} already holds state for {len(optimizer.state)} parameters; "
                 "shard it before its first step (a checkpoint's state is loaded after sharding, cut to "
                 "this rank's slices)."
             )
-        if reducer.sharded_optimizer is not None:
-            # Its step gathers the parameters into the buckets' buffers, which hold the other
-            # optimizer's gradient slices until that one steps too.
-            raise ShardingError(
-                "shard_optimizer_state=True supports one optimizer per model, and this model already has "
-                f"one ({type(reducer.sharded_optimizer.optimizer).__name__}); put every parameter in one "
-                "optimizer (parameter groups can hold different options), or shard_optimizer_state=False."
-            )
-        reducer.sharded_optimizer = self
         self.optimizer: torch.optim.Optimizer = optimizer
-        self.reducer = reducer
+        self.layout = layout
         self.pieces: dict[int, list[_Piece]] = {}
-        for b, bucket in enumerate(reducer.layout()):
-            own = reducer.shard_range(b)
-            for param, offset in bucket:
+        for b, bucket in enumerate(layout.buckets):
+            own = bucket.shard_range
+            for param, offset in bucket.params:
                 start, stop = max(own.start, offset), min(own.stop, offset + param.numel())
                 if start >= stop:
                     continue
@@ -145,14 +134,13 @@ class ShardedOptimizer:
         self._handle = optimizer.register_step_post_hook(lambda *_: self.gather_parameters())
 
     # ------------------------------------------------------------------ one step
-    def attach_gradients(self) -> None:
+    def attach_gradients(self, used: Mapping[int, bool]) -> None:
         """After the reducer's ``finish``: each piece's gradient is its slice of the averaged
         bucket; the full parameters' ``.grad`` (this replica's own, unaveraged) are dropped, so that
         nothing reads them by mistake."""
-        used = self.reducer.used
         for pieces in self.pieces.values():
             for piece in pieces:
-                shard = self.reducer.shards[piece.bucket]
+                shard = self.layout.buckets[piece.bucket].shard
                 piece.tensor.grad = shard[piece.in_shard] if used.get(id(piece.param), True) else None
         for group in self.logical_groups:
             for param in group:
@@ -167,20 +155,19 @@ class ShardedOptimizer:
             self._gather_parameters()
 
     def _gather_parameters(self) -> None:
-        reducer = self.reducer
+        buckets = self.layout.buckets
         for pieces in self.pieces.values():
             for piece in pieces:
-                reducer.shards[piece.bucket][piece.in_shard].copy_(piece.tensor)
+                buckets[piece.bucket].shard[piece.in_shard].copy_(piece.tensor)
         works = [
-            all_gather_flat(reducer.buffer(b), reducer.shards[b], group=reducer.group, async_op=True)
-            for b in range(len(reducer.shards))
+            all_gather_flat(bucket.buffer, bucket.shard, group=self.layout.group, async_op=True)
+            for bucket in buckets
         ]
-        for b, (bucket, work) in enumerate(zip(reducer.layout(), works, strict=True)):
+        for bucket, work in zip(buckets, works, strict=True):
             work.wait()
-            full = reducer.buffer(b)
-            for param, offset in bucket:
-                param.detach().view(-1).copy_(full[offset : offset + param.numel()])
-            full.zero_()  # the gradient buffer again, for the next accumulation window
+            for param, offset in bucket.params:
+                param.detach().view(-1).copy_(bucket.buffer[offset : offset + param.numel()])
+            bucket.buffer.zero_()  # the gradient buffer again, for the next accumulation window
 
     def state_elements(self) -> int:
         """Elements of optimizer state this rank holds (tensors only)."""
@@ -207,8 +194,8 @@ class ShardedOptimizer:
                 mine[(position[id(piece.param)], piece.start)] = {
                     k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in held.items()
                 }
-        everyone: list[dict[tuple[int, int], dict[str, Any]]] = [{} for _ in range(self.reducer.size)]
-        dist.all_gather_object(everyone, mine, group=self.reducer.group)
+        everyone: list[dict[tuple[int, int], dict[str, Any]]] = [{} for _ in range(self.layout.size)]
+        dist.all_gather_object(everyone, mine, group=self.layout.group)
         params = [p for group in self.logical_groups for p in group]
         state: dict[int, dict[str, Any]] = {}
         for part in everyone:

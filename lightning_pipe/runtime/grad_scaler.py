@@ -6,7 +6,7 @@ pipeline checks only its own stage's gradients, so with torch's ``GradScaler`` o
 while another steps, and the scales would drift apart: the model would silently stop being one
 model. Here the check is one all-reduce over the model's ranks (pipeline and tensor groups)
 right after unscaling, before any rank steps, so that all ranks skip or step together and keep
-one scale (issue 17, item 6). torch's ``ShardedGradScaler`` does the same for FSDP, with one
+one scale. torch's ``ShardedGradScaler`` does the same for FSDP, with one
 all-reduce per device that holds gradients; this one always does exactly one, so a rank whose
 optimizer holds no gradient still joins it.
 """

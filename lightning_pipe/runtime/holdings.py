@@ -2,7 +2,7 @@
 
 No rank sees the whole model with values (other stages' parameters are meta tensors, tensor-parallel
 layers are slices), so each stage describes its own parameters after sharding and the pipeline
-all-gathers the descriptions; the layout log and the model summary read them (issue 16, item 4).
+all-gathers the descriptions; the layout log and the model summary read them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.pipeline.plan import PipelinePlan
+from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 
 
@@ -33,7 +33,7 @@ class Holdings:
 
 def gather_holdings(
     module: nn.Module,
-    plan: PipelinePlan,
+    partition: PipelinePartition,
     stages: Collection[int],
     tensor_parallel_size: int,
     group: dist.ProcessGroup | None,
@@ -47,7 +47,7 @@ def gather_holdings(
         seen: set[int] = set()
         whole = held = 0
         for path, param in module.named_parameters(remove_duplicate=False):
-            if plan.stage_of_key(path) != stage_index:
+            if partition.stage_of_key(path) != stage_index:
                 continue
             local = param.numel()
             full = local * tensor_parallel_size if tensor_parallel_dim(param) is not None else local

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from lightning_pipe.options import check_count, check_flag, check_positive
-from lightning_pipe.pipeline.executor import CheckpointMode
-from lightning_pipe.pipeline.partition import PartitionMethod, check_partition
-from lightning_pipe.pipeline.schedules import ScheduleKind
+from lightning_pipe.arguments import check_count, check_flag, check_positive
+from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.partition.balance import PartitionMethod, check_partition
+from lightning_pipe.schedule.builders import ScheduleKind
 
 
 class ConfigurationError(ValueError):
@@ -34,9 +34,8 @@ class RuntimeOptions:
     virtual_stages: int = 1
     """Stages per pipeline rank (``schedule="interleaved_1f1b"``; loop placement: rank ``r`` holds
     stages ``r, r + p, ...``)."""
-    recomputation: CheckpointMode | str = CheckpointMode.NEVER
-    """Activation recomputation (the strategy's ``checkpoint=`` option): ``"never"``,
-    ``"except_last"`` or ``"always"``."""
+    recompute: RecomputeMode | str = RecomputeMode.NEVER
+    """Activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``."""
     tensor_parallel_plan: Mapping[str, str] | None = None
     """Module-name pattern -> style; needed when the tensor axis has more than one rank."""
     shard_optimizer_state: bool = False
@@ -50,10 +49,12 @@ class RuntimeOptions:
     """Raise at the first stage output or loss holding NaN/Inf, naming where."""
     deferred_batch_norm: bool = True
     """BatchNorm running statistics from the whole batch (torchgpipe's deferred batch norm)."""
+    check_forward: bool = True
+    """On the first batch, check that the module's ``forward`` is its pipeline layers chained."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule))
-        object.__setattr__(self, "recomputation", CheckpointMode.parse(self.recomputation))
+        object.__setattr__(self, "recompute", RecomputeMode.parse(self.recompute))
         if self.num_microbatches is not None:
             check_count("num_microbatches", self.num_microbatches, also="None (2 x pipeline_parallel_size)")
         check_partition(self.partition)
@@ -66,7 +67,7 @@ class RuntimeOptions:
                 f"schedule={self.schedule_kind.value!r}."
             )
         check_positive("bucket_cap_mb", self.bucket_cap_mb, "megabytes per gradient bucket")
-        for name in ("shard_optimizer_state", "check_finite", "deferred_batch_norm"):
+        for name in ("shard_optimizer_state", "check_finite", "deferred_batch_norm", "check_forward"):
             check_flag(name, getattr(self, name))
         if self.timeout is not None and (
             not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0
@@ -79,6 +80,6 @@ class RuntimeOptions:
         return ScheduleKind.parse(self.schedule)
 
     @property
-    def recomputation_mode(self) -> CheckpointMode:
-        """``recomputation`` as the enum."""
-        return CheckpointMode.parse(self.recomputation)
+    def recompute_mode(self) -> RecomputeMode:
+        """``recompute`` as the enum."""
+        return RecomputeMode.parse(self.recompute)

@@ -1,5 +1,5 @@
 """Entry point of ``python -m lightning_pipe.schedule`` (see the package docstring)."""
 
-from lightning_pipe.schedule import main
+from lightning_pipe.schedule.cli import main
 
 raise SystemExit(main())

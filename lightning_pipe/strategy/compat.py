@@ -13,18 +13,62 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.model_summary import ModelSummary
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torchmetrics import Metric
 
 from lightning_pipe.strategy.summary import SummaryFactory
+
+
+# ------------------------------------------------------------------ processes (Lightning 2.4-2.6)
+def launcher(strategy: Any, start_method: str) -> Any:
+    """The launcher ``DDPStrategy`` would configure (``_SubprocessScriptLauncher`` re-runs the
+    script, ``_MultiProcessingLauncher`` spawns or forks): this strategy derives from
+    ``ParallelStrategy``, which has none, so it builds the same ones."""
+    if start_method == "popen":
+        return _SubprocessScriptLauncher(
+            strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+        )
+    return _MultiProcessingLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
+
+
+def init_process_group(
+    cluster_environment: Any, backend: str, timeout: timedelta | None, device: torch.device
+) -> None:
+    """``torch.distributed.init_process_group`` from the cluster environment, as Lightning's
+    strategies do it (``lightning.fabric.utilities.distributed._init_dist_connection``; a no-op
+    when a group exists); NCCL is bound to this rank's device."""
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def default_backend(device: torch.device) -> str:
+    """Lightning's default backend for a device: NCCL on CUDA, gloo otherwise."""
+    return str(_get_default_process_group_backend_for_device(device))
+
+
+def set_rank_zero(rank: int) -> None:
+    """Tell Lightning's ``rank_zero_*`` helpers this process's global rank (``DDPStrategy``'s
+    ``set_world_ranks`` does it the same way)."""
+    rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ the training step (Lightning 2.4-2.6)
@@ -58,7 +102,7 @@ def sync_ddp(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
     """Lightning's own all-reduce with its ``"mean"``/``"sum"`` names
     (``lightning.fabric.utilities.distributed._sync_ddp_if_available``, 2.0-2.6), as ``DDPStrategy``
     uses it, over a group of our choosing (the data axis)."""
-    return cast(torch.Tensor, _sync_ddp_if_available(tensor, group, reduce_op=reduce_op))
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 
 def optimizers_to_device(optimizers: list[Any], device: torch.device) -> None:

@@ -26,7 +26,7 @@ def forward_returns(module: nn.Module, output: Any, step_name: str) -> Iterator[
         calls += 1
         return output
 
-    module.forward = pipeline_forward  # type: ignore[method-assign]
+    module.forward = pipeline_forward
     try:
         yield
     finally:
@@ -37,15 +37,6 @@ def forward_returns(module: nn.Module, output: Any, step_name: str) -> Iterator[
             "the pipe_tp strategy it must call it exactly once: self(...) returns the pipeline output "
             "of the micro-batch (calling self.layers(...) directly would bypass the pipeline)."
         )
-
-
-def default_pipeline_input(batch: Any) -> Any:
-    """The first element of a tuple/list batch, or the batch itself."""
-    if isinstance(batch, tuple | list):
-        if not batch:
-            raise ValueError("An empty batch has no pipeline input.")
-        return batch[0]
-    return batch
 
 
 def concat_outputs(outputs: list[Any]) -> Any:

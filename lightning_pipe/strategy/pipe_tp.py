@@ -1,70 +1,86 @@
 """``PipeTPStrategy``: the Lightning adapter over the plain-torch engine.
 
 The strategy keeps Lightning's loops, hooks, launchers and cluster environments (it derives from
-``DDPStrategy`` for the process-group plumbing, but never wraps the model in DDP) and replaces
-one thing: a training, validation, test or predict *step* runs a whole pipeline schedule over the
-micro-batches of the batch. Inside the schedule the user's step runs on the last stage, once per
-micro-batch, with ``self(...)`` returning the pipeline output.
+``ParallelStrategy``, as Lightning's own model-parallel strategies do, and never wraps the model)
+and replaces one thing: a training, validation, test or predict *step* is one call of the
+engine's :class:`~lightning_pipe.runtime.ParallelRuntime`, which runs a whole pipeline schedule
+over the micro-batches of the batch. Inside it the user's step runs on the last stage, once per
+micro-batch, with ``self(...)`` returning the pipeline output (:mod:`.steps`).
 
-Lightning's closure would zero the gradients after ``training_step`` and then call backward; the
-executor has already run backward for every micro-batch by then, so the strategy switches the
-closure's zero-grad and backward off (the automatic-optimization loop's ``_skip_backward``) and
-runs the zero-grad hooks itself at the start of each accumulation window. Optimizer steps,
-accumulation, LR schedulers and gradient clipping (by a global norm over all stages) then run
-unchanged.
+Per training step the adapter calls the engine at most three times, plus the optimizer's step:
+``begin_accumulation`` at the start of an accumulation window, ``train_batch``, and, when
+clipping, ``clip_grad_norm_`` (through the precision plugin). Lightning's closure would zero the
+gradients after ``training_step`` and then call backward; the engine has already run backward
+for every micro-batch by then, so the strategy switches the closure's zero-grad and backward off
+(the automatic-optimization loop's ``_skip_backward``) and runs the zero-grad hooks itself at the
+start of each accumulation window. Optimizer steps, accumulation, LR schedulers and gradient
+clipping (by a global norm over all stages) then run unchanged.
+
+The rest is composed, not inherited: checkpoints (:mod:`.checkpoints`), faults and signals
+(:mod:`.faults`), the timeline (:mod:`.recording`), logging (:mod:`.log_capture`), precision
+plugins (:mod:`.precision`), the model summary (:mod:`.summary`), and every touch of Lightning's
+private state in one place (:mod:`.compat`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 from typing_extensions import override
 
+import lightning_pipe.strategy.checkpoints as checkpoints
+from lightning_pipe.arguments import check_count, check_flag
+from lightning_pipe.batches.microbatch import split_microbatches
+from lightning_pipe.batches.uneven import EvenBatches
+from lightning_pipe.checkpoint.replace import remove_path
 from lightning_pipe.construction.meta import meta_tensors_set_aside, parameters_on_meta
 from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.sharded_optimizer import ShardingError
-from lightning_pipe.data_parallel.uneven import EvenBatches
-from lightning_pipe.failures import FailureBoard
-from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
-from lightning_pipe.options import check_count, check_flag
-from lightning_pipe.pipeline.fingerprint import StepIdentity
-from lightning_pipe.pipeline.microbatch import split_microbatches
-from lightning_pipe.pipeline.partition import measures_time
-from lightning_pipe.pipeline.schedules import ScheduleKind
-from lightning_pipe.pipeline.timeline import (
-    TimelineRecorder,
-)
+from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
+from lightning_pipe.partition.balance import measures_time
 from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
+from lightning_pipe.runtime.batch import count_microbatches
 from lightning_pipe.runtime.grad_scaler import AgreedGradScaler
-from lightning_pipe.runtime.prepare import prepared_record
-from lightning_pipe.signals import StopOnSignal
-from lightning_pipe.strategy.agreement import StepAgreement
-from lightning_pipe.strategy.checkpoints import CheckpointHooks
+from lightning_pipe.runtime.prepare import preparation_of
+from lightning_pipe.schedule.builders import ScheduleKind
 from lightning_pipe.strategy.compat import (
+    default_backend,
+    init_process_group,
+    launcher,
     optimizers_to_device,
+    run_hooks,
+    set_rank_zero,
+    should_accumulate,
     skip_closure_backward,
     sync_ddp,
     use_pipeline_summary,
+    weights_only_of_running_call,
 )
 from lightning_pipe.strategy.faults import FaultHandling
 from lightning_pipe.strategy.precision import GlobalNormClipping, PipeTPPrecision, with_global_clipping
-from lightning_pipe.strategy.recording import TimelineHooks
-from lightning_pipe.strategy.steps import PipelineSteps
+from lightning_pipe.strategy.recording import TimelineRecording
+from lightning_pipe.strategy.steps import run_step
 from lightning_pipe.strategy.summary import PipelineModelSummary
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -72,8 +88,8 @@ _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
-class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHooks, FaultHandling):
-    """Pipeline (GPipe / 1F1B) x tensor x data parallelism for Lightning.
+class PipeTPStrategy(ParallelStrategy):
+    """Pipeline x tensor x data parallelism for Lightning (see the module docstring).
 
     Args:
         pipeline_parallel_size: number of pipeline stages. ``"auto"``: what the tensor and data
@@ -97,7 +113,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             layer counts), ``"time"`` (balance forward + backward time, measured at setup on one
             micro-batch of ``example_input_array``, layer by layer; the layout log shows each
             stage's time) or a list of layer counts per stage.
-        checkpoint: activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``.
+        recompute: activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``.
+        checkpoint: the former name of ``recompute`` (deprecated: it warns, naming the new one).
         process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
         timeout: deadline of every collective and point-to-point exchange (default 5 minutes), a
             ``timedelta`` or a number of seconds; ``None``: torch's default (30 minutes):
@@ -126,8 +143,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             :mod:`lightning_pipe.tensor_parallel.plan`); overrides the module's
             ``tensor_parallel_plan()`` hook. Needed when ``tensor_parallel_size > 1``.
         save_distributed_checkpoint: ``True`` (default): a checkpoint is a directory in which every
-            rank of the first replica writes its own stage's and tensor shard's state, keyed by the
-            unsharded module's names, so any layout can load it and
+            rank of the first replica writes its own stage's and tensor slice's state, keyed by the
+            unsliced module's names, so any layout can load it and
             ``python -m lightning_pipe.consolidate`` turns it into one file. ``False``: rank 0
             gathers the whole model and writes one ordinary Lightning checkpoint file.
         deferred_batch_norm: BatchNorm layers update their running statistics once per batch,
@@ -137,8 +154,8 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         pretrained: initial weights for a model built in ``configure_model()`` or under
             ``trainer.init_module(empty_init=True)``, each rank reading only its own stage's
             tensors: a Hugging Face directory (``model.safetensors``, or sharded with
-            ``model.safetensors.index.json``), a ``.safetensors`` file, a ``pipe_tp`` sharded
-            checkpoint or a Lightning checkpoint file. Weights only: no optimizer or loop state
+            ``model.safetensors.index.json``), a ``.safetensors`` file, a ``pipe_tp``
+            checkpoint directory or a Lightning checkpoint file. Weights only: no optimizer or loop state
             (resume with ``ckpt_path``).
         pretrained_prefix: what the module's state-dict keys have before the files' keys (a Hugging
             Face model kept as ``self.llama``: ``"llama."``).
@@ -157,7 +174,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b",
         virtual_stages: int | None = None,
         partition: Literal["parameters", "uniform", "time"] | list[int] = "parameters",
-        checkpoint: Literal["never", "except_last", "always"] = "never",
+        recompute: Literal["never", "except_last", "always"] = "never",
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         check_finite: bool = False,
@@ -172,6 +189,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str = "",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        checkpoint: Literal["never", "except_last", "always"] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -181,8 +199,6 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         # Every option is checked first, each with one sentence naming it, its value and what is
         # allowed, before anything else runs (LightningCLI shows that sentence as the error).
         _check_sizes(pipeline_parallel_size, tensor_parallel_size, data_parallel_size)
-        if num_microbatches is not None:
-            check_count("num_microbatches", num_microbatches, also="None (2 x pipeline_parallel_size)")
         if virtual_stages is not None:
             check_count("virtual_stages", virtual_stages, also="None")
         check_count("timeline_steps", timeline_steps)
@@ -204,47 +220,48 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
                 "tensor_parallel_plan must map module-name patterns to style names (a dict of strings), got "
                 f"{tensor_parallel_plan!r}."
             )
-        # No **kwargs: DDPStrategy forwards those to the DDP wrapper, which this strategy never
-        # builds, and LightningCLI would list them as options.
+        if checkpoint is not None:
+            warnings.warn(
+                f"PipeTPStrategy(checkpoint={checkpoint!r}) is deprecated: the option is now called "
+                f"`recompute` (activation recomputation; 'checkpoint' means saved state only). Use "
+                f"recompute={checkpoint!r}; the old name will be removed in the next minor release.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            recompute = checkpoint
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=_check_timeout(timeout),
-            start_method=start_method,
         )
+        self._timeout = _check_timeout(timeout)
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        self._num_nodes = 1
+        # The requested sizes ("auto" resolved when the processes exist); every engine option
+        # lives once, in the runtime's options (the tensor-parallel plan and the deadline are
+        # filled in at setup).
         self.pipeline_parallel_size = pipeline_parallel_size
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_size = data_parallel_size
-        self.num_microbatches = num_microbatches
         interleaved = ScheduleKind.parse(schedule) is ScheduleKind.INTERLEAVED_1F1B
-        # The runtime's options, checked here, before any process is launched; the tensor-parallel
-        # plan (possibly from the module) and the deadline are filled in at setup.
-        self._options = RuntimeOptions(
+        self.options = RuntimeOptions(
             num_microbatches=num_microbatches,
             schedule=schedule,
             partition=partition,
-            recomputation=checkpoint,
+            recompute=recompute,
             virtual_stages=virtual_stages if virtual_stages is not None else (2 if interleaved else 1),
             bucket_cap_mb=bucket_cap_mb,
             shard_optimizer_state=shard_optimizer_state,
             check_finite=check_finite,
             deferred_batch_norm=deferred_batch_norm,
+            check_forward=check_forward,
         )
-        self.schedule = self._options.schedule_kind
-        self.virtual_stages = self._options.virtual_stages
-        self.partition = partition
-        self.checkpoint = self._options.recomputation_mode
-        self.check_finite = check_finite
-        self.check_forward = check_forward
-        self.bucket_cap_mb = bucket_cap_mb
-        self.shard_optimizer_state = shard_optimizer_state
+        """The engine's options, checked before any process is launched."""
         self.tensor_parallel_plan = tensor_parallel_plan
         self.save_distributed_checkpoint = save_distributed_checkpoint
-        self.deferred_batch_norm = deferred_batch_norm
         if pretrained is not None and not os.path.exists(pretrained):
             raise FileNotFoundError(
                 f"pretrained={str(pretrained)!r} does not exist: pass a Hugging Face model directory, a "
@@ -252,19 +269,35 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             )
         self.pretrained = None if pretrained is None else os.fspath(pretrained)
         self.pretrained_prefix = pretrained_prefix
-        self._forward_checked = False
-        self.timeline = timeline or os.environ.get("LIGHTNING_PIPE_TIMELINE") or None
-        self.timeline_steps = timeline_steps
-        self._recorder: TimelineRecorder | None = None
-        self._first_step: TimelineRecorder | None = None
-        self._timeline_written = False
+        self.timeline = TimelineRecording(
+            timeline or os.environ.get("LIGHTNING_PIPE_TIMELINE") or None, timeline_steps
+        )
+        self.faults = FaultHandling()
         self._mesh: ParallelMesh | None = None
         self._runtime: ParallelRuntime | None = None
-        self._warned_small_batch = False
-        self._signals: StopOnSignal | None = None
-        self._failures: FailureBoard | None = None
 
-    # ------------------------------------------------------------------ layout
+    # ------------------------------------------------------------------ the engine options, read
+    @property
+    def num_microbatches(self) -> int | None:
+        return self.options.num_microbatches
+
+    @property
+    def schedule(self) -> ScheduleKind:
+        return self.options.schedule_kind
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.options.virtual_stages
+
+    @property
+    def partition(self) -> Any:
+        return self.options.partition
+
+    @property
+    def recompute(self) -> RecomputeMode:
+        return self.options.recompute_mode
+
+    # ------------------------------------------------------------------ what this rank is
     @property
     def module(self) -> LightningModule:
         """The LightningModule being trained (it is never wrapped under this strategy)."""
@@ -291,13 +324,13 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         return self.mesh.coordinates.pp_rank
 
     @property
-    def is_first_stage(self) -> bool:
+    def holds_first_stage(self) -> bool:
         if self._runtime is None:  # before setup: stage 0 is on pipeline rank 0 in every placement
             return self.pp_rank == 0
         return self._runtime.holds_first_stage
 
     @property
-    def is_last_stage(self) -> bool:
+    def holds_last_stage(self) -> bool:
         if self._runtime is None:  # the last stage is on the last pipeline rank in every placement
             return self.pp_rank == self.mesh.layout.pipeline_parallel_size - 1
         return self._runtime.holds_last_stage
@@ -313,6 +346,35 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         """The number of data-parallel replicas, each loading its own part of the data."""
         return self.mesh.layout.data_parallel_size
 
+    # ------------------------------------------------------------------ processes
+    @property
+    def is_distributed(self) -> bool:
+        """What Lightning's accelerator connector asks a strategy it does not know: distributed, so
+        the training dataloader gets a ``DistributedSampler`` (over the data axis) as under DDP."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -321,26 +383,13 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         return {"num_replicas": self.mesh.layout.data_parallel_size, "rank": c.dp_rank}
 
     @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Make every rank stop at the same batch (issue 15, item 9): a data-parallel replica with
-        fewer batches would otherwise leave its peers waiting in a step (see
-        :mod:`lightning_pipe.data_parallel.uneven`)."""
-        if self.world_size == 1 or not isinstance(dataloader, Iterable):
-            return dataloader
-        stage = self.module.trainer.state.stage
-        what = f"{stage.dataloader_prefix if stage is not None else ''} batches".strip()
-        others = [r for r in range(self.world_size) if r != self.global_rank]
-        return EvenBatches(
-            dataloader, self.mesh.layout, cast(dist.ProcessGroup, dist.group.WORLD), self.root_device, what,
-            warn=rank_zero_warn, naming=lambda action: self._collective(action, others),
-        )  # fmt: skip
-
-    @override
     def _configure_launcher(self) -> None:
         """Lightning calls this when the Trainer is built, knowing the devices and nodes but before
         any process is launched: a layout that cannot fit them is refused here, once, in the
         launching process, instead of in every launched rank."""
-        super()._configure_launcher()
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = launcher(self, self._start_method)
         world = self.num_nodes * self.num_processes
         try:
             layout = ParallelLayout.resolve(
@@ -360,6 +409,85 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
                 f"{layout.pipeline_parallel_size}{v} on {world} processes): give one layer count per stage."
             )
 
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        """The process group (from Lightning's cluster environment), then this call's fault board,
+        signal watcher and mesh."""
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        set_rank_zero(self.global_rank)
+        self._process_group_backend = self._process_group_backend or default_backend(self.root_device)
+        init_process_group(
+            self.cluster_environment, self._process_group_backend, self._timeout, self.root_device
+        )
+        layout = ParallelLayout.resolve(
+            self.world_size, self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size
+        )
+        self.faults.start(layout, self.global_rank, self._kill_launched_processes)
+        self._mesh = None
+        with self.faults.naming(f"creating the process groups of the {layout} mesh"):
+            self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
+
+    def _kill_launched_processes(self, signum: int) -> None:
+        """Record the signal for the other ranks' errors; the processes Lightning's launcher started
+        from this one (ranks 1.. under ``popen``) go at once: each would otherwise print its own
+        line and wait to lose a peer."""
+        self.faults.report_signal(signum)
+        if self.launcher is not None:
+            self.launcher.kill(9)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make every rank stop at the same batch: a data-parallel replica with fewer batches would
+        otherwise leave its peers waiting in a step (see :mod:`lightning_pipe.batches.uneven`)."""
+        if self.world_size == 1 or not isinstance(dataloader, Iterable):
+            return dataloader
+        stage = self.module.trainer.state.stage
+        what = f"{stage.dataloader_prefix if stage is not None else ''} batches".strip()
+        others = [r for r in range(self.world_size) if r != self.global_rank]
+        return EvenBatches(
+            dataloader, self.mesh.layout, cast(dist.ProcessGroup, dist.group.WORLD), self.root_device, what,
+            warn=rank_zero_warn, naming=lambda action: self.faults.naming(action, others),
+        )  # fmt: skip
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not dist.is_initialized():
+            return
+        with self.faults.naming(f"waiting for every rank at Lightning's barrier {name!r}"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        with self.faults.naming.lost_peers("receiving an object Lightning broadcasts from rank 0"):
+            dist.broadcast_object_list(box, src, group=dist.group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over the data axis by default: ranks of one pipeline hold the same logged values."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        return sync_ddp(tensor, group or self.mesh.group(MeshAxis.DATA), reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = sync_ddp(flag, dist.group.WORLD, "sum")
+        return bool(flag == self.world_size) if all else bool(flag)
+
     # ------------------------------------------------------------------ construction
     @contextmanager
     @override
@@ -378,7 +506,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
     @contextmanager
     @override
     def model_sharded_context(self) -> Iterator[None]:
-        """Around ``configure_model()``: parameters are created on the meta device (issue 16)."""
+        """Around ``configure_model()``: parameters are created on the meta device."""
         with parameters_on_meta("configure_model() under pipe_tp"):
             yield
 
@@ -395,13 +523,13 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         use_pipeline_summary(
             trainer,
             lambda m, depth: PipelineModelSummary(
-                m, runtime.holdings, runtime.plan, depth, self.mesh.layout.pipeline_parallel_size
+                m, runtime.holdings, runtime.partition, depth, self.mesh.layout.pipeline_parallel_size
             ),
         )
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            # The executor runs backward inside training_step; the closure must neither zero the
+            # The engine runs backward inside training_step; the closure must neither zero the
             # gradients afterwards nor run backward again.
             skip_closure_backward(trainer)
         self.setup_precision_plugin()
@@ -410,7 +538,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         self._install_global_clipping(trainer)
 
     def _build_runtime(self, module: LightningModule) -> None:
-        """Build this call's runtime: on the module's first setup it splits, shards and
+        """Build this call's runtime: on the module's first setup it splits, slices and
         materialises the model; later calls reuse that (see :mod:`lightning_pipe.runtime.prepare`)."""
         if self._runtime is not None:
             self._runtime.close()
@@ -422,20 +550,17 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         for sub in module.modules():
             if isinstance(sub, Metric):
                 sub.process_group = self.mesh.group(MeshAxis.DATA)
-        for warning in self._runtime.warnings:
-            rank_zero_warn(warning)
-        self._forward_checked = False
         if self._runtime.first_setup:
-            rank_zero_info(self._runtime.describe(self.num_microbatches))
+            rank_zero_info(self._runtime.describe())
 
     def _new_runtime(self, module: LightningModule) -> ParallelRuntime:
         layout = self.mesh.layout
-        first = prepared_record(module, layout, self.partition, self.virtual_stages) is None
+        first = preparation_of(module, layout, self.partition, self.virtual_stages) is None
         tp_plan = self.tensor_parallel_plan
         if first and tp_plan is None and layout.tensor_parallel_size > 1:
             hook = getattr(module, "tensor_parallel_plan", None)
             tp_plan = hook() if callable(hook) else None
-        options = dataclasses.replace(self._options, tensor_parallel_plan=tp_plan, timeout=self._timeout)
+        options = dataclasses.replace(self.options, tensor_parallel_plan=tp_plan, timeout=self._timeout)
         # Lightning's global seed when one was set (seed_everything); the runtime uses rank 0's.
         env = os.environ.get("PL_GLOBAL_SEED")
         init = getattr(module, "init_module_weights", None)
@@ -444,12 +569,15 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         example = getattr(module, "example_input_array", None)
         if first and measures_time(self.partition) and example is not None:
             # partition="time": one micro-batch of forward's example input, split like a batch.
-            sample = split_microbatches(example, self._microbatches(example))[0]
+            m, _ = count_microbatches(example, self.num_microbatches, layout.pipeline_parallel_size)
+            sample = split_microbatches(example, m)[0]
+        pipeline_input = getattr(module, "pipeline_input", None)
         return ParallelRuntime(
             module, module.configure_pipeline() if first else [],  # type: ignore[operator]
             self.mesh, self.root_device, options,
             seed=int(env) if env is not None else None, init=init if callable(init) else None,
-            weights=weights, naming=self._collective, sample=sample, board=self._failures,
+            weights=weights, sample=sample, board=self.faults.board,
+            pipeline_input=pipeline_input if callable(pipeline_input) else None,
         )  # fmt: skip
 
     @override
@@ -462,21 +590,9 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
         self.model._apply(lambda t: t if id(t) in skip else t.to(device))
 
     @override
-    def teardown(self) -> None:
-        if self._runtime is not None:
-            self._runtime.close()
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-                self._timeline_not_written()
-        module = self.lightning_module
-        # Other stages' tensors have nothing to move (there may be no module after a failed setup).
-        with meta_tensors_set_aside(module) if module is not None else nullcontext():
-            super().teardown()
-
-    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         """``configure_optimizers`` as written (``self.parameters()`` lists every stage's); each
-        optimizer then keeps only this rank's parameters (issue 16), its groups still described in
+        optimizer then keeps only this rank's parameters, its groups still described in
         whole-model terms for checkpoints (:mod:`lightning_pipe.checkpoint.optimizer_view`)."""
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
@@ -506,10 +622,23 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             )
 
     @override
-    def configure_ddp(self) -> None:
-        """No DDP wrapper: data-parallel gradients are averaged by the strategy itself."""
+    def teardown(self) -> None:
+        if self._runtime is not None:
+            self._runtime.close()
+        module = self.lightning_module
+        if (
+            module is not None
+            and module._trainer is not None
+            and module.trainer.state.fn == TrainerFn.FITTING
+        ):
+            self.timeline.not_written()
+        self.faults.teardown()
+        # Other stages' tensors have nothing to move (there may be no module after a failed setup).
+        with meta_tensors_set_aside(module) if module is not None else nullcontext():
+            super().teardown()
 
-    @property  # type: ignore[override]
+    # ------------------------------------------------------------------ precision and clipping
+    @property
     @override
     def precision_plugin(self) -> Precision:
         return self._precision_plugin if self._precision_plugin is not None else PipeTPPrecision()
@@ -534,7 +663,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
                     f"stage before stepping, which the fused optimizer(s) {fused} bypass (they unscale "
                     "inside their own step). Use the optimizer without fused=True, or precision='bf16-mixed'."
                 )
-            if fitting and self.runtime.sharded:
+            if fitting and self.runtime.gradients.shards:
                 raise MisconfigurationException(
                     'precision="16-mixed" with shard_optimizer_state=True is not supported yet: each '
                     "replica holds only its slice of the gradients, and the gradient scaler's inf check "
@@ -548,7 +677,7 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
             else:
                 plugin.scaler.group = self.mesh.model_group
         if isinstance(plugin, GlobalNormClipping):
-            plugin.clip_by_global_norm = self.clip_gradients_global_norm
+            plugin.clip_by_global_norm = self._clip_by_global_norm
         elif fitting and trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
             raise MisconfigurationException(
                 f"gradient_clip_val={trainer.gradient_clip_val} under pipe_tp clips by the norm over every "
@@ -557,28 +686,162 @@ class PipeTPStrategy(CheckpointHooks, StepAgreement, PipelineSteps, TimelineHook
                 f"{list(_SUPPORTED_PRECISION)}, or clip inside the model."
             )
 
-    def clip_gradients_global_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm over every stage's gradients, as one device would; returns the norm."""
+    def _clip_by_global_norm(self, max_norm: float) -> torch.Tensor:
+        # Looked up per call: the plugin keeps no reference to one Trainer call's runtime.
         return self.runtime.clip_grad_norm_(max_norm)
 
+    def _loss_scaler(self) -> Any:
+        """fp16's loss scaling (the precision plugin's gradient scaler), else ``None``."""
+        plugin = self.precision_plugin
+        scaler = plugin.scaler if isinstance(plugin, MixedPrecision) else None
+        return scaler.scale if scaler is not None else None
+
+    # ------------------------------------------------------------------ steps
     @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Reduce over the data axis by default: ranks of one pipeline hold the same logged values."""
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
-        return sync_ddp(tensor, group or self.mesh.group(MeshAxis.DATA), reduce_op)
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.module.trainer
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            # What the closure would have done (after the step, too late for us): zero the grads.
+            optimizer = trainer.optimizers[0]
+            run_hooks(trainer, "on_before_zero_grad", optimizer)
+            run_hooks(
+                trainer, "optimizer_zero_grad", trainer.current_epoch, batch_idx, optimizer, callbacks=False
+            )
+            self.runtime.begin_accumulation()
+        with self.precision_plugin.train_step_context():
+            loss = run_step(
+                self.module, self.runtime, "training_step", args, self.reduce,
+                final=not should_accumulate(trainer), loss_weight=1.0 / trainer.accumulate_grad_batches,
+                scale_loss=self._loss_scaler(),
+                recorder=self.timeline.recorder_for(trainer.global_step, self.global_rank),
+            )  # fmt: skip
+        run_hooks(trainer, "on_after_backward")
+        return loss
 
     @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        flag = torch.tensor(int(decision), device=self.root_device)
-        flag = sync_ddp(flag, dist.group.WORLD, "sum")
-        return bool(flag == self.world_size) if all else bool(flag)
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return run_step(self.module, self.runtime, "validation_step", args, self.reduce)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return run_step(self.module, self.runtime, "test_step", args, self.reduce)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return run_step(self.module, self.runtime, "predict_step", args, self.reduce)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # This step's recorder (the closure's training_step asks for the same one).
+        recorder = self.timeline.recorder_for(self.module.trainer.global_step, self.global_rank)
+        if recorder is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # The closure (this step's whole pipeline) runs inside optimizer.step: time what follows it.
+        closure_end: list[float] = []
+
+        def timed_closure() -> Any:
+            result = closure()
+            closure_end.append(time.perf_counter())
+            return result
+
+        output = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
+        if closure_end:
+            recorder.add_span("optimizer step", closure_end[-1], time.perf_counter())
+        return output
+
+    # A rank whose dataloader ran out first reaches the end of the loop while its peers still run
+    # a step: agreeing on "the end" makes both sides stop with the same message.
+    @override
+    def on_validation_end(self) -> None:
+        self.runtime.agree_end("end of validation")
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self.runtime.agree_end("end of test")
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self.runtime.agree_end("end of predict")
+        super().on_predict_end()
 
     @override
     def on_train_end(self) -> None:
-        self._agree(StepIdentity("end of training", -1), None)
+        self.runtime.agree_end("end of training")
         super().on_train_end()
-        self._write_timeline()
+        self.timeline.write(
+            self.mesh, self.runtime.partition, self.schedule.value, self.root_device, self.num_processes
+        )
+
+    # ------------------------------------------------------------------ faults
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Record this rank's failure, so that the ranks that lose it can name it."""
+        self.faults.on_exception(exception, self.global_rank)
+        super().on_exception(exception)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Load after the model is split and sliced: each rank then reads only its stage's keys and
+        # cuts its own tensor-parallel slices, whatever layout saved the checkpoint.
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model (a checkpoint directory), or the whole model on rank 0."""
+        # The first call of a save (dump_checkpoint asks for the model first): every rank must be
+        # here, or the save's collectives would wait on ranks that are elsewhere.
+        checkpoints.every_rank_saves(self.faults.naming, self.global_rank, self._timeout)
+        return checkpoints.model_state(self.runtime, self.save_distributed_checkpoint, self.faults.naming)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return checkpoints.optimizer_state(
+            self.runtime, optimizer, self.save_distributed_checkpoint, self.faults.naming
+        )
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "PipeTPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy "
+                "writes checkpoints itself rather than through a CheckpointIO plugin."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        checkpoints.save(self.runtime, checkpoint, path, self.save_distributed_checkpoint, self.faults.naming)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove_path(Path(filepath))  # a checkpoint directory, a file, or a save_last="link" symlink
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is None:
+            # Lightning drops the caller's weights_only for strategies that restore after setup.
+            weights_only = weights_only_of_running_call()
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return checkpoints.load(
+            self.runtime, path, self.optimizers, self.module.strict_loading, weights_only,
+            super().load_checkpoint, self.faults.naming,
+        )  # fmt: skip
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        checkpoints.load_model(self.runtime, checkpoint, strict, self.faults.naming)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        checkpoints.load_optimizers(self.runtime, checkpoint, self.optimizers, self.faults.naming)
 
 
 def _check_timeout(timeout: timedelta | float | None) -> timedelta | None:

@@ -1,4 +1,4 @@
-"""Precision plugins that clip gradients by the norm over every stage (issue 17, item 4).
+"""Precision plugins that clip gradients by the norm over every stage.
 
 Lightning clips through the precision plugin (``Precision.clip_grad_by_norm``), which would take
 the norm of this rank's gradients only: each stage would clip by its own norm, unlike one device.

@@ -10,141 +10,125 @@ so; when no training step ran at all, rank 0 says that instead of writing nothin
 from __future__ import annotations
 
 import os
-import time
-from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from typing_extensions import override
 
-from lightning_pipe.pipeline.schedules import ScheduleKind
-from lightning_pipe.pipeline.timeline import (
+from lightning_pipe.mesh import ParallelMesh
+from lightning_pipe.partition.model import PipelinePartition
+from lightning_pipe.schedule.timeline import (
     TimelineRecorder,
     gather_timeline,
     plot_timeline,
     write_chrome_trace,
 )
-from lightning_pipe.runtime import ParallelRuntime
-from lightning_pipe.strategy.base import PipeTPParts
 
 
-class TimelineHooks(PipeTPParts):
-    """Recording of the timeline for ``PipeTPStrategy``."""
+class TimelineRecording:
+    """The recorders of one fit's timeline (``path`` ``None``: nothing is recorded)."""
 
-    timeline: str | None
-    timeline_steps: int
-    schedule: ScheduleKind
-    _recorder: TimelineRecorder | None
-    _first_step: TimelineRecorder | None
-    _timeline_written: bool
-    _runtime: ParallelRuntime | None
+    def __init__(self, path: str | None, steps: int = 1) -> None:
+        self.path, self.steps = path, steps
+        self._window: TimelineRecorder | None = None
+        self._first: TimelineRecorder | None = None
+        self._written = False
 
-    def _timeline_recorder(self, step: int) -> TimelineRecorder | None:
-        """The recorder for training step ``step``: step 0's on the side, steps 1 to
-        ``timeline_steps`` in the window, ``None`` after it."""
-        if self.timeline is None or step > self.timeline_steps:
+    def recorder_for(self, step: int, rank: int) -> TimelineRecorder | None:
+        """The recorder of training step ``step``: step 0's on the side, steps 1 to ``steps`` in
+        the window, ``None`` after it. Creating one is collective (one time origin for all ranks):
+        every rank asks at the same step."""
+        if self.path is None or step > self.steps:
             return None
         if step == 0:
-            if self._first_step is None:
-                self._first_step = TimelineRecorder(self.global_rank)
-                self._first_step.start()  # collective: one time origin for all ranks
-            return self._first_step
-        if self._recorder is None:
-            self._recorder = TimelineRecorder(self.global_rank)
-            self._recorder.start()
-        return self._recorder
+            if self._first is None:
+                self._first = TimelineRecorder(rank)
+                self._first.start()
+            return self._first
+        if self._window is None:
+            self._window = TimelineRecorder(rank)
+            self._window.start()
+        return self._window
 
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        # This step's recorder (the closure's training_step asks for the same one): the executor's
-        # attribute still holds the previous step's here.
-        recorder = self._timeline_recorder(self.module.trainer.global_step)
-        if recorder is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # The closure (this step's whole pipeline) runs inside optimizer.step: time what follows it.
-        closure_end: list[float] = []
-
-        def timed_closure() -> Any:
-            result = closure()
-            closure_end.append(time.perf_counter())
-            return result
-
-        output = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
-        if closure_end:
-            recorder.add_span("optimizer step", closure_end[-1], time.perf_counter())  # type: ignore[attr-defined]
-        return output
-
-    def _row_labels(self) -> dict[int, str]:
-        """Each rank's row: its coordinates and the stages it holds."""
-        layout, labels = self.mesh.layout, {}
-        for rank in range(layout.world_size):
-            c = layout.coordinates(rank)
-            stages = self.runtime.plan.stages_of_rank(c.pp_rank, layout.pipeline_parallel_size)
-            dp = f" · dp {c.dp_rank}" if layout.data_parallel_size > 1 else ""
-            held = f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
-            labels[rank] = f"rank {rank}\npp {c.pp_rank} · tp {c.tp_rank}{dp}\n{held}"
-        return labels
-
-    def _shared_cores_note(self) -> str:
-        """What skews the idle share on this machine, if anything: CPU ranks sharing cores."""
-        cores = os.cpu_count() or 1
-        threads = self.num_processes * torch.get_num_threads()
-        if self.root_device.type != "cpu" or threads <= cores:
-            return ""
-        return (
-            f"{self.num_processes} processes x {torch.get_num_threads()} threads share {cores} CPU cores: "
-            "time a rank waits for a core counts as compute, so the idle share understates the bubble"
-        )
-
-    def _timeline_not_written(self) -> None:
+    def not_written(self) -> None:
         """At the end of a fit that ran no training step (``max_steps=0``, or the loop was already
         done): say so, rather than write nothing."""
-        if self.timeline is not None and not self._timeline_written:
+        if self.path is not None and not self._written:
             rank_zero_warn(
-                f"pipe_tp: timeline={self.timeline!r}: no training step ran in this fit, so there is no "
+                f"pipe_tp: timeline={self.path!r}: no training step ran in this fit, so there is no "
                 "timeline to write."
             )
-        self._timeline_written = False
+        self._written = False
 
-    def _write_timeline(self) -> None:
+    def write(
+        self,
+        mesh: ParallelMesh,
+        partition: PipelinePartition,
+        schedule: str,
+        device: torch.device,
+        processes: int,
+    ) -> None:
         """Write the recorded timeline (a collective: every rank gathers to rank 0)."""
-        if self.timeline is None:
+        if self.path is None:
             return
-        self._timeline_written = True
-        recorder, notes = self._recorder, []
-        if recorder is None and self._first_step is not None:
-            recorder = self._first_step
+        self._written = True
+        recorder, notes = self._window, []
+        if recorder is None and self._first is not None:
+            recorder = self._first
             notes.append(
                 "training step 0 only (its first-time allocations and warm-up included): train at "
                 "least 2 steps to see a step without them"
             )
-        self._recorder = self._first_step = None
+        self._window = self._first = None
         if recorder is None:
             rank_zero_warn(
-                f"pipe_tp: timeline={self.timeline!r}: no training step ran in this fit, so there is no "
+                f"pipe_tp: timeline={self.path!r}: no training step ran in this fit, so there is no "
                 "timeline to write."
             )
             return
         events = gather_timeline(recorder)
-        if self.global_rank != 0:
+        if mesh.rank != 0:
             return
-        n = self.timeline_steps
+        n = self.steps
         steps = "step 0" if notes else ("step 1" if n == 1 else f"steps 1-{n}")
-        if self.timeline.endswith(".png"):
-            shared = self._shared_cores_note()
+        if self.path.endswith(".png"):
+            shared = _shared_cores_note(device, processes)
             stats = plot_timeline(
                 events,
-                self.timeline,
-                title=f"pipe_tp {self.mesh.layout}, {self.schedule.value}, training {steps} as run",
-                row_labels=self._row_labels(),
+                self.path,
+                title=f"pipe_tp {mesh.layout}, {schedule}, training {steps} as run",
+                row_labels=_row_labels(mesh, partition),
                 note="; ".join([*notes, *([shared] if shared else [])]),
             )
             rank_zero_info(
-                f"pipe_tp: timeline of training {steps} written to {self.timeline} (ranks idle "
+                f"pipe_tp: timeline of training {steps} written to {self.path} (ranks idle "
                 f"{stats.bubble_fraction:.1%} of the makespan)"
             )
         else:
-            write_chrome_trace(events, self.timeline)
+            write_chrome_trace(events, self.path)
             rank_zero_info(
-                f"pipe_tp: Chrome trace of training {steps} written to {self.timeline} (open it in Perfetto)"
+                f"pipe_tp: Chrome trace of training {steps} written to {self.path} (open it in Perfetto)"
             )
+
+
+def _row_labels(mesh: ParallelMesh, partition: PipelinePartition) -> dict[int, str]:
+    """Each rank's row: its coordinates and the stages it holds."""
+    layout, labels = mesh.layout, {}
+    for rank in range(layout.world_size):
+        c = layout.coordinates(rank)
+        stages = partition.stages_of_rank(c.pp_rank, layout.pipeline_parallel_size)
+        dp = f" · dp {c.dp_rank}" if layout.data_parallel_size > 1 else ""
+        held = f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+        labels[rank] = f"rank {rank}\npp {c.pp_rank} · tp {c.tp_rank}{dp}\n{held}"
+    return labels
+
+
+def _shared_cores_note(device: torch.device, processes: int) -> str:
+    """What skews the idle share on this machine, if anything: CPU ranks sharing cores."""
+    cores = os.cpu_count() or 1
+    threads = processes * torch.get_num_threads()
+    if device.type != "cpu" or threads <= cores:
+        return ""
+    return (
+        f"{processes} processes x {torch.get_num_threads()} threads share {cores} CPU cores: "
+        "time a rank waits for a core counts as compute, so the idle share understates the bubble"
+    )

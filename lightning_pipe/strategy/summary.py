@@ -1,4 +1,4 @@
-"""What each rank holds, for the layout log and Lightning's model summary (issue 16, item 4).
+"""What each rank holds, for the layout log and Lightning's model summary.
 
 Under ``pipe_tp`` no rank holds the whole model: another stage's parameters are meta tensors (or,
 for a model built eagerly, tensors this rank never trains) and a tensor-parallel layer is a slice.
@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_human_re
 from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.pipeline.plan import PipelinePlan
+from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.runtime.holdings import Holdings
 
 
@@ -33,12 +33,12 @@ class PipelineModelSummary(ModelSummary):
         self,
         model: LightningModule,
         holdings: Holdings,
-        plan: PipelinePlan,
+        partition: PipelinePartition,
         max_depth: int = 1,
         pipeline_parallel_size: int | None = None,
     ) -> None:
-        self._holdings, self._plan = holdings, plan
-        self._ranks = pipeline_parallel_size or plan.num_stages
+        self._holdings, self._partition = holdings, partition
+        self._ranks = pipeline_parallel_size or partition.num_stages
         super().__init__(model, max_depth=max_depth)
 
     def _rows(self) -> Iterable[tuple[str, nn.Module]]:
@@ -54,15 +54,15 @@ class PipelineModelSummary(ModelSummary):
         for path, param in module.named_parameters(prefix=name, remove_duplicate=False):
             full, local = self._holdings.parameters.get(path, (param.numel(), param.numel()))
             whole[id(param)] = full
-            held.setdefault(self._plan.stage_of_key(path), {})[id(param)] = local
+            held.setdefault(self._partition.stage_of_key(path), {})[id(param)] = local
         everywhere = held.pop(None, {})
         stages = {stage for stage in held if stage is not None}
-        own = self._plan.stage_of_key(f"{name}.")
+        own = self._partition.stage_of_key(f"{name}.")
         if own is not None:
             stages.add(own)
         per_rank: dict[int, dict[int, int]] = {}
         for stage in stages:
-            rank = self._plan.rank_of_stage(stage, self._ranks)
+            rank = self._partition.rank_of_stage(stage, self._ranks)
             per_rank.setdefault(rank, dict(everywhere)).update(held.get(stage, {}))
         return (
             stages,

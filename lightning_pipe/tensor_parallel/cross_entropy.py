@@ -34,7 +34,7 @@ def tag_vocab_parallel(logits: torch.Tensor, group: dist.ProcessGroup, vocab_sta
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, vocab_start: int
     ) -> torch.Tensor:
         if logits.dtype in (torch.float16, torch.bfloat16):

@@ -30,7 +30,7 @@ from lightning_pipe.tensor_parallel.regions import (
 )
 
 
-def shard_range(size: int, group: dist.ProcessGroup, what: str) -> tuple[int, int]:
+def slice_range(size: int, group: dist.ProcessGroup, what: str) -> tuple[int, int]:
     """``[start, end)`` of this rank's equal slice of ``size``, or a clear error if it does not divide."""
     tp = dist.get_world_size(group)
     if size % tp != 0:
@@ -61,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.group, self.gather_output = group, gather_output
-        start, end = shard_range(
+        start, end = slice_range(
             linear.out_features, group, f"The output features of {name or 'a colwise Linear'}"
         )
         self.in_features, self.out_features = linear.in_features, end - start
@@ -89,7 +89,7 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
-        start, end = shard_range(
+        start, end = slice_range(
             linear.in_features, group, f"The input features of {name or 'a rowwise Linear'}"
         )
         self.in_features, self.out_features = end - start, linear.out_features
@@ -117,7 +117,7 @@ class VocabParallelEmbedding(nn.Module):
                 "vocab-parallel embedding does not support; remove them or leave this layer unsharded."
             )
         self.group = group
-        self.start, self.end = shard_range(
+        self.start, self.end = slice_range(
             embedding.num_embeddings, group, f"The vocabulary of {name or 'an Embedding'}"
         )
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
@@ -134,7 +134,7 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.end}) on this rank"
 
 
-def gather_shards(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_slices(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The full tensor from every rank's slice along ``dim`` (for checkpoints and tests)."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)

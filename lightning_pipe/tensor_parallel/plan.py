@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.construction.materialize import record_source
-from lightning_pipe.options import parse_option
+from lightning_pipe.arguments import parse_option
 from lightning_pipe.tensor_parallel.cross_entropy import tag_vocab_parallel
 from lightning_pipe.tensor_parallel.dropout import RegionDropout, RegionStream
 from lightning_pipe.tensor_parallel.layers import (
@@ -44,9 +43,10 @@ from lightning_pipe.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from lightning_pipe.tensor_parallel.sources import record_source
 
 
-class ShardStyle(enum.Enum):
+class TensorParallelStyle(enum.Enum):
     COLWISE = "colwise"
     COLWISE_GATHER = "colwise_gather"
     COLWISE_LOGITS = "colwise_logits"
@@ -56,7 +56,7 @@ class ShardStyle(enum.Enum):
     DROPOUT = "dropout"
 
     @classmethod
-    def parse(cls, value: str, pattern: str) -> ShardStyle:
+    def parse(cls, value: str, pattern: str) -> TensorParallelStyle:
         """Our style names, or Hugging Face's as its plans write them (``model._tp_plan``,
         ``config.base_model_tp_plan``); a Hugging Face style we do not implement is refused with
         what to do instead."""
@@ -75,10 +75,10 @@ class ShardStyle(enum.Enum):
 
 # Hugging Face transformers' style names (5.x), as its models' plans write them, mapped to ours;
 # "colwise" and "rowwise" are the same words in both.
-HF_STYLES: dict[str, ShardStyle] = {
-    "colwise_gather_output": ShardStyle.COLWISE_GATHER,
-    "rowwise_split_input": ShardStyle.ROWWISE_SPLIT,
-    "embedding_rowwise": ShardStyle.VOCAB,
+HF_STYLES: dict[str, TensorParallelStyle] = {
+    "colwise_gather_output": TensorParallelStyle.COLWISE_GATHER,
+    "rowwise_split_input": TensorParallelStyle.ROWWISE_SPLIT,
+    "embedding_rowwise": TensorParallelStyle.VOCAB,
 }
 
 _HF_UNSUPPORTED: tuple[tuple[frozenset[str], str], ...] = (
@@ -115,14 +115,14 @@ _HF_UNSUPPORTED: tuple[tuple[frozenset[str], str], ...] = (
 )
 
 
-_EXPECTED: dict[ShardStyle, type[nn.Module]] = {
-    ShardStyle.COLWISE: nn.Linear,
-    ShardStyle.COLWISE_GATHER: nn.Linear,
-    ShardStyle.COLWISE_LOGITS: nn.Linear,
-    ShardStyle.ROWWISE: nn.Linear,
-    ShardStyle.ROWWISE_SPLIT: nn.Linear,
-    ShardStyle.VOCAB: nn.Embedding,
-    ShardStyle.DROPOUT: nn.Dropout,
+_EXPECTED: dict[TensorParallelStyle, type[nn.Module]] = {
+    TensorParallelStyle.COLWISE: nn.Linear,
+    TensorParallelStyle.COLWISE_GATHER: nn.Linear,
+    TensorParallelStyle.COLWISE_LOGITS: nn.Linear,
+    TensorParallelStyle.ROWWISE: nn.Linear,
+    TensorParallelStyle.ROWWISE_SPLIT: nn.Linear,
+    TensorParallelStyle.VOCAB: nn.Embedding,
+    TensorParallelStyle.DROPOUT: nn.Dropout,
 }
 
 
@@ -144,7 +144,7 @@ class _LogitsHead(ColumnParallelLinear):
         )
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dict[str, ShardStyle]:
+def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dict[str, TensorParallelStyle]:
     """Match ``plan`` against ``model``: module name -> style, after checking everything.
 
     A pattern matches a module under *any* name it is reachable by (a Hugging Face model kept as
@@ -163,9 +163,9 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dic
             canonical.setdefault(id(module), name)
             every_name.append((name, module))
     modules = {canonical[id(m)]: m for _, m in every_name}
-    resolved: dict[str, ShardStyle] = {}
+    resolved: dict[str, TensorParallelStyle] = {}
     for pattern, value in plan.items():
-        style = ShardStyle.parse(value, pattern)
+        style = TensorParallelStyle.parse(value, pattern)
         regex = _regex(pattern)
         names = list(dict.fromkeys(canonical[id(m)] for n, m in every_name if regex.fullmatch(n)))
         if not names:
@@ -203,16 +203,16 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dic
 
 # The dim of a module's weight that each style splits.
 _WEIGHT_DIM = {
-    ShardStyle.COLWISE: 0,
-    ShardStyle.COLWISE_GATHER: 0,
-    ShardStyle.COLWISE_LOGITS: 0,
-    ShardStyle.ROWWISE: 1,
-    ShardStyle.ROWWISE_SPLIT: 1,
-    ShardStyle.VOCAB: 0,
+    TensorParallelStyle.COLWISE: 0,
+    TensorParallelStyle.COLWISE_GATHER: 0,
+    TensorParallelStyle.COLWISE_LOGITS: 0,
+    TensorParallelStyle.ROWWISE: 1,
+    TensorParallelStyle.ROWWISE_SPLIT: 1,
+    TensorParallelStyle.VOCAB: 0,
 }
 
 
-def _check_tied(modules: Mapping[str, nn.Module], resolved: Mapping[str, ShardStyle]) -> None:
+def _check_tied(modules: Mapping[str, nn.Module], resolved: Mapping[str, TensorParallelStyle]) -> None:
     """A weight held by several modules (an output head tied to the token embedding) must be split
     the same way in all of them, or the copies would stop being one tensor."""
     holders: dict[int, list[str]] = {}
@@ -243,14 +243,17 @@ def _check_tied(modules: Mapping[str, nn.Module], resolved: Mapping[str, ShardSt
             )
 
 
-def _check_divisible(name: str, module: nn.Module, style: ShardStyle, tp: int) -> None:
+def _check_divisible(name: str, module: nn.Module, style: TensorParallelStyle, tp: int) -> None:
     sizes = {
-        ShardStyle.COLWISE: ("output features", getattr(module, "out_features", 0)),
-        ShardStyle.COLWISE_GATHER: ("output features", getattr(module, "out_features", 0)),
-        ShardStyle.COLWISE_LOGITS: ("output features (vocabulary)", getattr(module, "out_features", 0)),
-        ShardStyle.ROWWISE: ("input features", getattr(module, "in_features", 0)),
-        ShardStyle.ROWWISE_SPLIT: ("input features", getattr(module, "in_features", 0)),
-        ShardStyle.VOCAB: ("vocabulary size (num_embeddings)", getattr(module, "num_embeddings", 0)),
+        TensorParallelStyle.COLWISE: ("output features", getattr(module, "out_features", 0)),
+        TensorParallelStyle.COLWISE_GATHER: ("output features", getattr(module, "out_features", 0)),
+        TensorParallelStyle.COLWISE_LOGITS: (
+            "output features (vocabulary)",
+            getattr(module, "out_features", 0),
+        ),
+        TensorParallelStyle.ROWWISE: ("input features", getattr(module, "in_features", 0)),
+        TensorParallelStyle.ROWWISE_SPLIT: ("input features", getattr(module, "in_features", 0)),
+        TensorParallelStyle.VOCAB: ("vocabulary size (num_embeddings)", getattr(module, "num_embeddings", 0)),
     }
     if style in sizes:
         what, size = sizes[style]
@@ -261,10 +264,10 @@ def _check_divisible(name: str, module: nn.Module, style: ShardStyle, tp: int) -
             )
 
 
-def _check_heads(name: str, modules: Mapping[str, nn.Module], style: ShardStyle, tp: int) -> None:
+def _check_heads(name: str, modules: Mapping[str, nn.Module], style: TensorParallelStyle, tp: int) -> None:
     parent = modules.get(name.rpartition(".")[0])
     heads = getattr(parent, "num_heads", None) or getattr(parent, "n_heads", None)
-    if style in (ShardStyle.COLWISE, ShardStyle.ROWWISE) and isinstance(heads, int):
+    if style in (TensorParallelStyle.COLWISE, TensorParallelStyle.ROWWISE) and isinstance(heads, int):
         if heads < tp or heads % tp != 0:
             raise ValueError(
                 f"{name.rpartition('.')[0]!r} has {heads} attention heads, which cannot be split evenly "
@@ -274,28 +277,30 @@ def _check_heads(name: str, modules: Mapping[str, nn.Module], style: ShardStyle,
 
 
 def _builder(
-    style: ShardStyle, group: dist.ProcessGroup, name: str, stream: RegionStream
+    style: TensorParallelStyle, group: dist.ProcessGroup, name: str, stream: RegionStream
 ) -> Callable[[nn.Module], nn.Module]:
     """The function that turns the full module ``name`` into its tensor-parallel replacement."""
 
     def build(module: Any) -> nn.Module:
-        if style is ShardStyle.VOCAB:
+        if style is TensorParallelStyle.VOCAB:
             return VocabParallelEmbedding(module, group, name)
-        if style is ShardStyle.DROPOUT:
+        if style is TensorParallelStyle.DROPOUT:
             return RegionDropout(module.p, stream)
-        if style is ShardStyle.COLWISE_LOGITS:
+        if style is TensorParallelStyle.COLWISE_LOGITS:
             return _LogitsHead(module, group, name=name)
-        if style in (ShardStyle.COLWISE, ShardStyle.COLWISE_GATHER):
-            gather = style is ShardStyle.COLWISE_GATHER
+        if style in (TensorParallelStyle.COLWISE, TensorParallelStyle.COLWISE_GATHER):
+            gather = style is TensorParallelStyle.COLWISE_GATHER
             return ColumnParallelLinear(module, group, gather_output=gather, name=name)
-        return RowParallelLinear(module, group, input_is_parallel=style is ShardStyle.ROWWISE, name=name)
+        return RowParallelLinear(
+            module, group, input_is_parallel=style is TensorParallelStyle.ROWWISE, name=name
+        )
 
     return build
 
 
 def apply_plan(
     model: nn.Module,
-    resolved: Mapping[str, ShardStyle],
+    resolved: Mapping[str, TensorParallelStyle],
     group: dist.ProcessGroup,
     seed: int,
     include: Callable[[nn.Module], bool] = lambda module: True,

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
-from lightning_pipe.tensor_parallel.plan import ShardStyle, apply_plan
+from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, apply_plan
 
 
 @dataclass(frozen=True)
-class StageSharding:
+class StageSlicing:
     """What a tensor-parallel plan shards on each pipeline stage (counted on the full model)."""
 
     modules: tuple[int, ...]
@@ -56,13 +56,13 @@ def stages_of_modules(layers: Sequence[nn.Module], stage_of_layer: Sequence[int]
     return stages
 
 
-def count_sharding(
+def count_slicing(
     model: nn.Module,
-    resolved: Mapping[str, ShardStyle],
+    resolved: Mapping[str, TensorParallelStyle],
     layers: Sequence[nn.Module],
     stage_of_layer: Sequence[int],
     num_stages: int,
-) -> StageSharding:
+) -> StageSlicing:
     """Count, per stage, the modules and parameter elements ``resolved`` shards.
 
     Raises ``ValueError`` when the plan matches modules but none of them lies inside a pipeline
@@ -79,7 +79,7 @@ def count_sharding(
             continue
         for stage in stages:
             modules[stage] += 1
-            if style is not ShardStyle.DROPOUT:
+            if style is not TensorParallelStyle.DROPOUT:
                 elements[stage] += sum(p.numel() for p in module.parameters())
     if resolved and not any(modules):
         raise ValueError(
@@ -88,12 +88,12 @@ def count_sharding(
             "sharded and every tensor rank would run the whole model. Make configure_pipeline() return "
             "the layers that hold these modules (wrappers around them are fine)."
         )
-    return StageSharding(tuple(modules), tuple(elements), tuple(outside))
+    return StageSlicing(tuple(modules), tuple(elements), tuple(outside))
 
 
-def shard_stage(
+def slice_stage(
     model: nn.Module,
-    resolved: Mapping[str, ShardStyle],
+    resolved: Mapping[str, TensorParallelStyle],
     own_layers: Sequence[nn.Module],
     group: dist.ProcessGroup,
     src: int,

@@ -1,0 +1,138 @@
+"""Check, before each step, that every rank of a model replica is about to run the same batch.
+
+Every rank of one pipeline (and of one tensor group) loads the batch itself: stage 0 feeds its
+inputs to the layers, the last stage computes the loss against its labels. If their data differ
+(an ``IterableDataset`` that shards by *global* rank, an unseeded per-process shuffle), stage 0
+would train on one batch while the loss uses another batch's labels, and nothing would fail. So
+before a step each rank computes a *fingerprint* of its batch (which step and batch index it is
+at, a checksum of the shapes and dtypes, and two weighted sums of the values) and the replica
+agrees on it with one all-reduce of a few numbers (maximum of ``[f, -f]``: the ranks agree exactly
+when the maximum equals the minimum). It runs before the schedule because a difference in shapes
+would otherwise break the pipeline's header protocol (see :mod:`.p2p`) before any check could run.
+
+The same all-reduce carries a flag for a problem one rank found on its own before the step (see
+:mod:`.forward_contract`), so that every rank stops with the same message instead of waiting on
+the rank that stopped. Only when something is wrong are the details gathered, to name the ranks.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.batches.microbatch import signature, tensors_of
+
+_SIZE = 6  # step code, batch index, shape checksum, sum, weighted sum, problem flag
+
+
+@dataclass(frozen=True)
+class StepIdentity:
+    """Which step a rank is about to run: its kind (``"training_step"``, ...) and batch index."""
+
+    step_name: str
+    batch_idx: int
+
+    def __str__(self) -> str:
+        return f"{self.step_name} of batch {self.batch_idx}" if self.batch_idx >= 0 else self.step_name
+
+
+def fingerprint(batch: Any, step: StepIdentity, device: torch.device) -> torch.Tensor:
+    """A float64 vector that differs, with overwhelming probability, between different batches.
+
+    Row weights make a reordering of the samples visible, column weights a reordering inside a
+    sample (the same tokens in another order); NaNs count as zeros so that a batch equals itself.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    weighted = torch.zeros((), dtype=torch.float64, device=device)
+    for tensor in tensors_of(batch):
+        t = tensor.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        rows = t.reshape(t.shape[0] if t.dim() else 1, -1).to(device=device, dtype=torch.float64)
+        rows = rows.nan_to_num(nan=0.0, posinf=1e300, neginf=-1e300)
+        cols = 1.0 + torch.arange(rows.shape[1], dtype=torch.float64, device=device).remainder(13) / 13
+        row_weights = 1.0 + torch.arange(rows.shape[0], dtype=torch.float64, device=device)
+        per_row = (rows * cols).sum(1)
+        total += rows.sum()
+        weighted += (per_row * row_weights).sum()
+    shapes = zlib.crc32(repr(signature(batch)).encode())
+    head = torch.tensor(
+        # Every step kind and loop end its own code: "end of validation" must differ from
+        # "end of test" as much as from a training step.
+        [zlib.crc32(step.step_name.encode()), step.batch_idx, shapes],
+        dtype=torch.float64,
+        device=device,
+    )
+    flag = torch.zeros(1, dtype=torch.float64, device=device)
+    return torch.cat([head, total.reshape(1), weighted.reshape(1), flag])
+
+
+SAME_DATA_FIX = (
+    "Every rank of a pipeline and of a tensor group must load the same batch; only data-parallel "
+    "replicas load different data. Shard the data by the data-parallel rank and size "
+    "(trainer.strategy.data_parallel_rank and .data_parallel_world_size, what Lightning's "
+    "DistributedSampler uses under pipe_tp), never by the global rank, and seed any shuffling the "
+    "same on every rank (seed_everything, or a seeded generator)."
+)
+
+
+class StepCheckError(RuntimeError):
+    """The ranks of one model replica cannot run a step together: they hold different batches or
+    are at different steps, or one of them found a problem with the model before the step."""
+
+
+def agree(
+    local: torch.Tensor,
+    group: dist.ProcessGroup,
+    describe: Callable[[int], str],
+    step: StepIdentity,
+    batch: Any,
+    problem: str | None = None,
+) -> None:
+    """Raise the same error on every rank of ``group`` unless all ranks hold the same ``local``
+    fingerprint and none reports a ``problem``.
+
+    Args:
+        describe: global rank -> a short description of that rank (its coordinates).
+        problem: a message this rank found on its own before the step; every rank raises it.
+    """
+    if problem is not None:
+        local = local.clone()
+        local[-1] = 1.0
+    both = torch.cat([local, -local])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if torch.equal(both[:_SIZE], -both[_SIZE:]) and float(both[_SIZE - 1]) == 0.0:
+        return  # the same batch everywhere, and no rank flagged a problem
+    # Something differs: gather who holds what (rare, so an object gather is fine here).
+    mine = (dist.get_rank(), local.tolist(), repr(signature(batch)), str(step), problem)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    problems = [(rank, text) for rank, _, _, _, text in everyone if text is not None]
+    if problems:
+        rank, text = problems[0]
+        raise StepCheckError(f"Rank {rank} ({describe(rank)}) stopped before the step: {text}")
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for rank, values, shapes, at, _ in everyone:
+        groups.setdefault((tuple(values), shapes, at), []).append(rank)
+    lines = [
+        f"  ranks {ranks} ({', '.join(describe(r) for r in ranks)}): {at}, shapes {shapes}, "
+        f"checksums {values[3]:.10g} / {values[4]:.10g}"
+        for (values, shapes, at), ranks in groups.items()
+    ]
+    steps = {at for _, _, at in groups}
+    if len(steps) > 1:
+        cause = (
+            "The ranks are at different steps: their dataloaders have different lengths (or one "
+            "of them ran out of data)."
+        )
+    else:
+        cause = "The ranks loaded different data for the same step."
+    raise StepCheckError(
+        f"pipe_tp: the ranks of one model replica must run the same batch, but at {step} they do not. "
+        f"{cause}\n" + "\n".join(lines) + "\n" + SAME_DATA_FIX
+    )

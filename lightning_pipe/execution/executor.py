@@ -1,0 +1,469 @@
+"""The one interpreter that runs any schedule on one pipeline rank.
+
+It walks the rank's action list: a forward runs the stage's layers on a micro-batch and stashes
+what backward needs, a backward pops the stash and drives autograd (from the loss on the last
+stage, from the received output gradient elsewhere), and each run of consecutive communication
+actions is posted as one batch through :class:`~lightning_pipe.execution.p2p.P2PTransport`.
+
+Gradients accumulate in ``.grad`` across micro-batches; the last stage scales each micro-batch's
+loss by its weight (by default ``1 / num_microbatches``, or its share of the samples), so the
+accumulated gradient equals the whole batch's on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe.execution.batchnorm import running_backward
+from lightning_pipe.execution.layers import Activation, apply_layers
+from lightning_pipe.execution.p2p import ActivationMeta, P2PTransport, RecvRequest, SendRequest
+from lightning_pipe.execution.recompute import RecomputeMode, Replay, run_recomputed
+from lightning_pipe.execution.split_backward import WeightGradients, backward_input
+from lightning_pipe.faults.board import FaultBoard
+from lightning_pipe.schedule.actions import Action, ActionType, PipelineSchedule, comm_batches
+
+
+@dataclass
+class StepResult:
+    """What one step returns on this rank; ``outputs`` is filled on the last stage only."""
+
+    outputs: dict[int, Any] = field(default_factory=dict)
+    """Micro-batch index -> what ``head`` returned for it (the loss when training)."""
+    peak_stashed: int = 0
+    """The most micro-batches whose activations this rank kept alive at once."""
+    peak_activation_bytes: int = 0
+    """Most bytes of tensors autograd saved for backward, over the micro-batches alive at once
+    (measured only with ``PipelineExecutor.measure_activation_memory``)."""
+
+
+ActionRecorder = Callable[[Action, float, float], None]
+"""Called with an action and its start and end (``time.perf_counter()`` seconds) after it ran; a
+communication batch reports each of its actions with the batch's span (post and wait)."""
+
+
+def _as_tuple(value: Activation) -> tuple[torch.Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _stand_in(value: Activation) -> Activation:
+    """Leaves with ``value``'s data and grad-requirement, without its graph."""
+    if isinstance(value, tuple):
+        return tuple(t.detach().requires_grad_(t.requires_grad) for t in value)
+    return value.detach().requires_grad_(value.requires_grad)
+
+
+def _counting_pack(saved: dict[tuple[int, int], int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A saved-tensor hook that records each distinct saved tensor's bytes and keeps the tensor."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[(tensor.data_ptr(), tensor.nbytes)] = tensor.nbytes
+        return tensor
+
+    return pack
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+_BACKWARDS = (ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT)
+
+_WHAT = {
+    ActionType.FORWARD: "the forward of",
+    ActionType.BACKWARD: "the backward of",
+    ActionType.BACKWARD_INPUT: "the input-gradient backward of",
+    ActionType.BACKWARD_WEIGHT: "the weight-gradient backward of",
+    ActionType.SEND_F: "sending the activation of",
+    ActionType.RECV_F: "receiving the activation of",
+    ActionType.SEND_B: "sending the input gradient of",
+    ActionType.RECV_B: "receiving the output gradient of",
+}
+
+
+def _describe(action: Action) -> str:
+    """``action`` in words, for error messages: what, which stage, which micro-batch."""
+    return f"{_WHAT[action.kind]} stage {action.stage_index}, micro-batch {action.microbatch} ({action})"
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    if hasattr(err, "add_note"):  # Python >= 3.11
+        err.add_note(note)
+
+
+def _check_finite(value: Activation, where: str) -> None:
+    for k, t in enumerate(_as_tuple(value)):
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            part = f" (tensor {k})" if isinstance(value, tuple) else ""
+            raise FloatingPointError(f"NaN or Inf first appeared in {where}{part}.")
+
+
+class PipelineExecutor:
+    """Runs schedules for the stages this rank holds.
+
+    Args:
+        stages: stage index -> that stage's ordered layers (several under interleaved schedules).
+        num_stages: total number of stages of the pipeline.
+        peers: global rank of every pipeline rank of this pipeline, indexed by ``pp_rank``.
+        device: where received tensors are allocated.
+        recompute: activation recomputation mode.
+        group: process group for point-to-point calls (``None``: the default group; peers are
+            global ranks either way).
+        timeout: deadline of every exchange with a neighbour (``None``: the process group's).
+        check_finite: raise as soon as a stage output or a loss holds NaN or Inf, naming the
+            stage and micro-batch where it first appeared (costs a reduction per output).
+        board: names the peer that stopped (vanished, raised) when an exchange loses it.
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, Sequence[nn.Module]],
+        num_stages: int,
+        peers: Sequence[int],
+        device: torch.device,
+        recompute: RecomputeMode | str = RecomputeMode.NEVER,
+        group: dist.ProcessGroup | None = None,
+        timeout: timedelta | None = None,
+        check_finite: bool = False,
+        board: FaultBoard | None = None,
+    ) -> None:
+        self.stages = {s: list(layers) for s, layers in stages.items()}
+        self.num_stages = num_stages
+        self.peers = list(peers)
+        self.recompute = RecomputeMode.parse(recompute)
+        self.check_finite = check_finite
+        self.transport = P2PTransport(device, group, timeout, board=board)
+        self.measure_activation_memory = False
+        """Count the bytes autograd saves per micro-batch (a hook per saved tensor when on)."""
+        self.receive_early: bool | None = None
+        """Post each exchange's receives one exchange early and wait for a receive only when its
+        data is first used, so that the transfer overlaps the computation in between. ``None``
+        (default): on with gloo for interleaved and zero-bubble schedules, off
+        otherwise. Measured on this project's 2-core machine (benchmarks/README.md): it shortens
+        interleaved steps (0.70 - 0.92) and zero-bubble ones (0.98), but makes overhead-bound 1F1B
+        steps up to 3x slower (gloo's posting calls slow down while a receive is outstanding) and
+        leaves fixed-time 1F1B and GPipe within noise. Off with NCCL, where a batch's operations
+        complete together, so a receive moved into an earlier batch would hold back that batch's
+        other messages."""
+        self.receives_posted_early = 0
+        """How many receives were posted one exchange early so far (a counter for tests and
+        benchmarks)."""
+
+    # ------------------------------------------------------------------ step state
+    def _reset(self) -> None:
+        self._received: dict[tuple[int, int], RecvRequest] = {}
+        self._early: dict[Action, RecvRequest] = {}
+        self._outputs: dict[tuple[int, int], Activation] = {}
+        self._output_meta: dict[tuple[int, int], ActivationMeta] = {}
+        self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], Activation]] = {}
+        self._stash_bytes: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+        self._replay: dict[tuple[int, int], Replay] = {}
+        self._weight_work: dict[tuple[int, int], list[WeightGradients]] = {}
+        self._result = StepResult()
+
+    def run(
+        self,
+        schedule: PipelineSchedule,
+        pp_rank: int,
+        inputs: Sequence[Any] | None = None,
+        head: Callable[[Activation, int], Any] | None = None,
+        weights: Sequence[float] | None = None,
+        signatures: Sequence[Hashable] | None = None,
+        *,
+        recorder: ActionRecorder | None = None,
+        before_last_backward: Callable[[], None] | None = None,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> StepResult:
+        """Run ``schedule``'s actions for ``pp_rank``.
+
+        Args:
+            inputs: the micro-batches' pipeline inputs (needed on the rank of stage 0).
+            head: called on the last stage with each micro-batch's pipeline output and its index;
+                when training it must return the micro-batch's scalar loss.
+            weights: per micro-batch loss weights (default ``1 / num_microbatches`` each).
+            signatures: per micro-batch hashable shape signatures, equal on every rank of the
+                pipeline; they let repeated shapes skip header messages (see :mod:`.p2p`).
+            recorder: the timeline's hook, called with each action and its span (``None``: one
+                test per action).
+            before_last_backward: called once, right before this rank's last backward action
+                (where a data-parallel reducer arms itself to overlap its all-reduce with it).
+            scale_loss: applied to each weighted micro-batch loss before its backward (a gradient
+                scaler's ``scale`` under fp16).
+        """
+        m = schedule.num_microbatches
+        held = schedule.stages_of(pp_rank)
+        if sorted(held) != sorted(self.stages):
+            raise ValueError(
+                f"Pipeline rank {pp_rank} holds stages {sorted(self.stages)} but the schedule "
+                f"places stages {held} on it."
+            )
+        if 0 in self.stages and (inputs is None or len(inputs) != m):
+            given = "none" if inputs is None else len(inputs)
+            raise ValueError(f"The first stage needs {m} micro-batch inputs, got {given}.")
+        if self.num_stages - 1 in self.stages and head is None:
+            raise ValueError("The last stage needs a head (loss or output function) to call.")
+        for name, seq in (("weights", weights), ("signatures", signatures)):
+            if seq is not None and len(seq) != m:
+                raise ValueError(f"{name} has {len(seq)} entries for {m} micro-batches.")
+        self._schedule, self._inputs, self._head = schedule, inputs, head
+        self._scale_loss = scale_loss
+        self._weights = list(weights) if weights is not None else [1.0 / m] * m
+        self._signatures = signatures
+        self._pp_rank = pp_rank
+        self.transport.owner = f"Pipeline rank {pp_rank} (global rank {self.peers[pp_rank]}, stages {held})"
+        self._reset()
+        try:
+            batches = comm_batches(schedule.actions[pp_rank])
+            last_backward = max((k for k, b in enumerate(batches) if b[0].kind in _BACKWARDS), default=-1)
+            early = self.receive_early
+            if early is None:
+                several = len(schedule.stage_to_rank) > schedule.num_ranks
+                early = self.transport.device.type != "cuda" and (several or schedule.splits_backward)
+            # For each exchange, the next one (whose receives it may post early).
+            following: dict[int, list[Action]] = {}
+            upcoming: list[Action] = []
+            for k in reversed(range(len(batches))):
+                if batches[k][0].kind.is_comm:
+                    following[k] = upcoming
+                    upcoming = batches[k]
+            for position, batch in enumerate(batches):
+                if position == last_backward and before_last_backward is not None:
+                    before_last_backward()
+                start = time.perf_counter() if recorder is not None else 0.0
+                if batch[0].kind.is_compute:
+                    try:
+                        self._compute(batch[0])
+                    except Exception as err:
+                        _add_note(err, f"{self.transport.owner} was running {_describe(batch[0])}.")
+                        raise
+                else:
+                    self._communicate(batch, following[position] if early else [], early)
+                if recorder is not None:
+                    end = time.perf_counter()
+                    for action in batch:
+                        recorder(action, start, end)
+            self.transport.flush()
+            return self._result
+        finally:
+            self._reset()
+            self._inputs = None
+
+    # ------------------------------------------------------------------ compute
+    def _compute(self, action: Action) -> None:
+        s, i = action.stage_index, action.microbatch
+        if action.kind is ActionType.FORWARD:
+            self._forward(s, i)
+        elif action.kind is ActionType.BACKWARD:
+            self._backward(s, i)
+        elif action.kind is ActionType.BACKWARD_INPUT:
+            self._backward(s, i, split=True)
+        else:  # BACKWARD_WEIGHT: the deferred part; the micro-batch's graph is freed after it
+            with running_backward():
+                for work in self._weight_work.pop((s, i)):
+                    work.run()
+            self._stash.pop((s, i))
+            self._stash_bytes.pop((s, i), None)
+
+    def _recomputed(self, microbatch: int) -> bool:
+        return self._schedule.training and self.recompute.applies(microbatch, self._schedule.num_microbatches)
+
+    def _forward(self, s: int, i: int) -> None:
+        training = self._schedule.training
+        leaves: list[torch.Tensor] = []
+        if s == 0:
+            x: Any = self._inputs[i]  # type: ignore[index]
+        else:
+            request = self._received.pop((s, i))
+            self.transport.complete(request)
+            meta = request.meta
+            if meta is None:  # exchange() always sets it; kept for the type checker
+                raise RuntimeError(f"No metadata arrived for stage {s}, micro-batch {i}.")
+            for tensor, tensor_meta in zip(request.result, meta.tensors, strict=True):
+                if training and tensor_meta.carries_grad:
+                    tensor.requires_grad_(True)
+                    leaves.append(tensor)
+            x = tuple(request.result) if meta.is_tuple else request.result[0]
+        layers = self.stages[s]
+        saved: dict[tuple[int, int], int] = {}
+        memory = (
+            torch.autograd.graph.saved_tensors_hooks(_counting_pack(saved), _identity)
+            if training and self.measure_activation_memory
+            else contextlib.nullcontext()
+        )
+        recomputed = self._recomputed(i)
+        if recomputed and self._schedule.splits_backward:
+            # Zero-bubble with recomputation: torch's checkpoint recomputes a region once per
+            # backward call, and the W pass makes several; so the input-gradient action runs the
+            # forward again itself, with this random state, and splits that graph (Replay).
+            self._replay[(s, i)] = Replay.capture(x, self.transport.device)
+        with torch.set_grad_enabled(training), memory:
+            out = run_recomputed(layers, x, s) if recomputed else apply_layers(layers, x, s)
+        if self.check_finite:
+            _check_finite(out, f"the output of pipeline stage {s} for micro-batch {i}")
+        if (s, i) in self._replay and s == self.num_stages - 1:
+            # The loss starts from leaves standing for the output, so that its input gradient stops
+            # there (the replayed forward's graph takes it from there) and never reaches torch's
+            # checkpoint graph, which would recompute the stage once more.
+            out = _stand_in(out)
+            self._replay[(s, i)].output = out
+        if s == self.num_stages - 1:
+            value = self._head(out, i)  # type: ignore[misc]
+            # Keep the graph only in the stash (until this micro-batch's backward): a loss kept
+            # with its graph in the result would hold every micro-batch's activations to the end.
+            self._result.outputs[i] = (
+                value.detach() if training and isinstance(value, torch.Tensor) else value
+            )
+            if self.check_finite and isinstance(value, torch.Tensor):
+                _check_finite(value, f"the loss of micro-batch {i}")
+            if training:
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    got = (
+                        f"a tensor of shape {tuple(value.shape)}"
+                        if isinstance(value, torch.Tensor)
+                        else type(value).__name__
+                    )
+                    raise TypeError(f"The loss of micro-batch {i} must be a scalar tensor, got {got}.")
+                self._stash[(s, i)] = (leaves, value)
+        else:
+            if training:
+                for k, t in enumerate(_as_tuple(out)):
+                    if t.requires_grad and t.grad_fn is None and not isinstance(t, nn.Parameter):
+                        raise RuntimeError(
+                            f"Output {k} of pipeline stage {s} requires grad but has no grad path: it is "
+                            "a new leaf tensor, so gradients sent back for it would reach no "
+                            "parameter. Compute it from the stage input or parameters, or detach() it."
+                        )
+            self._outputs[(s, i)] = out
+            if training:
+                self._stash[(s, i)] = (leaves, out)
+        self._result.peak_stashed = max(self._result.peak_stashed, len(self._stash))
+        if training and self.measure_activation_memory:
+            if recomputed:  # recomputation keeps only the stage input
+                saved = {
+                    (t.data_ptr(), t.nbytes): t.nbytes for t in _as_tuple(x) if isinstance(t, torch.Tensor)
+                }
+            self._stash_bytes[(s, i)] = saved
+            # A tensor saved by several live micro-batches (a weight kept for the input gradient)
+            # exists once: count distinct tensors over all of them.
+            live = sum({k: v for d in self._stash_bytes.values() for k, v in d.items()}.values())
+            self._result.peak_activation_bytes = max(self._result.peak_activation_bytes, live)
+
+    def _backward(self, s: int, i: int, split: bool = False) -> None:
+        """The backward of micro-batch ``i`` on stage ``s``, or with ``split`` (zero-bubble) its
+        input-gradient part, leaving the weights' part for the ``BACKWARD_WEIGHT`` action."""
+        leaves, out = self._stash[(s, i)] if split else self._stash.pop((s, i))
+        if not split:  # a split micro-batch keeps its graph, and counts, until its W
+            self._stash_bytes.pop((s, i), None)
+        last = s == self.num_stages - 1
+        carries: list[bool]
+        if last:
+            loss = out
+            if not loss.requires_grad:  # type: ignore[union-attr]
+                raise RuntimeError(
+                    f"The loss of micro-batch {i} does not require grad: it is not computed from "
+                    "the pipeline output or the model's parameters."
+                )
+            weighted = loss * self._weights[i]  # type: ignore[operator]
+            if self._scale_loss is not None:  # fp16: gradients scaled, unscaled before the step
+                weighted = self._scale_loss(weighted)
+            roots: list[torch.Tensor] = [weighted]
+            grads: list[torch.Tensor] | None = None
+        else:
+            meta = self._output_meta.pop((s, i))
+            grads = self.transport.complete(self._received.pop((s, i)))
+            carries = [tm.carries_grad for tm in meta.tensors]
+            roots = [t for t, c in zip(_as_tuple(out), carries, strict=True) if c]
+        # Forwards recomputed inside backward must not count twice in BatchNorm statistics.
+        with running_backward():
+            if not split:
+                if roots:
+                    torch.autograd.backward(roots, grads)
+            else:
+                work: list[WeightGradients] = []
+                replay = self._replay.pop((s, i), None)
+                if replay is not None:
+                    if last:  # the loss's gradient at the stage output, then the stage's own graph
+                        outputs = _as_tuple(replay.output)  # type: ignore[arg-type]
+                        carries = [t.requires_grad for t in outputs]
+                        stand_in = [t for t, c in zip(outputs, carries, strict=True) if c]
+                        # The loss's own weights now: one the stage also uses must not be
+                        # accumulated by two W passes (the reducer counts each weight once).
+                        work.append(backward_input(roots, None, stand_in, defer_weights=False))
+                        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in stand_in]
+                    again = _as_tuple(replay.run(self.stages[s], s))
+                    roots = [t for t, c in zip(again, carries, strict=True) if c]
+                if roots:
+                    work.append(backward_input(roots, grads, leaves))
+                self._weight_work[(s, i)] = work
+        if s > 0:
+            self._input_grads[(s, i)] = [
+                leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves
+            ]
+
+    # ------------------------------------------------------------------ communicate
+    def _cache_key(self, boundary: int, i: int) -> Hashable | None:
+        if self._signatures is None:
+            return None
+        # Training and evaluation produce the same shapes but differ in requires_grad.
+        return (boundary, self._schedule.training, self._signatures[i])
+
+    def _receive(self, action: Action) -> RecvRequest | None:
+        """The request for a receive action; ``None`` when its shapes are not known yet."""
+        s, i = action.stage_index, action.microbatch
+        peer = self.peers[self._schedule.peer_rank(action)]
+        if action.kind is ActionType.RECV_F:
+            return RecvRequest(peer, cache_key=self._cache_key(s - 1, i), label=_describe(action))
+        meta = self._output_meta.get((s, i))
+        if meta is None:
+            return None
+        return RecvRequest(peer, meta=meta, grad_of=True, label=_describe(action))
+
+    def _communicate(self, batch: list[Action], ahead: list[Action], early: bool) -> None:
+        """Post ``batch``'s sends and receives (those not posted early), and, when receiving early,
+        the receives of the next exchange ``ahead`` if their shapes are known."""
+        sends: list[SendRequest] = []
+        recvs: list[RecvRequest] = []
+        for action in batch:
+            s, i = action.stage_index, action.microbatch
+            if action.kind is ActionType.SEND_F:
+                peer = self.peers[self._schedule.peer_rank(action)]
+                out = self._outputs.pop((s, i))
+                meta = ActivationMeta.of(out)
+                if self._schedule.training:
+                    self._output_meta[(s, i)] = meta
+                sends.append(
+                    SendRequest(peer, _as_tuple(out), meta, self._cache_key(s, i), label=_describe(action))
+                )
+            elif action.kind is ActionType.SEND_B:
+                peer = self.peers[self._schedule.peer_rank(action)]
+                sends.append(SendRequest(peer, self._input_grads.pop((s, i)), label=_describe(action)))
+            else:
+                request = self._early.pop(action, None)
+                if request is None:
+                    request = self._receive(action)
+                    if request is None:  # unreachable: a gradient's sender sent its meta first
+                        raise RuntimeError(f"No activation was sent before {_describe(action)}.")
+                    recvs.append(request)
+                self._received[(s, i)] = request
+        posted: dict[Action, RecvRequest] = {}
+        for action in ahead:
+            if action.kind in (ActionType.RECV_F, ActionType.RECV_B):
+                request = self._receive(action)
+                if request is None or not self.transport.knows(request):
+                    # Posting it now would need a header round trip (or the gradient's shape):
+                    # leave the whole exchange to its turn, which keeps each channel in order.
+                    posted = {}
+                    break
+                posted[action] = request
+        self.transport.exchange(sends, recvs + list(posted.values()), wait=not early)
+        self._early.update(posted)
+        self.receives_posted_early += len(posted)

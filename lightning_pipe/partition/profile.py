@@ -1,0 +1,136 @@
+"""Measure each pipeline layer's forward and backward time on a sample micro-batch.
+
+``partition="time"`` (torchgpipe's ``balance_by_time``) splits the layers so that the slowest
+stage is as fast as it can be, which needs each layer's cost: parameter counts say little about
+attention against a feed-forward block, or an embedding against a head. The layers are timed one
+at a time, in pipeline order, each on the previous one's output:
+
+* a private copy of the layer is made and moved to the device (built on the meta device, it is
+  materialised and filled with small random values: the times do not depend on them), run forward
+  and backward a few times, and dropped, so that no rank ever holds more than one layer beyond its
+  own stage, and the model's own weights, gradients and BatchNorm statistics are left untouched;
+* backward is :func:`torch.autograd.grad` to the layer's input and parameters from a gradient of
+  ones, which computes what training computes without accumulating anything;
+* the random state is restored afterwards, so that dropout in the profile draws no number the run
+  would have drawn (the run stays equal to one device's).
+
+The times are per micro-batch; the runtime has global rank 0 measure them alone and sends them
+to every rank, so that every rank computes the same split.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.execution.layers import apply_layers
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer's measured time per micro-batch, in seconds."""
+
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple | list):
+        return tuple(_to(v, device) for v in value)
+    raise TypeError(
+        f"The sample micro-batch for partition='time' must be a tensor or a tuple of tensors (the "
+        f"first pipeline layer's input), got {type(value).__name__}."
+    )
+
+
+def _leaves(value: Any) -> Any:
+    """``value`` detached, floating tensors requiring grad (the layer input's gradient is timed)."""
+    if isinstance(value, tuple):
+        return tuple(_leaves(v) for v in value)
+    return value.detach().requires_grad_(value.is_floating_point() or value.is_complex())
+
+
+def _private_copy(layer: nn.Module, device: torch.device) -> nn.Module:
+    tensors = itertools.chain(layer.parameters(), layer.buffers())
+    twin = copy.deepcopy(layer)
+    if any(t.is_meta for t in tensors):
+        twin = twin.to_empty(device=device)
+        with torch.no_grad():
+            for t in itertools.chain(twin.parameters(), twin.buffers()):
+                if t.is_floating_point():
+                    t.normal_(0.0, 0.02)
+                else:
+                    t.zero_()
+    return twin.to(device).train()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def profile_layers(
+    layers: Sequence[nn.Module], sample: Any, device: torch.device, repeats: int = 3
+) -> list[LayerTime]:
+    """Time every layer's forward and backward on ``sample`` (one micro-batch's pipeline input):
+    the median of ``repeats`` runs after one warm-up run, per layer."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}.")
+    times: list[LayerTime] = []
+    x = _to(sample, device)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        for position, layer in enumerate(layers):
+            twin = _private_copy(layer, device)
+            params = [p for p in twin.parameters() if p.requires_grad]
+            forward, backward = [], []
+            out: Any = None
+            for run in range(repeats + 1):
+                inputs = _leaves(x)
+                _sync(device)
+                start = time.perf_counter()
+                try:
+                    with torch.enable_grad():
+                        out = apply_layers([twin], inputs, position)
+                except Exception as err:
+                    if hasattr(err, "add_note"):  # Python >= 3.11
+                        err.add_note(
+                            f'partition="time" was timing pipeline layer {position} ({type(layer).__name__}) '
+                            "on the sample micro-batch (under Lightning: the first micro-batch of "
+                            "example_input_array, which must be a batch of forward's input)."
+                        )
+                    raise
+                _sync(device)
+                middle = time.perf_counter()
+                roots = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+                wrt = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if t.requires_grad]
+                if roots and wrt + params:
+                    torch.autograd.grad(
+                        roots, wrt + params, [torch.ones_like(t) for t in roots], allow_unused=True
+                    )
+                _sync(device)
+                if run:  # the first run warms caches and allocators up
+                    forward.append(middle - start)
+                    backward.append(time.perf_counter() - middle)
+            times.append(LayerTime(_median(forward), _median(backward)))
+            x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
+            del twin, params
+    return times

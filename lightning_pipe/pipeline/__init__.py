@@ -1,1 +1,0 @@
-"""Pipeline parallelism: schedules as data, their validator and simulator, partitioning, executor."""

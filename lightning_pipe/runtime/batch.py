@@ -1,0 +1,82 @@
+"""The pieces of one batch the runtime runs: its micro-batches, the head that ends them, the result.
+
+:meth:`ParallelRuntime.train_batch <lightning_pipe.runtime.ParallelRuntime.train_batch>` splits a
+batch into :class:`Microbatch` es, feeds each one's pipeline input to the first stage and hands each
+one's pipeline output, with the micro-batch itself, to the *head* on the last stage: the loss when
+training (the user's ``training_step`` under Lightning), anything when evaluating. The head is the
+one place where the engine calls back into its caller; a head that also has a ``results()``
+method gives, once the schedule is done, a picklable summary that every rank of the pipeline
+receives in :class:`BatchResult` (Lightning's logged values, the predictions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lightning_pipe.batches.microbatch import batch_size
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One micro-batch of a batch, as the head receives it."""
+
+    index: int
+    data: Any
+    """The micro-batch: the batch's tensors cut along dim 0 (other leaves copied)."""
+    size: int
+    """Its samples."""
+    share: float
+    """Its share of the batch's samples (the weight of its loss in the batch's)."""
+
+
+class Head(Protocol):
+    """What ends each micro-batch on the last stage."""
+
+    def __call__(self, output: Any, microbatch: Microbatch) -> Any:
+        """The micro-batch's loss (a scalar tensor, when training) or any value, from its pipeline
+        output."""
+        ...
+
+
+ResultsOf = Callable[[], Any]
+"""A head's optional ``results()``: a picklable summary, from the last stage to every rank."""
+
+
+@dataclass
+class BatchResult:
+    """What :meth:`~lightning_pipe.runtime.ParallelRuntime.train_batch` and ``eval_batch`` return,
+    the same on every rank of the pipeline but for ``outputs``."""
+
+    loss: float | None = None
+    """Training: the batch's loss, the micro-batches' losses weighted by their shares (as one
+    device computes the mean over the batch)."""
+    results: Any = None
+    """What the head's ``results()`` returned on the last stage (``None`` without one)."""
+    outputs: dict[int, Any] = field(default_factory=dict)
+    """On the last stage: micro-batch index -> what the head returned for it (losses detached)."""
+    num_microbatches: int = 0
+    peak_stashed: int = 0
+    """The most micro-batches whose activations this rank kept alive at once."""
+    peak_activation_bytes: int = 0
+    """Most bytes autograd saved at once (measured only when the executor is asked to)."""
+
+
+def default_pipeline_input(batch: Any) -> Any:
+    """The first element of a tuple/list batch, or the batch itself."""
+    if isinstance(batch, tuple | list):
+        if not batch:
+            raise ValueError("An empty batch has no pipeline input.")
+        return batch[0]
+    return batch
+
+
+def count_microbatches(batch: Any, wanted: int | None, pipeline_parallel_size: int) -> tuple[int, bool]:
+    """How many micro-batches ``batch`` runs as, and whether that is fewer than ``wanted``:
+    ``wanted`` (``None``: ``2 x pipeline_parallel_size``), capped at the batch's samples, so that
+    the last batch of an epoch (``drop_last=False``) still runs, one sample per micro-batch."""
+    size = batch_size(batch)
+    if wanted is None:
+        return max(1, min(2 * pipeline_parallel_size, size)), False
+    return (size, True) if size < wanted else (wanted, False)

@@ -1,0 +1,154 @@
+"""A rank's gradients between the backward passes and the optimizer step.
+
+After the last backward of an accumulation window a rank's gradients are its own replica's, and
+a tied parameter's copy holds its own stage's part only. :class:`Gradients` makes them one
+device's: the data-parallel reducer averages them over the replicas (overlapping that backward,
+bucket by bucket), the copies of every tied parameter are summed across the stages that hold one,
+and, under ZeRO-1, each optimizer's pieces take their slices of the averaged buckets. Clipping by
+the global norm then sums every element once over the whole model: each stage's and tensor
+slice's, a tied parameter on one stage only, a replicated parameter on tensor rank 0 only, and
+under ZeRO-1 each replica's slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pipe.data_parallel.reducer import GradientReducer
+from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer, ShardingError
+from lightning_pipe.faults.naming import CollectiveNaming
+from lightning_pipe.mesh import MeshAxis, ParallelMesh
+from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
+
+TiedCopy = tuple[nn.Parameter, dist.ProcessGroup, bool]
+"""A tied parameter this rank holds: its copy, the group of the ranks holding copies, and whether
+this rank counts it in the gradient norm (the first stage that holds it does)."""
+
+
+class Gradients:
+    """This rank's gradients, from the first backward of an accumulation window to the step.
+
+    Args:
+        parameters: this rank's trainable parameters.
+        tied: the tied parameters this rank holds a copy of.
+        mesh: this rank's mesh (the data group averages, the model group sums the norm).
+        naming: names this rank and the operation in a failing collective's error.
+        bucket_cap_mb: the reducer's bucket size.
+        shard: ZeRO-1: each replica keeps the averaged gradient of its slices only.
+    """
+
+    def __init__(
+        self,
+        parameters: Sequence[nn.Parameter],
+        tied: Sequence[TiedCopy],
+        mesh: ParallelMesh,
+        naming: CollectiveNaming,
+        bucket_cap_mb: float = 25.0,
+        shard: bool = False,
+    ) -> None:
+        self.parameters, self.tied, self.mesh, self.naming = list(parameters), list(tied), mesh, naming
+        self.reducer: GradientReducer | None = None
+        if mesh.layout.data_parallel_size > 1:
+            self.reducer = GradientReducer(
+                self.parameters,
+                mesh.group(MeshAxis.DATA),
+                bucket_cap_mb,
+                shard=shard,
+                late=[p for p, _, _ in self.tied],
+            )
+        self.sharded: dict[int, ShardedOptimizer] = {}
+        """ZeRO-1 optimizers, by ``id()`` of the user's optimizer (at most one)."""
+
+    @property
+    def shards(self) -> bool:
+        """Whether the optimizer state is sharded over the replicas (ZeRO-1)."""
+        return self.reducer is not None and self.reducer.shard
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer`` step this replica's slices only (ZeRO-1)."""
+        if self.reducer is None or not self.reducer.shard:
+            return
+        if self.sharded:
+            # Its step gathers the parameters into the buckets' buffers, which hold the other
+            # optimizer's gradient slices until that one steps too.
+            (first,) = self.sharded.values()
+            raise ShardingError(
+                "shard_optimizer_state=True supports one optimizer per model, and this model already has "
+                f"one ({type(first.optimizer).__name__}); put every parameter in one "
+                "optimizer (parameter groups can hold different options), or shard_optimizer_state=False."
+            )
+        self.sharded[id(optimizer)] = ShardedOptimizer(optimizer, self.reducer.layout(), self.naming)
+
+    def begin(self) -> None:
+        """Start an accumulation window (after zeroing the gradients)."""
+        if self.reducer is not None:
+            self.reducer.attach()
+
+    def arm(self) -> None:
+        """The next backward is the window's last: overlap the averaging with it."""
+        if self.reducer is not None:
+            self.reducer.arm()
+
+    def finish(self) -> None:
+        """Average over the replicas (the reducer's last buckets) and sum tied copies across stages."""
+
+        def sum_tied() -> None:
+            with self.naming("summing the gradients of tied parameters across stages"):
+                for param, group, _ in self.tied:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+
+        if self.reducer is not None and self.reducer.shard:
+            # Tied copies sit in different slices on different stages: summed whole, before their
+            # (late) buckets are scattered; then each optimizer's pieces take their slices.
+            with self.naming("reduce-scattering gradients over the data-parallel group"):
+                self.reducer.finish(before_late=sum_tied)
+            for sharded in self.sharded.values():
+                sharded.attach_gradients(self.reducer.used)
+            return
+        if self.reducer is not None:
+            with self.naming("averaging gradients over the data-parallel group"):
+                self.reducer.finish()
+        sum_tied()
+
+    def clip_(self, max_norm: float, device: torch.device) -> torch.Tensor:
+        """Clip by the norm over every stage's and tensor slice's gradients, as one device would
+        (``torch.nn.utils.clip_grad_norm_`` over the whole model); returns that norm."""
+        # A tied parameter's copies hold the same (summed) gradient: count it on one stage only;
+        # a replicated parameter (not sliced across the tensor group) on tensor rank 0 only.
+        not_counted = {id(p) for p, _, counts in self.tied if not counts}
+        replicas_counted = self.mesh.coordinates.tp_rank == 0
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        # Sharded (ZeRO-1), each replica holds its slices' averaged gradients: the norm is summed
+        # over the replicas too, each element counted once.
+        grads = (
+            [
+                (piece.param, piece.tensor.grad)
+                for sharded in self.sharded.values()
+                for pieces in sharded.pieces.values()
+                for piece in pieces
+            ]
+            if self.sharded
+            else [(p, p.grad) for p in self.parameters]
+        )
+        for p, grad in grads:
+            if grad is None or id(p) in not_counted:
+                continue
+            if tensor_parallel_dim(p) is None and not replicas_counted:
+                continue
+            local += grad.detach().float().pow(2).sum()
+        with self.naming("summing the gradient norm over the model's ranks"):
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
+            if self.sharded:
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.group(MeshAxis.DATA))
+        total = local.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for _, grad in grads:
+            if grad is not None:
+                grad.detach().mul_(coef.to(grad.dtype))
+        return total
