@@ -22,6 +22,7 @@ from lightning_pipe.checkpoint import (
 from lightning_pipe.execution.executor import PipelineExecutor, StepResult
 from lightning_pipe.execution.layers import apply_layers
 from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.huggingface import CausalLMPipeline, export_huggingface
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, RankCoordinates, init_mesh
 from lightning_pipe.partition.balance import PartitionMethod, compute_balance, split_layers
 from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
@@ -57,6 +58,10 @@ def __getattr__(name: str) -> Any:
         from lightning_pipe.strategy import PipeTPStrategy
 
         return PipeTPStrategy
+    if name == "CausalLMModule":  # a ready LightningModule, imported on first use
+        from lightning_pipe.modules import CausalLMModule
+
+        return CausalLMModule
     if name in _DEPRECATED:
         new, value = _DEPRECATED[name]
         warnings.warn(
@@ -73,6 +78,8 @@ __all__ = [
     "Action",
     "ActionType",
     "BatchResult",
+    "CausalLMModule",
+    "CausalLMPipeline",
     "CheckpointDirectory",
     "CheckpointError",
     "ColumnParallelLinear",
@@ -102,6 +109,7 @@ __all__ = [
     "compute_balance",
     "consolidate_checkpoint",
     "cross_entropy",
+    "export_huggingface",
     "gather_vocab",
     "init_mesh",
     "is_checkpoint_directory",

@@ -1,6 +1,8 @@
 """``python -m lightning_pipe.consolidate CKPT_DIR OUT.ckpt``: a sharded pipe_tp checkpoint as one
 ordinary Lightning checkpoint file (for inference with ``strategy="auto"``, or to resume on one
-device). Runs in one process without torch.distributed; needs memory for the whole model."""
+device); with ``--to-huggingface``, the Hugging Face model it holds as a directory that
+``AutoModelForCausalLM.from_pretrained`` loads. Runs in one process without torch.distributed;
+needs memory for the whole model."""
 
 from __future__ import annotations
 
@@ -20,7 +22,25 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint file.",
     )
     parser.add_argument("checkpoint", help="the sharded checkpoint directory (e.g. epoch=3-step=120.ckpt)")
-    parser.add_argument("output", help="the single-file checkpoint to write (e.g. model.ckpt)")
+    parser.add_argument(
+        "output",
+        help="the single-file checkpoint to write (e.g. model.ckpt), or with --to-huggingface a directory",
+    )
+    parser.add_argument(
+        "--to-huggingface",
+        action="store_true",
+        help="write the Hugging Face model the checkpoint holds as a directory for from_pretrained "
+        "(config.json, safetensors shards and index, the tokenizer files of the model's source directory)",
+    )
+    parser.add_argument(
+        "--config",
+        help="with --to-huggingface: a directory with the model's config.json, "
+        "for a checkpoint that records none",
+    )
+    parser.add_argument(
+        "--prefix", help="with --to-huggingface: the model's key prefix (default: recorded, or 'model.')"
+    )
+    parser.add_argument("--tokenizer", help="with --to-huggingface: a directory to copy tokenizer files from")
     parser.add_argument(
         "--weights-only",
         action="store_true",
@@ -34,6 +54,23 @@ def main(argv: list[str] | None = None) -> int:
         "use it only for checkpoints you trust",
     )
     args = parser.parse_args(argv)
+    if args.to_huggingface:
+        from lightning_pipe.huggingface.export import export_huggingface
+
+        try:
+            out = export_huggingface(
+                args.checkpoint,
+                args.output,
+                config=args.config,
+                prefix=args.prefix,
+                tokenizer=args.tokenizer,
+                trust_pickle=args.trust_pickle,
+            )
+        except CheckpointError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(f"{out}: a Hugging Face model directory ({', '.join(sorted(p.name for p in out.iterdir()))})")
+        return 0
     try:
         # The layout first: OUTPUT may be the checkpoint directory itself, which consolidating replaces.
         layout = ParallelLayout(**CheckpointDirectory(args.checkpoint).metadata.layout)

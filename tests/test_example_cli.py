@@ -94,3 +94,39 @@ def test_example_gpt_learns_on_two_processes(tmp_path: Path, layout: list[str]) 
     assert len(val) == 2, rows
     assert val[0] < 3.5 and val[1] < val[0], val
     assert list(tmp_path.rglob("*.ckpt")), "ModelCheckpoint wrote nothing"
+
+
+@pytest.mark.distributed
+def test_example_huggingface_model_learns_on_two_processes(tmp_path: Path) -> None:
+    """The Hugging Face example (CausalLMModule, no wrapper) at pp=2, then its checkpoint exported
+    to a directory that transformers loads."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable, "examples/huggingface/train.py", "fit",
+        "--config", "examples/huggingface/configs/pipe_tp.yaml",
+        "--trainer.max_steps=40",
+        "--trainer.val_check_interval=20",
+        "--trainer.limit_val_batches=4",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.save_dir={tmp_path}",
+        "--data.max_chars=200000",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    val = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+    # Validation after 20 and 40 steps; the untrained model starts near ln(264) = 5.6.
+    assert len(val) == 2, rows
+    assert val[0] < 4.0 and val[1] < val[0], val
+    checkpoint = next(tmp_path.rglob("*.ckpt"))
+    out = tmp_path / "exported"
+    export = [sys.executable, "-m", "lightning_pipe.consolidate", str(checkpoint), str(out)]
+    export.append("--to-huggingface")
+    proc = subprocess.run(export, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(out).model_type == "llama"
+    assert list(out.glob("*.safetensors"))

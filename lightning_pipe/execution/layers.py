@@ -1,9 +1,16 @@
 """A stage's layers applied in order: what a pipeline stage computes, and the one contract its
-layers keep (a tensor, or a tuple of tensors that becomes the next layer's positional arguments)."""
+layers keep (a tensor, or a tuple of tensors that becomes the next layer's positional arguments).
+
+A layer is usually called as ``layer(*x)``. A model whose layers take other arguments (a Hugging
+Face decoder layer wants ``attention_mask=`` and ``position_embeddings=``, rebuilt on each stage
+from what travels) gives each such layer a :data:`LayerCall`; :func:`bind_layers` wraps the layer
+with it in a :class:`BoundLayer`, which the executor runs like any layer. The layer itself stays
+what the partition, the checkpoints and tensor-parallel slicing see: the call holds no parameters.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +18,34 @@ from torch import nn
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
 """What travels between pipeline layers and stages."""
+
+LayerCall = Callable[[nn.Module, tuple[Any, ...]], Activation]
+"""How one pipeline layer is applied: ``call(layer, args)`` with the previous layer's output as a
+tuple of positional arguments; returns this layer's output (the default is ``layer(*args)``)."""
+
+
+class BoundLayer(nn.Module):
+    """A pipeline layer applied by its :data:`LayerCall`; the layer is its only child, so its
+    parameters and buffers are the layer's (what backward, recomputation and BatchNorm look at)."""
+
+    def __init__(self, layer: nn.Module, call: LayerCall) -> None:
+        super().__init__()
+        self.layer = layer
+        self.call = call
+
+    def forward(self, *args: Any) -> Activation:
+        return self.call(self.layer, args)
+
+
+def bind_layers(layers: Sequence[nn.Module], calls: Sequence[LayerCall | None] | None) -> list[nn.Module]:
+    """``layers`` as the executor runs them: each with a call wrapped in a :class:`BoundLayer`."""
+    if calls is None:
+        return list(layers)
+    if len(calls) != len(layers):
+        raise ValueError(f"{len(calls)} layer calls were given for {len(layers)} pipeline layers.")
+    return [
+        layer if call is None else BoundLayer(layer, call) for layer, call in zip(layers, calls, strict=True)
+    ]
 
 
 def apply_layers(layers: Sequence[nn.Module], x: Any, stage_index: int = 0) -> Activation:

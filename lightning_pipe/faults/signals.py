@@ -115,7 +115,9 @@ class StopOnSignal:
             os._exit(128 + signum)
 
 
-def passed_on_by_rank_zero(exception: SystemExit, rank: int, describe: str) -> None:
+def passed_on_by_rank_zero(
+    exception: SystemExit, rank: int, describe: str, rank_zero: str = "global rank 0"
+) -> None:
     """Give Lightning's ``SIGTERMException`` an exit status and, on the ranks that did not receive
     the signal, one line naming the rank that did.
 
@@ -123,14 +125,16 @@ def passed_on_by_rank_zero(exception: SystemExit, rank: int, describe: str) -> N
     and raises ``SIGTERMException``, a ``SystemExit`` without a code, on every rank: a rank whose
     main thread reaches that broadcast before the watcher above ends rank 0 would exit with status
     0 and no word of why. Rank 0 received the signal (``128 + SIGTERM``); the others exit 1.
+    ``rank_zero`` names rank 0 the way every other message does (with its coordinates), so a
+    reader (or a log search) finds the same words whichever path told this rank.
     """
     if rank == 0:
         exception.code = 128 + signal.SIGTERM
         return
     exception.code = 1
     line = (
-        f"lightning_pipe: {describe} stops: global rank 0 received SIGTERM, which Lightning passes on to "
-        "every rank; rank 0 has stopped."
+        f"lightning_pipe: {describe} stops: {rank_zero} received SIGTERM, which Lightning passes on "
+        "to every rank; rank 0 has stopped."
     )
     os.write(2, (line + "\n").encode())
     add_note(exception, line)

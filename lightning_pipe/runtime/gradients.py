@@ -39,6 +39,9 @@ class Gradients:
         naming: names this rank and the operation in a failing collective's error.
         bucket_cap_mb: the reducer's bucket size.
         shard: ZeRO-1: each replica keeps the averaged gradient of its slices only.
+        summed_over_tensor: parameters kept whole on every tensor rank whose gradient each rank
+            computes for its own slice of the input only (a per-head norm): summed over the
+            tensor group.
     """
 
     def __init__(
@@ -49,8 +52,10 @@ class Gradients:
         naming: CollectiveNaming,
         bucket_cap_mb: float = 25.0,
         shard: bool = False,
+        summed_over_tensor: Sequence[nn.Parameter] = (),
     ) -> None:
         self.parameters, self.tied, self.mesh, self.naming = list(parameters), list(tied), mesh, naming
+        self.summed_over_tensor = list(summed_over_tensor)
         self.reducer: GradientReducer | None = None
         if mesh.layout.data_parallel_size > 1:
             self.reducer = GradientReducer(
@@ -58,7 +63,7 @@ class Gradients:
                 mesh.group(MeshAxis.DATA),
                 bucket_cap_mb,
                 shard=shard,
-                late=[p for p, _, _ in self.tied],
+                late=[p for p, _, _ in self.tied] + self.summed_over_tensor,
             )
         self.sharded: dict[int, ShardedOptimizer] = {}
         """ZeRO-1 optimizers, by ``id()`` of the user's optimizer (at most one)."""
@@ -102,6 +107,23 @@ class Gradients:
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
                     dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+            if self.summed_over_tensor:
+                # One flat all-reduce for all of them (norm weights: small and many).
+                grads = [
+                    p.grad if p.grad is not None else torch.zeros_like(p) for p in self.summed_over_tensor
+                ]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                with self.naming("summing the gradients of replicated_sum parameters over the tensor group"):
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.mesh.group(MeshAxis.TENSOR))
+                offset = 0
+                for p, g in zip(self.summed_over_tensor, grads, strict=True):
+                    # In place: a gradient may be a view into the reducer's bucket, which scatters it.
+                    summed = flat[offset : offset + g.numel()].view_as(p)
+                    if p.grad is None:
+                        p.grad = summed.clone()
+                    else:
+                        p.grad.copy_(summed)
+                    offset += g.numel()
 
         if self.reducer is not None and self.reducer.shard:
             # Tied copies sit in different slices on different stages: summed whole, before their

@@ -57,6 +57,9 @@ class Preparation:
     holdings: Holdings | None = None
     """What each stage holds (whole and per rank), for the layout log and the model summary."""
     built_on_meta: bool = False
+    summed_over_tensor: tuple[str, ...] = ()
+    """Modules kept whole on every tensor rank whose gradients are summed over the tensor group
+    (the plan's ``replicated_sum`` entries: each rank's gradient covers its own heads only)."""
 
 
 def preparation_of(
@@ -116,7 +119,7 @@ class Preparer:
                 "load the weights yourself in __init__."
             )
         if mesh.layout.tensor_parallel_size > 1:
-            done.slicing = self._slice_tensor_parallel(partition, layers)
+            done.slicing, done.summed_over_tensor = self._slice_tensor_parallel(partition, layers)
         layers = [module.get_submodule(name) for name in partition.layer_names]  # sharded, if any
         materialized: frozenset[int] = frozenset()
         if on_meta:
@@ -181,9 +184,12 @@ class Preparer:
                 "configuration, or a wrong pretrained_prefix."
             )
 
-    def _slice_tensor_parallel(self, partition: PipelinePartition, layers: Sequence[nn.Module]) -> str:
+    def _slice_tensor_parallel(
+        self, partition: PipelinePartition, layers: Sequence[nn.Module]
+    ) -> tuple[str, tuple[str, ...]]:
         """Replace the tensor-parallel plan's modules inside this stage's ``layers`` (the unsliced
-        pipeline layers) with sliced ones; returns what every stage slices, for the start-of-run log."""
+        pipeline layers) with sliced ones; returns what every stage slices, for the start-of-run
+        log, and the modules whose gradients are summed over the tensor group."""
         tp = self.mesh.layout.tensor_parallel_size
         tp_plan = self.options.tensor_parallel_plan
         if not tp_plan:
@@ -213,7 +219,11 @@ class Preparer:
                 src=self.mesh.layout.rank_of(c.dp_rank, c.pp_rank, 0),
                 seed=self.seed,
             )
-        return counts.describe(tp)
+        summed = tuple(n for n, style in resolved.items() if style is TensorParallelStyle.REPLICATED_SUM)
+        text = counts.describe(tp)
+        if summed:
+            text += f"\n  kept whole, gradients summed over the tensor group: {list(summed)}"
+        return text, summed
 
 
 def other_stages_tensors(

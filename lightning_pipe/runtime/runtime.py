@@ -58,6 +58,7 @@ from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers
 from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
+from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.p2p import PipelineCommunicationError
 from lightning_pipe.faults.board import FaultBoard, lost_connection
 from lightning_pipe.faults.naming import CollectiveNaming
@@ -74,6 +75,7 @@ from lightning_pipe.runtime.batch import (
 )
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.holdings import Holdings
+from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.runtime.notices import BATCH_NORM_NOT_DEFERRED, SHARDING_ONE_REPLICA, batch_norm_mixes
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.runtime.prepare import Preparation, Preparer, other_stages_tensors, preparation_of
@@ -101,9 +103,9 @@ class ParallelRuntime:
             ``partition="time"`` times the layers on; not needed otherwise.
         board: the job's fault board: a collective or exchange that loses its peer names who
             stopped and how.
-        pipeline_input: a batch (micro-batch) -> the first stage's input (default: the first
-            element of a tuple/list batch, or the batch itself); a tuple or list it returns
-            becomes the first layer's positional arguments.
+        hooks: how to read a model that is more than its layers chained (what enters the first
+            layer, how each layer is called, how ``forward`` is checked, the loss items of each
+            sample); see :class:`~lightning_pipe.runtime.hooks.ModelHooks`.
     """
 
     def __init__(
@@ -119,14 +121,15 @@ class ParallelRuntime:
         weights: WeightFiles | None = None,
         sample: Any = None,
         board: FaultBoard | None = None,
-        pipeline_input: Callable[[Any], Any] | None = None,
+        hooks: ModelHooks | None = None,
     ) -> None:
         self.module, self.mesh, self.device = module, mesh, device
         self.options = options or RuntimeOptions()
         self.naming = CollectiveNaming(mesh.rank, str(mesh.coordinates), board)
         """Names this rank and the operation in a failing collective's error (the caller may use
         it for its own collectives)."""
-        self._pipeline_input = pipeline_input or default_pipeline_input
+        self.hooks = hooks or ModelHooks()
+        self._pipeline_input = self.hooks.pipeline_input or default_pipeline_input
         layout, v = mesh.layout, self.options.virtual_stages
         done = preparation_of(module, layout, self.options.partition, v)
         self.first_setup = done is None
@@ -141,7 +144,7 @@ class ParallelRuntime:
                 "configure_pipeline()."
             )
         if done is None:
-            times = self._layer_times(layers, sample)
+            times = self._layer_times(bind_layers(layers, self.hooks.layer_calls), sample)
             partition = partition_model(
                 module, layers, layout.pipeline_parallel_size * v, self.options.partition, times
             )
@@ -163,12 +166,15 @@ class ParallelRuntime:
         self.preparation: Preparation = done
         """How the module was split and sliced (kept on the module for later runtimes)."""
         self.layers: list[nn.Module] = [module.get_submodule(name) for name in partition.layer_names]
+        """The pipeline layers (tensor-parallel slices where sliced), as the partition names them."""
+        self._executed = bind_layers(self.layers, self.hooks.layer_calls if self.layers else None)
+        """The layers as the executor applies them (with their calls, where the hooks give some)."""
         own = [self.layers[i] for s in self.stage_indices for i in partition.layer_range(s)]
         owned = {id(p): p for layer in own for p in layer.parameters() if p.requires_grad}
         self.parameters: list[nn.Parameter] = list(owned.values())
         """This rank's trainable parameters (its stages' layers, tensor slices included)."""
         self.executor = PipelineExecutor(
-            {s: [self.layers[i] for i in partition.layer_range(s)] for s in self.stage_indices},
+            {s: [self._executed[i] for i in partition.layer_range(s)] for s in self.stage_indices},
             partition.num_stages,
             mesh.pipeline_peers,
             device,
@@ -198,6 +204,12 @@ class ParallelRuntime:
             self.naming,
             self.options.bucket_cap_mb,
             shard=self.options.shard_optimizer_state,
+            summed_over_tensor=[
+                p
+                for name in done.summed_over_tensor
+                for p in module.get_submodule(name).parameters()
+                if id(p) in owned
+            ],
         )
         """This rank's gradients from the first backward of a window to the optimizer step."""
         if self.options.shard_optimizer_state and layout.data_parallel_size == 1 and self.first_setup:
@@ -379,11 +391,18 @@ class ParallelRuntime:
                 f"{self.options.num_microbatches}; it runs as {m} micro-batches (warned once)."
             )
         sizes = microbatch_sizes(batch_size(batch), m)
-        total = sum(sizes)
         pieces = split_microbatches(batch, m)
-        microbatches = [Microbatch(i, pieces[i], sizes[i], sizes[i] / total) for i in range(m)]
+        counts, replica_items = self._loss_counts(batch, sizes, step, training)
+        total = sum(counts)
+        microbatches = [Microbatch(i, pieces[i], sizes[i], counts[i] / total) for i in range(m)]
         inputs = [as_layer_arguments(self._pipeline_input(mb.data)) for mb in microbatches]
         self._check_before(step, batch, inputs[0])
+        # By items, the replicas' gradients are averaged, so each replica's losses are weighted by
+        # its share of the global batch's items times the number of replicas (1 when the replicas
+        # hold as many items each): the average is then the global batch's mean.
+        dp_factor = (
+            1.0 if replica_items is None else total * self.mesh.layout.data_parallel_size / replica_items
+        )
 
         def end(output: Any, i: int) -> Any:
             return head(output, microbatches[i])
@@ -397,7 +416,7 @@ class ParallelRuntime:
                 self.mesh.coordinates.pp_rank,
                 inputs=inputs if self.holds_first_stage else None,
                 head=end if self.holds_last_stage else None,
-                weights=[mb.share * loss_weight for mb in microbatches] if training else None,
+                weights=[mb.share * dp_factor * loss_weight for mb in microbatches] if training else None,
                 signatures=[signature(x) for x in inputs],
                 recorder=recorder,
                 before_last_backward=self.gradients.arm if training and final else None,
@@ -437,13 +456,45 @@ class ParallelRuntime:
             peak_activation_bytes=run.peak_activation_bytes,
         )
 
+    def _loss_counts(
+        self, batch: Any, sizes: Sequence[int], step: StepIdentity, training: bool
+    ) -> tuple[list[float], float | None]:
+        """Each micro-batch's loss items (its samples, unless the hooks count items) and, when items
+        are counted and training averages gradients over several replicas, the global batch's."""
+        items = self.hooks.loss_items(batch) if self.hooks.loss_items is not None else None
+        if items is None:
+            return [float(n) for n in sizes], None
+        total = sum(sizes)
+        if not isinstance(items, torch.Tensor) or tuple(items.shape) != (total,):
+            raise ValueError(
+                f"loss_items must give one count per sample of the batch (a tensor of shape ({total},)), "
+                f"got {tuple(items.shape) if isinstance(items, torch.Tensor) else type(items).__name__}."
+            )
+        counts = [float(chunk.sum()) for chunk in torch.split(items.detach().double().cpu(), list(sizes))]
+        if sum(counts) <= 0:
+            raise ValueError(
+                f"The batch of {step} holds no loss items (every label is ignored, "
+                "e.g. -100 everywhere): its mean loss is undefined, on one device too. Filter such "
+                "batches out before they reach the model."
+            )
+        if self.mesh.layout.data_parallel_size == 1 or not training:
+            return counts, None
+        global_items = torch.tensor([sum(counts)], dtype=torch.float64, device=self.device)
+        with self.naming("summing the batch's loss items over the data-parallel group"):
+            dist.all_reduce(global_items, group=self.mesh.group(MeshAxis.DATA))
+        return counts, float(global_items)
+
     def _check_before(self, step: StepIdentity, batch: Any, probe: Any) -> None:
         """Stop every rank of the replica, with one message, if its ranks are about to run
         different batches or (on the first batch) ``forward`` is not the chained layers."""
         problem = None
         if not self._forward_checked:
             self._forward_checked = True
-            problem, warning = check_forward(self.module.forward, self.layers, self.module, probe)
+            if self.hooks.check_forward is not None:
+                own = [self.layers[i] for s in self.stage_indices for i in self.partition.layer_range(s)]
+                problem, warning = self.hooks.check_forward(probe, own)
+            else:
+                problem, warning = check_forward(self.module.forward, self._executed, self.module, probe)
             if warning is not None:
                 self._warn(warning)
         self._agree(step, batch, problem)

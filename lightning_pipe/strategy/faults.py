@@ -34,6 +34,7 @@ class FaultHandling:
         self.naming = CollectiveNaming(0)
         """Names this rank (and what it was doing) in a failing collective's error."""
         self._where = ""
+        self._rank_zero = "global rank 0"
 
     def start(self, layout: ParallelLayout, rank: int, before_exit: Callable[[int], None] | None) -> None:
         """At each Trainer call's setup (the process group exists): a board for this call's
@@ -47,6 +48,7 @@ class FaultHandling:
             f"lightning_pipe/failures/{_SETUP_CALLS}", layout.coordinates
         )
         self._where = str(layout.coordinates(rank))
+        self._rank_zero = f"rank 0 ({layout.coordinates(0)})"
         self.naming = CollectiveNaming(rank, self._where, self.board)
         if layout.world_size > 1 and self.signals is None:
             self.signals = StopOnSignal(f"rank {rank} ({self._where})", before_exit=before_exit)
@@ -62,7 +64,7 @@ class FaultHandling:
         only lost a peer says, in one line before its traceback, which rank stopped and how."""
         if isinstance(exception, SIGTERMException):
             where = f" ({self._where})" if self._where else ""
-            passed_on_by_rank_zero(exception, rank, f"rank {rank}{where}")
+            passed_on_by_rank_zero(exception, rank, f"rank {rank}{where}", self._rank_zero)
         board = self.board
         if board is None:
             return

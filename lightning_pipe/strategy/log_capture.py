@@ -6,12 +6,12 @@ progress bar read them on every rank, and a rank that disagrees hangs or diverge
 
 So while the pipeline runs, the last stage's ``self.log`` calls go to a :class:`LogCapture` in
 place of the loop's result collection. Afterwards the last stage reduces them to one record per
-key (the mean over micro-batches weighted by their sizes: one value for the whole batch, as one
-device logs it), sends the records and the state of every logged torchmetrics ``Metric`` to the
-other ranks of its pipeline, and *every* rank replays the records into its real result
-collection. From there on Lightning's own machinery (on_step/on_epoch accumulation, ``sync_dist``
-through ``strategy.reduce`` over the data-parallel group, epoch-end ``Metric.compute``) runs the
-same way on all ranks.
+key (the mean over micro-batches weighted by their shares of the batch's loss: one value for the
+whole batch, as one device logs it), sends the records and the state of every logged torchmetrics
+``Metric`` to the other ranks of its pipeline, and *every* rank replays the records into its real
+result collection. From there on Lightning's own machinery (on_step/on_epoch accumulation,
+``sync_dist`` through ``strategy.reduce`` over the data-parallel group, epoch-end
+``Metric.compute``) runs the same way on all ranks.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ class LoggedValue:
 class LogCapture:
     """Stands in for the loop's ``_ResultCollection`` while the last stage runs its steps."""
 
-    microbatch_size: int = 0
+    microbatch_weight: float = 0.0
+    """The running micro-batch's weight in the batch's logged values: its share of the batch's
+    loss (of its samples, or of its tokens when the loss is a mean over tokens) times the batch's
+    samples, so that the weights add up to the batch size Lightning averages epochs by."""
     records: dict[tuple[str, str], LoggedValue] = field(default_factory=dict)
 
     def log(self, fx: str, name: str, value: Any, **options: Any) -> None:
@@ -61,10 +64,10 @@ class LogCapture:
             self.records[(fx, name)] = record
         if isinstance(value, Metric):
             return  # its state travels whole; see metric_states()
-        weight = float(user_batch_size if user_batch_size is not None else self.microbatch_size)
+        weight = float(user_batch_size if user_batch_size is not None else self.microbatch_weight)
         record.weighted_sum += float(value.detach().double()) * weight
         record.weight += weight
-        record.options["batch_size"] = int(record.weight)
+        record.options["batch_size"] = round(record.weight)
 
     def reset(self, *args: Any, **kwargs: Any) -> None:
         """Lightning resets tensors on the first log of a hook; the replay does that for real."""

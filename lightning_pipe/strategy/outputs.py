@@ -1,14 +1,17 @@
-"""Redirect ``self(...)`` to the pipeline output, and join per-micro-batch results into one.
+"""Redirect the model's call inside a step to the pipeline output, and join per-micro-batch results.
 
 Inside the user's ``training_step`` on the last stage, ``self(x)`` must return the pipeline's
 output for that micro-batch (the layers applied in order), not run the local copy of the whole
-model. :func:`forward_returns` makes the module's ``forward`` return a given value for exactly one
-call and reports any other count, which catches steps that call ``self.layers(...)`` directly.
+model. :func:`forward_returns` makes a module's ``forward`` answer exactly one call with a reply
+built from the pipeline output, and reports any other count, which catches steps that call
+``self.layers(...)`` directly. The module is the LightningModule itself, or the Hugging Face model
+whose pipeline was derived (``self.model(**batch)`` then answers with the pipeline's logits and
+the loss of the micro-batch's labels; see :mod:`lightning_pipe.huggingface.outputs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,14 +20,17 @@ from torch import nn
 
 
 @contextmanager
-def forward_returns(module: nn.Module, output: Any, step_name: str) -> Iterator[None]:
-    """Within the block, ``module(...)`` returns ``output``; exactly one call is required."""
+def forward_returns(
+    module: nn.Module, reply: Callable[..., Any], step_name: str, call: str = "self(...)"
+) -> Iterator[None]:
+    """Within the block, ``module(...)`` returns ``reply(*args, **kwargs)``; exactly one call is
+    required (``call``: how the step writes it, for the message)."""
     calls = 0
 
     def pipeline_forward(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
-        return output
+        return reply(*args, **kwargs)
 
     module.forward = pipeline_forward
     try:
@@ -33,9 +39,9 @@ def forward_returns(module: nn.Module, output: Any, step_name: str) -> Iterator[
         del module.forward
     if calls != 1:
         raise RuntimeError(
-            f"{type(module).__name__}.{step_name} called self(...) {calls} times for one micro-batch; under "
-            "the pipe_tp strategy it must call it exactly once: self(...) returns the pipeline output "
-            "of the micro-batch (calling self.layers(...) directly would bypass the pipeline)."
+            f"{step_name} called {call} {calls} times for one micro-batch; under the pipe_tp strategy it "
+            f"must call it exactly once: {call} returns the pipeline output of the micro-batch (calling "
+            "the layers directly would bypass the pipeline)."
         )
 
 

@@ -57,6 +57,8 @@ from lightning_pipe.construction.meta import meta_tensors_set_aside, parameters_
 from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.sharded_optimizer import ShardingError
 from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.huggingface.export import METADATA_KEY as HF_METADATA
+from lightning_pipe.huggingface.export import model_metadata
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
 from lightning_pipe.partition.balance import measures_time
 from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
@@ -78,6 +80,7 @@ from lightning_pipe.strategy.compat import (
     weights_only_of_running_call,
 )
 from lightning_pipe.strategy.faults import FaultHandling
+from lightning_pipe.strategy.pipeline_model import PipelineModel, Redirect, find_causal_lm, read_module
 from lightning_pipe.strategy.precision import GlobalNormClipping, PipeTPPrecision, with_global_clipping
 from lightning_pipe.strategy.recording import TimelineRecording
 from lightning_pipe.strategy.steps import run_step
@@ -158,7 +161,8 @@ class PipeTPStrategy(ParallelStrategy):
             checkpoint directory or a Lightning checkpoint file. Weights only: no optimizer or loop state
             (resume with ``ckpt_path``).
         pretrained_prefix: what the module's state-dict keys have before the files' keys (a Hugging
-            Face model kept as ``self.llama``: ``"llama."``).
+            Face model kept as ``self.llama``: ``"llama."``). ``None`` (default): the derived Hugging
+            Face model's own name (``"model."`` for ``self.model``), else nothing.
         start_method: ``"popen"`` (Lightning re-launches the script; torchrun and SLURM start
             the processes themselves) or ``"spawn"``/``"fork"``/``"forkserver"``.
     """
@@ -187,7 +191,7 @@ class PipeTPStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool = True,
         deferred_batch_norm: bool = True,
         pretrained: str | os.PathLike[str] | None = None,
-        pretrained_prefix: str = "",
+        pretrained_prefix: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         checkpoint: Literal["never", "except_last", "always"] | None = None,
         accelerator: Accelerator | None = None,
@@ -275,6 +279,8 @@ class PipeTPStrategy(ParallelStrategy):
         self.faults = FaultHandling()
         self._mesh: ParallelMesh | None = None
         self._runtime: ParallelRuntime | None = None
+        self.pipeline_model: PipelineModel | None = None
+        """What the strategy read from the LightningModule at this call's setup."""
 
     # ------------------------------------------------------------------ the engine options, read
     @property
@@ -556,28 +562,31 @@ class PipeTPStrategy(ParallelStrategy):
     def _new_runtime(self, module: LightningModule) -> ParallelRuntime:
         layout = self.mesh.layout
         first = preparation_of(module, layout, self.partition, self.virtual_stages) is None
-        tp_plan = self.tensor_parallel_plan
-        if first and tp_plan is None and layout.tensor_parallel_size > 1:
-            hook = getattr(module, "tensor_parallel_plan", None)
-            tp_plan = hook() if callable(hook) else None
-        options = dataclasses.replace(self.options, tensor_parallel_plan=tp_plan, timeout=self._timeout)
+        view = read_module(
+            module, first, layout.tensor_parallel_size, self.tensor_parallel_plan, self.pretrained_prefix
+        )
+        self.pipeline_model = view
+        if first:
+            for note in view.notes:
+                rank_zero_info(f"pipe_tp: {note}")
+        options = dataclasses.replace(
+            self.options, tensor_parallel_plan=view.tensor_parallel_plan, timeout=self._timeout
+        )
         # Lightning's global seed when one was set (seed_everything); the runtime uses rank 0's.
         env = os.environ.get("PL_GLOBAL_SEED")
-        init = getattr(module, "init_module_weights", None)
-        weights = WeightFiles(self.pretrained, self.pretrained_prefix) if first and self.pretrained else None
+        weights = WeightFiles(self.pretrained, view.pretrained_prefix) if first and self.pretrained else None
         sample = None
         example = getattr(module, "example_input_array", None)
         if first and measures_time(self.partition) and example is not None:
             # partition="time": one micro-batch of forward's example input, split like a batch.
             m, _ = count_microbatches(example, self.num_microbatches, layout.pipeline_parallel_size)
             sample = split_microbatches(example, m)[0]
-        pipeline_input = getattr(module, "pipeline_input", None)
+            if view.hooks.pipeline_input is not None:
+                sample = view.hooks.pipeline_input(sample)
         return ParallelRuntime(
-            module, module.configure_pipeline() if first else [],  # type: ignore[operator]
-            self.mesh, self.root_device, options,
-            seed=int(env) if env is not None else None, init=init if callable(init) else None,
-            weights=weights, sample=sample, board=self.faults.board,
-            pipeline_input=pipeline_input if callable(pipeline_input) else None,
+            module, view.layers, self.mesh, self.root_device, options,
+            seed=int(env) if env is not None else None, init=view.init,
+            weights=weights, sample=sample, board=self.faults.board, hooks=view.hooks,
         )  # fmt: skip
 
     @override
@@ -608,11 +617,11 @@ class PipeTPStrategy(ParallelStrategy):
                 "the pipe_tp strategy does not support: the pipeline runs forward and backward of all "
                 "micro-batches inside one step. Use automatic optimization."
             )
-        if not callable(getattr(module, "configure_pipeline", None)):
+        if not callable(getattr(module, "configure_pipeline", None)) and find_causal_lm(module) is None:
             raise MisconfigurationException(
-                f"{type(module).__name__} has no configure_pipeline() method, which the pipe_tp strategy "
-                "needs: return the ordered list of layers to split into stages, e.g. "
-                "`def configure_pipeline(self): return list(self.layers)`."
+                f"{type(module).__name__} has no configure_pipeline() method and holds no Hugging Face "
+                "causal LM, so the pipe_tp strategy cannot tell its layers: return the ordered list of "
+                "layers to split into stages, e.g. `def configure_pipeline(self): return list(self.layers)`."
             )
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         if precision not in _SUPPORTED_PRECISION:
@@ -697,6 +706,12 @@ class PipeTPStrategy(ParallelStrategy):
         return scaler.scale if scaler is not None else None
 
     # ------------------------------------------------------------------ steps
+    @property
+    def _redirect(self) -> Redirect:
+        if self.pipeline_model is None:
+            raise RuntimeError("The pipe_tp strategy runs steps only after its setup.")
+        return self.pipeline_model.redirect
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.module.trainer
@@ -711,7 +726,7 @@ class PipeTPStrategy(ParallelStrategy):
             self.runtime.begin_accumulation()
         with self.precision_plugin.train_step_context():
             loss = run_step(
-                self.module, self.runtime, "training_step", args, self.reduce,
+                self.module, self.runtime, "training_step", args, self.reduce, self._redirect,
                 final=not should_accumulate(trainer), loss_weight=1.0 / trainer.accumulate_grad_batches,
                 scale_loss=self._loss_scaler(),
                 recorder=self.timeline.recorder_for(trainer.global_step, self.global_rank),
@@ -722,17 +737,17 @@ class PipeTPStrategy(ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return run_step(self.module, self.runtime, "validation_step", args, self.reduce)
+            return run_step(self.module, self.runtime, "validation_step", args, self.reduce, self._redirect)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return run_step(self.module, self.runtime, "test_step", args, self.reduce)
+            return run_step(self.module, self.runtime, "test_step", args, self.reduce, self._redirect)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return run_step(self.module, self.runtime, "predict_step", args, self.reduce)
+            return run_step(self.module, self.runtime, "predict_step", args, self.reduce, self._redirect)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -817,6 +832,9 @@ class PipeTPStrategy(ParallelStrategy):
                 "writes checkpoints itself rather than through a CheckpointIO plugin."
             )
         path = Path(self.broadcast(str(filepath)))
+        derived = self.pipeline_model.huggingface if self.pipeline_model is not None else None
+        if derived is not None:  # what python -m lightning_pipe.consolidate --to-huggingface reads
+            checkpoint[HF_METADATA] = model_metadata(derived.model, derived.prefix)
         checkpoints.save(self.runtime, checkpoint, path, self.save_distributed_checkpoint, self.faults.naming)
 
     @override

@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pipe.batches.agreement import StepIdentity
+from lightning_pipe.batches.microbatch import batch_size
 from lightning_pipe.checkpoint.full import to_cpu
 from lightning_pipe.runtime import ParallelRuntime
 from lightning_pipe.runtime.batch import Microbatch
@@ -32,22 +33,29 @@ from lightning_pipe.strategy.log_capture import (
     replay,
 )
 from lightning_pipe.strategy.outputs import concat_outputs, forward_returns
+from lightning_pipe.strategy.pipeline_model import Redirect
 
 
 class LightningHead:
     """The end of each micro-batch on the last stage: the user's ``step_name`` with ``self(...)``
     returning the pipeline output; ``results()`` gives what every rank must replay."""
 
-    def __init__(self, module: LightningModule, step_name: str, rest: Sequence[Any], training: bool) -> None:
+    def __init__(
+        self, module: LightningModule, step_name: str, rest: Sequence[Any], training: bool, redirect: Redirect
+    ) -> None:
         self.module, self.step_name, self.rest, self.training = module, step_name, tuple(rest), training
+        self.redirect = redirect
         self.capture = LogCapture()
         self.metrics: BatchMetrics | None = None
         """The metrics' batch-level step values, while the last stage runs the step."""
         self.outputs: dict[int, Any] = {}
+        self.batch_samples = 0
+        """The batch's samples (what its logged values count as, for epoch averages)."""
 
     def __call__(self, output: Any, microbatch: Microbatch) -> Any:
-        self.capture.microbatch_size = microbatch.size
-        with forward_returns(self.module, output, self.step_name):
+        self.capture.microbatch_weight = microbatch.share * self.batch_samples
+        target, reply, call = self.redirect(microbatch, output)
+        with forward_returns(target, reply, f"{type(self.module).__name__}.{self.step_name}", call):
             value = getattr(self.module, self.step_name)(microbatch.data, *self.rest)
         if not self.training:
             self.outputs[microbatch.index] = value
@@ -87,6 +95,7 @@ def run_step(
     step_name: str,
     args: tuple[Any, ...],
     reduce: Callable[..., Any],
+    redirect: Redirect,
     *,
     final: bool = False,
     loss_weight: float = 1.0,
@@ -102,7 +111,8 @@ def run_step(
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
     else:
         batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else -1
-    head = LightningHead(module, step_name, rest, training)
+    head = LightningHead(module, step_name, rest, training, redirect)
+    head.batch_samples = batch_size(batch)
     last = runtime.holds_last_stage
     with ExitStack() as stack:
         if last:

@@ -32,6 +32,15 @@ def tag_vocab_parallel(logits: torch.Tensor, group: dist.ProcessGroup, vocab_sta
     return logits
 
 
+def copy_vocab_parallel_tag(logits: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``logits`` computed element-wise from ``source`` (a soft-cap, a scale) keep its vocabulary
+    slice's tag, which a new tensor would otherwise lose (and be taken for full logits)."""
+    group = getattr(source, _GROUP, None)
+    if group is not None and logits is not source:
+        tag_vocab_parallel(logits, group, getattr(source, _START))
+    return logits
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(

@@ -107,31 +107,58 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding`` with its vocabulary (rows) split across ``group``."""
+    """``nn.Embedding`` with its vocabulary (rows) split across ``group``.
+
+    A ``padding_idx`` is kept (its row gets no gradient, on the rank that holds it), and so is the
+    scale of an embedding that multiplies its rows by an ``embed_scale`` (Gemma's scaled word
+    embedding): slicing must not change what the layer computes. Another subclass that overrides
+    ``forward`` is refused: its extra computation would be lost.
+    """
 
     def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup, name: str = "") -> None:
         super().__init__()
-        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+        what = name or "The embedding"
+        if embedding.max_norm is not None or embedding.sparse:
             raise ValueError(
-                f"{name or 'The embedding'} uses padding_idx, max_norm or sparse gradients, which the "
-                "vocab-parallel embedding does not support; remove them or leave this layer unsharded."
+                f"{what} uses max_norm or sparse gradients, which the vocab-parallel embedding does not "
+                "support; remove them or leave this layer unsharded."
+            )
+        scale = getattr(embedding, "embed_scale", None)
+        if type(embedding).forward is not nn.Embedding.forward and scale is None:
+            raise ValueError(
+                f"{what} is a {type(embedding).__name__}, whose own forward the vocab-parallel embedding "
+                "would replace (and lose); leave this layer out of the tensor-parallel plan (it stays "
+                "whole on every tensor rank)."
             )
         self.group = group
         self.start, self.end = slice_range(
             embedding.num_embeddings, group, f"The vocabulary of {name or 'an Embedding'}"
         )
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
         self.weight = _mark(nn.Parameter(embedding.weight.detach()[self.start : self.end].clone()), 0)
+        self.embed_scale: torch.Tensor | None
+        if isinstance(scale, torch.Tensor):
+            self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+        else:
+            self.embed_scale = None if scale is None else torch.tensor(float(scale))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
-        rows = F.embedding(local, self.weight)
+        pad = self.padding_idx
+        local_pad = pad - self.start if pad is not None and self.start <= pad < self.end else None
+        rows = F.embedding(local, self.weight, padding_idx=local_pad)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_region(rows, self.group)
+        rows = reduce_from_region(rows, self.group)
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(device=rows.device, dtype=self.weight.dtype)
+        return rows
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.end}) on this rank"
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        rows = f"rows [{self.start}, {self.end}) on this rank"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {rows}{pad}"
 
 
 def gather_slices(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -16,7 +16,16 @@ style              replaces                                     with
 ``rowwise_split``  ``nn.Linear`` (input replicated, split)      :class:`RowParallelLinear`
 ``vocab``          ``nn.Embedding``                             :class:`VocabParallelEmbedding`
 ``dropout``        ``nn.Dropout`` inside a sharded region       :class:`RegionDropout`
+``replicated_sum`` any module, kept whole; its gradients         (nothing)
+                   summed over the tensor group
 =================  ==========================================  =========================
+
+``replicated_sum`` (Hugging Face's ``replicated_with_grad_allreduce``) is for a module that stays
+whole on every tensor rank but sees only this rank's slice of its input: a per-head norm of the
+queries and keys (Qwen3's ``q_norm``/``k_norm``) after a column split of the projections. Each rank's
+gradient then covers its own heads only; the sum over the tensor group is the whole gradient, which
+the runtime takes after backward, before clipping and the optimizer step. (Without the entry the
+copies would drift apart, silently.)
 
 Attention after its projections are split: a column split of a fused QKV projection keeps whole
 heads only if its output features are ordered head-major (``[q0 k0 v0 | q1 k1 v1 | ...]``), and the
@@ -54,6 +63,7 @@ class TensorParallelStyle(enum.Enum):
     ROWWISE_SPLIT = "rowwise_split"
     VOCAB = "vocab"
     DROPOUT = "dropout"
+    REPLICATED_SUM = "replicated_sum"
 
     @classmethod
     def parse(cls, value: str, pattern: str) -> TensorParallelStyle:
@@ -79,6 +89,7 @@ HF_STYLES: dict[str, TensorParallelStyle] = {
     "colwise_gather_output": TensorParallelStyle.COLWISE_GATHER,
     "rowwise_split_input": TensorParallelStyle.ROWWISE_SPLIT,
     "embedding_rowwise": TensorParallelStyle.VOCAB,
+    "replicated_with_grad_allreduce": TensorParallelStyle.REPLICATED_SUM,
 }
 
 _HF_UNSUPPORTED: tuple[tuple[frozenset[str], str], ...] = (
@@ -88,9 +99,10 @@ _HF_UNSUPPORTED: tuple[tuple[frozenset[str], str], ...] = (
         "tensor rank, computing the same values",
     ),
     (
-        frozenset({"replicate", "replicated_with_grad_allreduce"}),
+        frozenset({"replicate"}),
         "remove the entry: every module the plan does not name stays whole (replicated) on every tensor "
-        "rank, and its gradients are equal there without a reduction (there is no sequence parallelism)",
+        "rank; one that sees only this rank's slice of its input (a per-head norm after a column split) "
+        "takes 'replicated_sum' (Hugging Face: 'replicated_with_grad_allreduce') instead",
     ),
     (
         frozenset(
@@ -123,6 +135,7 @@ _EXPECTED: dict[TensorParallelStyle, type[nn.Module]] = {
     TensorParallelStyle.ROWWISE_SPLIT: nn.Linear,
     TensorParallelStyle.VOCAB: nn.Embedding,
     TensorParallelStyle.DROPOUT: nn.Dropout,
+    TensorParallelStyle.REPLICATED_SUM: nn.Module,
 }
 
 
@@ -329,8 +342,8 @@ def apply_plan(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module: Any = getattr(parent, child)
-        if not include(module):
-            continue
+        if not include(module) or style is TensorParallelStyle.REPLICATED_SUM:
+            continue  # a replicated_sum module stays as it is; the runtime sums its gradients
         build = _builder(style, group, name, stream)
         new = build(module)
         # A module built on the meta device is sliced on the meta device (no storage); when the

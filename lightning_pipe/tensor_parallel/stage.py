@@ -72,6 +72,8 @@ def count_slicing(
     modules, elements = [0] * num_stages, [0] * num_stages
     outside = []
     for name, style in resolved.items():
+        if style is TensorParallelStyle.REPLICATED_SUM:
+            continue  # kept whole (its gradients summed): not sharded
         module = model.get_submodule(name)
         stages = owner.get(id(module))
         if not stages:

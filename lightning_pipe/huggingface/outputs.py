@@ -1,0 +1,137 @@
+"""``model(input_ids=..., labels=...)`` inside a step, answered by the pipeline.
+
+On the last stage the user's step runs once per micro-batch, and the causal LM's call in it
+(``self.model(**batch).loss``, or ``self(input_ids)`` whose ``forward`` calls the model) must
+return what the pipeline computed for that micro-batch, not run the rank's copy of the whole
+model (other stages' weights are not here). :class:`ModelCall` stands in for the model's
+``forward``: it checks that it is called with the micro-batch's own inputs (the ones that went
+through the pipeline: another mask, other positions, or a cache would be a silent difference
+from one device, so it refuses them), and returns a ``CausalLMOutputWithPast`` whose ``logits``
+are the pipeline's and whose ``loss``, given ``labels``, is Hugging Face's causal-LM loss: labels
+shifted by one, ``-100`` ignored, the mean over the micro-batch's predicted tokens. The runtime
+weights each micro-batch by its share of the batch's tokens (:meth:`CausalLMPipeline.loss_items`),
+so the batch's loss is the mean over all its tokens, as one device computes it. A micro-batch
+without any predicted token contributes a zero loss (not Hugging Face's 0/0).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_pipe.huggingface.context import default_positions, mask_or_none
+from lightning_pipe.tensor_parallel.cross_entropy import cross_entropy
+
+if TYPE_CHECKING:
+    from lightning_pipe.huggingface.pipeline import CausalLMPipeline
+
+IGNORE_INDEX = -100
+
+
+class ModelCallError(ValueError):
+    """The model was called inside a step in a way the pipeline did not run."""
+
+
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss`` (mean over predicted tokens), in at least float32 (a
+    float64 model keeps float64), vocab-parallel on sliced logits; zero without any token."""
+    if shift_labels is None:
+        if labels is None:
+            raise ModelCallError("The causal-LM loss needs labels (or shift_labels).")
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    if not bool((shift_labels != IGNORE_INDEX).any()):
+        return logits.sum() * 0.0
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        upcast = logits.float()
+        from lightning_pipe.tensor_parallel.cross_entropy import copy_vocab_parallel_tag
+
+        logits = copy_vocab_parallel_tag(upcast, logits)
+    return cross_entropy(logits, shift_labels.to(logits.device), ignore_index=IGNORE_INDEX)
+
+
+class ModelCall:
+    """The causal LM's ``forward`` for one micro-batch whose pipeline output is ``logits``."""
+
+    def __init__(self, pipeline: CausalLMPipeline, microbatch: Any, logits: torch.Tensor) -> None:
+        self.pipeline = pipeline
+        self.inputs = pipeline.pipeline_input(microbatch)
+        self.logits = logits
+        self.signature = inspect.signature(type(pipeline.model).forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        try:
+            bound = self.signature.bind(self.pipeline.model, *args, **kwargs)
+        except TypeError as err:
+            raise ModelCallError(f"{type(self.pipeline.model).__name__}(...) inside the step: {err}") from err
+        given = dict(bound.arguments)
+        given.pop("self", None)
+        extra = given.pop("kwargs", {}) if "kwargs" in self.signature.parameters else {}
+        given.update(extra)
+        self._check_inputs(given)
+        labels = given.get("labels")
+        loss = None
+        if labels is not None or given.get("shift_labels") is not None:
+            if given.get("num_items_in_batch") is not None:
+                raise ModelCallError(
+                    "num_items_in_batch= is given to the model inside the step; under pipe_tp the loss of "
+                    "each micro-batch is its mean over its own tokens and the runtime weights it by its "
+                    "share of the batch's tokens (the whole batch's mean, as on one device). Leave it out."
+                )
+            loss = causal_lm_loss(self.logits, labels, given.get("shift_labels"))
+        return CausalLMOutputWithPast(loss=loss, logits=self.logits)
+
+    def _check_inputs(self, given: dict[str, Any]) -> None:
+        name = type(self.pipeline.model).__name__
+        input_ids, mask, positions = self.inputs
+        if given.get("inputs_embeds") is not None:
+            raise ModelCallError(
+                f"{name}(inputs_embeds=...) inside the step: under pipe_tp the pipeline starts from the "
+                "batch's input_ids (the embedding is on the first stage); pass input_ids."
+            )
+        if given.get("past_key_values") is not None:
+            raise ModelCallError(
+                f"{name}(past_key_values=...) inside a training or evaluation step is not supported."
+            )
+        keep = given.get("logits_to_keep", 0)
+        if keep not in (0, None):
+            raise ModelCallError(
+                f"{name}(logits_to_keep={keep}) inside the step: the pipeline computes the logits of every "
+                "position; slice them yourself."
+            )
+        ids = given.get("input_ids")
+        if (
+            not isinstance(ids, torch.Tensor)
+            or ids.shape != input_ids.shape
+            or not torch.equal(ids, input_ids)
+        ):
+            raise ModelCallError(
+                f"{name}(input_ids=...) inside the step was not given the micro-batch's input_ids, which are "
+                "what went through the pipeline. Call the model with the step's batch (self.model(**batch)); "
+                "to feed something else, return it from pipeline_input(self, batch)."
+            )
+        theirs = given.get("attention_mask")
+        ours = mask_or_none(mask)
+        if (theirs is None) != (ours is None) or (
+            theirs is not None and ours is not None and not torch.equal(theirs.to(ours.dtype), ours)
+        ):
+            had = "with the batch's attention_mask" if ours is not None else "without an attention_mask"
+            got = "without one" if theirs is None else "with another one"
+            raise ModelCallError(
+                f"The pipeline ran this micro-batch {had}, but the step calls {name} {got}: the logits would "
+                "not be what the call asks for. Pass attention_mask=batch['attention_mask'] (or leave it out "
+                "of the batch)."
+            )
+        theirs_pos = given.get("position_ids")
+        expected = default_positions(input_ids) if theirs_pos is None else theirs_pos
+        if not torch.equal(expected.expand_as(positions).to(positions.dtype), positions):
+            raise ModelCallError(
+                f"The pipeline ran this micro-batch with the batch's position_ids, but the step calls {name} "
+                "with other ones (or none). Pass position_ids=batch['position_ids']."
+            )

@@ -1,0 +1,170 @@
+"""A Hugging Face causal LM as a ``pipe_tp`` pipeline, with no wrappers written by the user.
+
+The pipeline layers are the model's own modules, in its plan's order (see
+:mod:`~lightning_pipe.huggingface.parts`): the embedding, each decoder layer, the final norm and
+``lm_head``. They keep their names, so the partition, checkpoints, pretrained files and the
+tensor-parallel plan all speak Hugging Face's names. How each is called is a
+:data:`~lightning_pipe.execution.layers.LayerCall`: what travels between layers is the tuple
+``(hidden_states, attention_mask, position_ids)`` (the mask ``[b, 0]`` for none), each decoder
+layer's call rebuilds its mask and rotary table (:mod:`~lightning_pipe.huggingface.context`), and
+``lm_head``'s call applies the family's logit epilogue and returns the logits alone.
+
+A batch is what Hugging Face's collators give (a dict with ``input_ids`` and optionally
+``attention_mask``, ``position_ids`` and ``labels``), or a tensor of input ids, or a tuple whose
+first element is one. With ``labels`` in the batch, micro-batch losses are weighted by their
+share of the batch's predicted tokens (``labels[:, 1:] != -100``, the tokens Hugging Face's
+causal-LM loss averages over), so that the loss and gradients are the whole batch's mean, not a
+mean of micro-batch means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.execution.layers import LayerCall
+from lightning_pipe.huggingface.context import Epilogue, LayerContext, Prologue, default_positions, no_mask
+from lightning_pipe.huggingface.parts import CausalLMParts, causal_lm_parts
+from lightning_pipe.huggingface.tensor_parallel import DerivedPlan, derive_plan
+from lightning_pipe.runtime.hooks import ModelHooks
+from lightning_pipe.tensor_parallel.cross_entropy import copy_vocab_parallel_tag
+
+IGNORE_INDEX = -100
+"""Hugging Face's label for a token the loss ignores (padding, a prompt)."""
+
+
+class CausalLMPipeline:
+    """The pipeline of the Hugging Face causal LM ``model`` (a submodule of the module trained).
+
+    Args:
+        model: a ``...ForCausalLM`` whose config has a ``base_model_pp_plan``.
+        name: the model's qualified name inside the module trained (``"model"`` for a
+            LightningModule's ``self.model``; ``""`` when it is the module itself): the prefix of
+            its tensor-parallel plan and of its keys in checkpoints.
+    """
+
+    def __init__(self, model: nn.Module, name: str = "") -> None:
+        self.parts: CausalLMParts = causal_lm_parts(model)
+        self.model = model
+        self.name = name
+        self.context = LayerContext(self.parts)
+        self.prologue = Prologue.of(self.parts)
+        self.epilogue = Epilogue.of(self.parts)
+
+    @property
+    def family(self) -> str:
+        return self.parts.family
+
+    @property
+    def prefix(self) -> str:
+        """What the module trained puts before the model's own names (``"model."``)."""
+        return f"{self.name}." if self.name else ""
+
+    # ------------------------------------------------------------------ layers
+    def layers(self) -> list[nn.Module]:
+        """The pipeline layers: the model's own modules, in order."""
+        return [self.model.get_submodule(n) for n in self.parts.names()]
+
+    def calls(self) -> list[LayerCall]:
+        """How each layer is called (see the module docstring)."""
+        parts = self.parts
+        calls: list[LayerCall] = []
+        for position in range(len(parts.before)):
+            calls.append(self._embed if position == 0 else _hidden_only)
+        calls += [self._decoder(i) for i in range(parts.num_layers)]
+        calls += [_hidden_only] * len(parts.after)
+        calls.append(self._head)
+        return calls
+
+    def _embed(self, layer: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        input_ids, mask, positions = args
+        return self.prologue(layer(input_ids)), mask, positions
+
+    def _decoder(self, index: int) -> LayerCall:
+        context = self.context
+
+        def call(layer: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+            hidden, mask, positions = args
+            out = layer(hidden, **context(index, hidden, mask, positions))
+            return (out[0] if isinstance(out, tuple) else out), mask, positions
+
+        return call
+
+    def _head(self, layer: nn.Module, args: tuple[Any, ...]) -> torch.Tensor:
+        logits = layer(args[0])
+        return copy_vocab_parallel_tag(self.epilogue(logits), logits)
+
+    # ------------------------------------------------------------------ batches
+    def pipeline_input(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(input_ids, attention_mask, position_ids)`` of a (micro-)batch, as the first layer
+        takes them (the mask ``[b, 0]`` when the batch has none, positions ``arange`` when none)."""
+        input_ids, mask, positions = model_inputs(batch)
+        return (
+            input_ids,
+            no_mask(input_ids) if mask is None else mask,
+            default_positions(input_ids) if positions is None else positions,
+        )
+
+    def loss_items(self, batch: Any) -> torch.Tensor | None:
+        """Per sample, the tokens Hugging Face's causal-LM loss averages over (``labels`` shifted
+        by one, ``-100`` ignored); ``None`` for a batch without ``labels`` (weighted by samples)."""
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if not isinstance(labels, torch.Tensor):
+            return None
+        return (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)
+
+    # ------------------------------------------------------------------ the rest
+    def tensor_parallel_plan(self, tensor_parallel_size: int) -> DerivedPlan:
+        """The model's own plan, as names inside the module trained, and what it leaves whole
+        (see :mod:`lightning_pipe.huggingface.tensor_parallel`)."""
+        return derive_plan(self.parts, self.prefix, tensor_parallel_size)
+
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own tensors the way the model's ``post_init`` would (a
+        meta-built model's stage, materialised on its rank)."""
+        self.model._init_weights(module)  # type: ignore[operator]
+
+    def check(self, probe: Any, own_layers: Sequence[nn.Module] = ()) -> tuple[str | None, str | None]:
+        """Whether the pipeline computes what the model's ``forward`` does (see
+        :mod:`lightning_pipe.huggingface.check`)."""
+        from lightning_pipe.huggingface.check import check_pipeline
+
+        return check_pipeline(self, probe, own_layers)
+
+    def hooks(self) -> ModelHooks:
+        return ModelHooks(
+            pipeline_input=self.pipeline_input,
+            layer_calls=self.calls(),
+            check_forward=self.check,
+            loss_items=self.loss_items,
+        )
+
+
+def _hidden_only(layer: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """A module of the hidden states alone (a dropout, the final norm); the rest passes by."""
+    return (layer(args[0]), *args[1:])
+
+
+def model_inputs(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``input_ids`` and, when the batch has them, ``attention_mask`` and ``position_ids``."""
+    if isinstance(batch, Mapping):
+        if not isinstance(batch.get("input_ids"), torch.Tensor):
+            raise KeyError(
+                f"A batch for a Hugging Face causal LM under pipe_tp is a dict with 'input_ids' (and "
+                "optionally 'attention_mask', 'position_ids', 'labels'); this one has the keys "
+                f"{sorted(batch)}. "
+                "Define pipeline_input(self, batch) on the LightningModule to return such a dict."
+            )
+        return batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
+    if isinstance(batch, tuple | list) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0], None, None
+    if isinstance(batch, torch.Tensor):
+        return batch, None, None
+    raise TypeError(
+        f"A batch of type {type(batch).__name__} has no input ids for a Hugging Face causal LM: give a dict "
+        "with 'input_ids' (a collator's output), a tensor of ids, or a tuple whose first element is one; or "
+        "define pipeline_input(self, batch) on the LightningModule to return such a dict."
+    )

@@ -1,0 +1,138 @@
+"""A Hugging Face causal LM's tensor-parallel plan, from the model's own public plan.
+
+``model.tp_plan`` (transformers 5.x; ``config.base_model_tp_plan`` and the causal LM's own entry
+before it) maps module-name patterns to styles: ``colwise``/``rowwise`` for the attention and MLP
+projections, ``embedding_rowwise`` for the token embedding, ``colwise_gather_output`` for
+``lm_head``, ``replicated_with_grad_allreduce`` for per-head query/key norms. ``pipe_tp``
+implements these (see :mod:`lightning_pipe.tensor_parallel.plan`). Styles it does not implement
+(fused ``packed_*`` projections, mixture-of-experts and MLA styles, Hugging Face's ``local_*``
+styles) are dropped *with every entry under the same parent* (a ``rowwise`` down projection
+needs its ``packed_colwise`` partner split, so it cannot stay alone): those modules stay whole,
+computing the same values on every tensor rank, and a log line says so. Never a silent
+difference: a model the split would change (heads not divisible by the tensor size, Cohere's
+per-head norms without a plan entry) is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightning_pipe.huggingface.parts import CausalLMParts, UnsupportedModelError
+from lightning_pipe.tensor_parallel.plan import HF_STYLES, TensorParallelStyle
+
+_OURS = {style.value for style in TensorParallelStyle}
+
+
+@dataclass
+class DerivedPlan:
+    """The plan for the module trained, and what was left whole, for the layout log."""
+
+    plan: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _supported(style: str) -> bool:
+    return style.lower() in HF_STYLES or style.lower() in _OURS
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    return re.compile("".join("[^.]+" if p == "*" else re.escape(p) for p in re.split(r"(\*)", pattern)))
+
+
+def model_plan(model: nn.Module) -> dict[str, str]:
+    """The causal LM's merged plan, relative to the causal LM (its public ``tp_plan``, or the
+    config's base plan under the base model's name and the class's own entries)."""
+    lm: Any = model
+    plan = getattr(lm, "tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return dict(plan)
+    base_plan = getattr(lm.config, "base_model_tp_plan", None) or {}
+    own = getattr(type(lm), "_tp_plan", None) or {}
+    return {**own, **{f"{lm.base_model_prefix}.{k}": v for k, v in base_plan.items()}}
+
+
+def derive_plan(parts: CausalLMParts, prefix: str, tensor_parallel_size: int) -> DerivedPlan:
+    """The plan ``pipe_tp`` applies, keyed by names inside the module trained (``prefix`` + the
+    model's own names)."""
+    model = parts.model
+    plan = model_plan(model)
+    where = f"{parts.family} ({type(model).__name__})"
+    if not plan:
+        raise UnsupportedModelError(
+            f"{where} ships no tensor-parallel plan (config.base_model_tp_plan is empty); give "
+            "PipeTPStrategy(tensor_parallel_plan=...) or a tensor_parallel_plan() hook, or use "
+            "tensor_parallel_size=1."
+        )
+    derived = DerivedPlan()
+    names = [n for n, _ in model.named_modules() if n]
+    parents: dict[str, list[str]] = {}
+    for pattern in plan:
+        parents.setdefault(pattern.rpartition(".")[0], []).append(pattern)
+    dropped: set[str] = set()
+    for parent, patterns in parents.items():
+        unsupported = [p for p in patterns if not _supported(str(plan[p]))]
+        if unsupported:
+            dropped |= set(patterns)
+            styles = sorted({str(plan[p]) for p in unsupported})
+            derived.notes.append(
+                f"{prefix}{parent or '<model>'}: {sorted(patterns)} kept whole on every tensor rank "
+                f"(pipe_tp does not split the styles {styles})"
+            )
+    for pattern, style in plan.items():
+        if pattern in dropped:
+            continue
+        regex = _regex(pattern)
+        if not any(regex.fullmatch(n) for n in names):
+            derived.notes.append(f"{prefix}{pattern}: matches no module of this model (ignored)")
+            continue
+        derived.plan[f"{prefix}{pattern}"] = str(style)
+    _keep_tied_pairs(parts, prefix, derived)
+    _check_heads(parts, derived, tensor_parallel_size, where)
+    return derived
+
+
+def _keep_tied_pairs(parts: CausalLMParts, prefix: str, derived: DerivedPlan) -> None:
+    """An embedding tied to ``lm_head`` is split with it or not at all (a vocab-parallel
+    embedding whose class computes more than a lookup is kept whole, and then so is the head)."""
+    model = parts.model
+    embed_name = f"{parts.base_name}.{parts.before[0]}"
+    embed = model.get_submodule(embed_name)
+    head = model.get_submodule(parts.head_name)
+    tied = getattr(embed, "weight", None) is not None and getattr(head, "weight", None) is embed.weight
+    key = f"{prefix}{embed_name}"
+    splittable = (
+        type(embed).forward is nn.Embedding.forward or getattr(embed, "embed_scale", None) is not None
+    )
+    if key in derived.plan and not splittable:
+        del derived.plan[key]
+        derived.notes.append(f"{key}: kept whole ({type(embed).__name__} computes more than a lookup)")
+    head_key = f"{prefix}{parts.head_name}"
+    if tied and (key in derived.plan) != (head_key in derived.plan):
+        for k in (key, head_key):
+            derived.plan.pop(k, None)
+        derived.notes.append(f"{key} and {head_key}: tied, kept whole together")
+
+
+def _check_heads(parts: CausalLMParts, derived: DerivedPlan, tp: int, where: str) -> None:
+    config = parts.config
+    attention = [p for p in derived.plan if re.search(r"attn|attention", p)]
+    if not attention or tp == 1:
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for what, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if isinstance(count, int) and count % tp != 0:
+            raise UnsupportedModelError(
+                f"{where}: {what}={count} cannot be split evenly over tensor_parallel_size={tp} ranks (each "
+                f"rank needs whole heads). Use a tensor-parallel size that divides {count}."
+            )
+    if getattr(config, "use_qk_norm", False) and parts.family.startswith("cohere"):
+        raise UnsupportedModelError(
+            f"{where} with use_qk_norm=True normalises each head with a weight of shape [heads, head_dim] "
+            "that its plan does not split, so the attention cannot be split over tensor ranks; use "
+            "tensor_parallel_size=1 for it."
+        )

@@ -1,0 +1,146 @@
+"""A ready LightningModule for fine-tuning (or pre-training) a Hugging Face causal LM.
+
+Everything ``pipe_tp`` needs comes from the model itself (its pipeline and tensor-parallel plans;
+see :mod:`lightning_pipe.huggingface`), so this module is what a user would write anyway: the
+model built in ``configure_model()`` (on the meta device under ``pipe_tp``: each rank then holds
+only its stage, and ``PipeTPStrategy(pretrained=DIR)`` loads each stage's weights), the loss the
+Hugging Face way (``self.model(**batch).loss``), AdamW with a linear warm-up and a cosine decay.
+Batches are what Hugging Face's collators give: dicts with ``input_ids`` and optionally
+``attention_mask``, ``position_ids`` and ``labels`` (``-100`` where a token is not a target).
+
+From LightningCLI: ``--model lightning_pipe.CausalLMModule --model.model=DIR`` (or a config given
+as a dict, e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``, for a model from scratch).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import lightning as L
+import torch
+
+
+def _config(model: str | os.PathLike[str] | dict[str, Any], attn_implementation: str | None) -> Any:
+    from transformers import AutoConfig
+
+    if isinstance(model, dict):
+        values = dict(model)
+        model_type = values.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(
+                "A model given as a dict is a Hugging Face config and needs its 'model_type' (e.g. "
+                f"'llama'); got the keys {sorted(values)}."
+            )
+        config = AutoConfig.for_model(model_type, **values)
+    else:
+        config = AutoConfig.from_pretrained(os.fspath(model))
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    config.use_cache = False  # training: no key/value cache (and packed sequences are honoured)
+    return config
+
+
+class CausalLMModule(L.LightningModule):
+    """Causal language modelling with a Hugging Face model.
+
+    Args:
+        model: a local directory with ``config.json`` (and weights, which are loaded: under
+            ``pipe_tp`` by ``PipeTPStrategy(pretrained=...)`` set to the same directory, stage by
+            stage; otherwise by ``from_pretrained``), or a config as a dict with ``model_type``
+            (a model from scratch).
+        lr: AdamW's peak learning rate.
+        weight_decay: AdamW's weight decay (not applied to biases and norm weights).
+        betas: AdamW's betas.
+        warmup_steps: steps of linear warm-up from 0 to ``lr``.
+        min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio`` after the run's last step.
+        attn_implementation: ``"sdpa"`` (default of most families), ``"eager"``, ... or ``None``
+            for the config's.
+    """
+
+    def __init__(
+        self,
+        model: str | dict[str, Any],
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        attn_implementation: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: torch.nn.Module | None = None  # built in configure_model()
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return  # every Trainer call runs the hook: build once
+        from transformers import AutoModelForCausalLM
+
+        source = self.hparams["model"]
+        config = _config(source, self.hparams["attn_implementation"])
+        has_weights = not isinstance(source, dict) and any(
+            os.path.exists(os.path.join(os.fspath(source), name))
+            for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        )
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "strategy_name", None) == "pipe_tp":
+            # Built on the meta device: each rank materialises its own stage, from the strategy's
+            # pretrained files when given.
+            pretrained = getattr(strategy, "pretrained", None)
+            if has_weights and pretrained is None:
+                raise ValueError(
+                    f"{source} holds weights, which pipe_tp loads stage by stage only when told: set "
+                    f"PipeTPStrategy(pretrained={os.fspath(source)!r}) (from LightningCLI: "
+                    f"--trainer.strategy.pretrained={os.fspath(source)}); to start from scratch with its "
+                    "config only, copy config.json to a directory of its own."
+                )
+            self.model = AutoModelForCausalLM.from_config(config)
+        elif has_weights:
+            self.model = AutoModelForCausalLM.from_pretrained(os.fspath(source), config=config)
+        else:
+            self.model = AutoModelForCausalLM.from_config(config)
+
+    def forward(self, **batch: Any) -> Any:
+        assert self.model is not None, "configure_model() builds the model"
+        return self.model(**batch)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(**batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss = self(**batch).loss
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", torch.exp(loss.detach()), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        assert self.model is not None, "configure_model() builds the model"
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": hp["weight_decay"]},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp["lr"],
+            betas=tuple(hp["betas"]),
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup, floor = int(hp["warmup_steps"]), float(hp["min_lr_ratio"])
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

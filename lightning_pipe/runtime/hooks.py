@@ -1,0 +1,47 @@
+"""How the runtime reads a model that is more than its layers chained.
+
+A model of plain layers needs none of this: the first element of a batch enters the first layer,
+each layer is called with the previous one's output, the user's ``forward`` is checked against
+that chain, and micro-batch losses are weighted by their shares of the samples. A model adapted
+from elsewhere (a Hugging Face causal LM, :mod:`lightning_pipe.huggingface`) says otherwise, with
+explicit callables gathered here (Megatron-Core's engine hooks are such callables too): what enters
+the first layer, how each layer is called, how ``forward`` is checked, and how many loss items
+(tokens that are not ignored) each sample holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.execution.layers import LayerCall
+
+ForwardCheck = Callable[[Any, Sequence[nn.Module]], tuple[str | None, str | None]]
+"""``check(probe, own_layers)`` on the first batch's first micro-batch input, with the pipeline
+layers this rank holds: ``(error, warning)``; an error stops every rank of the replica with that
+message, a warning is shown once."""
+
+
+@dataclass(frozen=True)
+class ModelHooks:
+    """Explicit callables for a model that is not just its layers chained (all optional)."""
+
+    pipeline_input: Callable[[Any], Any] | None = None
+    """A (micro-)batch -> the first layer's input; a tuple or list becomes its positional
+    arguments (default: the first element of a tuple/list batch, or the batch itself)."""
+    layer_calls: Sequence[LayerCall | None] | None = None
+    """Per pipeline layer, how it is applied (``None``: ``layer(*x)``); see
+    :mod:`lightning_pipe.execution.layers`."""
+    check_forward: ForwardCheck | None = None
+    """Replaces the default check that the module's ``forward`` is the chained layers."""
+    loss_items: Callable[[Any], torch.Tensor | None] | None = None
+    """A batch -> how many loss items each sample holds (shape ``[batch size]``), when the loss is
+    a mean over items rather than over samples (a language model's mean over the tokens whose
+    label is not ignored). Micro-batch losses are then weighted by their shares of the items, and
+    over the data-parallel replicas by the items of the whole global batch, so that the gradient
+    is that of the whole batch's mean (not a mean of per-micro-batch means). ``None`` for a batch:
+    by samples."""

@@ -1,0 +1,186 @@
+"""What the strategy reads from a LightningModule: its pipeline, written by the user or derived.
+
+A module that defines ``configure_pipeline()`` gives its layers, and optionally
+``pipeline_input(batch)``, ``tensor_parallel_plan()`` and ``init_module_weights(module)``. A module
+without it that holds a Hugging Face causal LM (``self.model = AutoModelForCausalLM...``) gets all
+of these from the model itself (:mod:`lightning_pipe.huggingface`): no wrappers to write. Either way
+the result is one :class:`PipelineModel`: the layers, the engine's
+:class:`~lightning_pipe.runtime.hooks.ModelHooks`, the tensor-parallel plan, the initialiser, the
+pretrained files' prefix, and how the model's call inside a step is answered with the pipeline's
+output (:data:`Redirect`).
+
+The derived pipeline is kept on the module (like the preparation, :mod:`lightning_pipe.runtime.prepare`),
+so that later Trainer calls (validate after fit) use the same one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_pipe.construction.materialize import InitFn
+from lightning_pipe.huggingface.parts import UnsupportedModelError, is_causal_lm
+from lightning_pipe.runtime.batch import Microbatch
+from lightning_pipe.runtime.hooks import ModelHooks
+
+_DERIVED = "_lightning_pipe_huggingface"
+
+Redirect = Callable[[Microbatch, Any], tuple[nn.Module, Callable[..., Any], str]]
+"""For a micro-batch and its pipeline output on the last stage: the module whose call the step
+makes, the reply that call gets, and how the step writes the call (for messages)."""
+
+
+@dataclass
+class PipelineModel:
+    """A LightningModule as the runtime takes it (see the module docstring)."""
+
+    layers: list[nn.Module]
+    hooks: ModelHooks
+    redirect: Redirect
+    init: InitFn | None = None
+    tensor_parallel_plan: dict[str, str] | None = None
+    pretrained_prefix: str = ""
+    notes: list[str] = field(default_factory=list)
+    """Lines for the start-of-run log (what a derived tensor-parallel plan leaves whole)."""
+    huggingface: Any = None
+    """The derived :class:`~lightning_pipe.huggingface.CausalLMPipeline`, if any."""
+
+
+def _own_reply(module: LightningModule) -> Redirect:
+    def redirect(microbatch: Microbatch, output: Any) -> tuple[nn.Module, Callable[..., Any], str]:
+        return module, lambda *args, **kwargs: output, "self(...)"
+
+    return redirect
+
+
+def find_causal_lm(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The one Hugging Face causal LM the module holds (outermost), with its name; ``None`` when
+    there is none; an error naming them when there are several."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if name and is_causal_lm(sub) and not any(name.startswith(f"{n}.") for n, _ in found):
+            found.append((name, sub))
+    if len(found) > 1:
+        raise MisconfigurationException(
+            f"{type(module).__name__} holds several Hugging Face causal LMs ({[n for n, _ in found]}), so "
+            "pipe_tp cannot tell which one to pipeline; define configure_pipeline() to list the layers."
+        )
+    return found[0] if found else None
+
+
+def read_module(
+    module: LightningModule,
+    first: bool,
+    tensor_parallel_size: int,
+    plan_option: dict[str, str] | None,
+    prefix_option: str | None,
+) -> PipelineModel:
+    """The module's pipeline (``first``: its first setup, when the layers are split; later calls
+    reuse the split, so no layers are given then)."""
+    user_input = getattr(module, "pipeline_input", None)
+    user_input = user_input if callable(user_input) else None
+    user_init = getattr(module, "init_module_weights", None)
+    user_init = user_init if callable(user_init) else None
+    user_items = getattr(module, "loss_items", None)
+    user_items = user_items if callable(user_items) else None
+    if callable(getattr(module, "configure_pipeline", None)):
+        plan = plan_option
+        if first and plan is None and tensor_parallel_size > 1:
+            hook = getattr(module, "tensor_parallel_plan", None)
+            plan = hook() if callable(hook) else None
+        return PipelineModel(
+            layers=list(module.configure_pipeline()) if first else [],  # type: ignore[operator]
+            hooks=ModelHooks(pipeline_input=user_input, loss_items=user_items),
+            redirect=_own_reply(module),
+            init=user_init,
+            tensor_parallel_plan=plan,
+            pretrained_prefix=prefix_option or "",
+        )
+    pipeline = module.__dict__.get(_DERIVED)
+    if pipeline is None:
+        found = find_causal_lm(module)
+        if found is None:
+            raise MisconfigurationException(
+                f"{type(module).__name__} has no configure_pipeline() method and holds no Hugging Face "
+                "causal LM, so the pipe_tp strategy cannot tell its layers: return the ordered list of "
+                "layers to split into stages, e.g. `def configure_pipeline(self): return list(self.layers)`."
+            )
+        from lightning_pipe.huggingface.pipeline import CausalLMPipeline
+
+        try:
+            pipeline = CausalLMPipeline(found[1], found[0])
+        except UnsupportedModelError as err:
+            raise MisconfigurationException(str(err)) from err
+        module.__dict__[_DERIVED] = pipeline
+    return _derived(
+        module,
+        pipeline,
+        first,
+        tensor_parallel_size,
+        plan_option,
+        prefix_option,
+        user_input,
+        user_init,
+        user_items,
+    )
+
+
+def _derived(
+    module: LightningModule,
+    pipeline: Any,
+    first: bool,
+    tensor_parallel_size: int,
+    plan_option: dict[str, str] | None,
+    prefix_option: str | None,
+    user_input: Callable[[Any], Any] | None,
+    user_init: InitFn | None,
+    user_items: Callable[[Any], Any] | None,
+) -> PipelineModel:
+    from lightning_pipe.huggingface.outputs import ModelCall
+
+    notes: list[str] = []
+    plan = plan_option
+    if first and plan is None and tensor_parallel_size > 1:
+        hook = getattr(module, "tensor_parallel_plan", None)
+        if callable(hook):
+            plan = hook()
+        else:
+            try:
+                derived = pipeline.tensor_parallel_plan(tensor_parallel_size)
+            except UnsupportedModelError as err:
+                raise MisconfigurationException(str(err)) from err
+            plan, notes = derived.plan, derived.notes
+    hooks = pipeline.hooks()
+    if user_input is not None or user_items is not None:
+        derived_input, derived_items = hooks.pipeline_input, hooks.loss_items
+
+        def pipeline_input(batch: Any) -> Any:
+            return derived_input(user_input(batch) if user_input is not None else batch)
+
+        hooks = ModelHooks(
+            pipeline_input=pipeline_input,
+            layer_calls=hooks.layer_calls,
+            check_forward=hooks.check_forward,
+            loss_items=user_items if user_items is not None else derived_items,
+        )
+    model = pipeline.model
+
+    def redirect(microbatch: Microbatch, output: Any) -> tuple[nn.Module, Callable[..., Any], str]:
+        data = user_input(microbatch.data) if user_input is not None else microbatch.data
+        return model, ModelCall(pipeline, data, output), f"self.{pipeline.name}(...)"
+
+    return PipelineModel(
+        layers=pipeline.layers() if first else [],
+        hooks=hooks,
+        redirect=redirect,
+        init=user_init or pipeline.init_weights,
+        tensor_parallel_plan=plan,
+        pretrained_prefix=pipeline.prefix if prefix_option is None else prefix_option,
+        notes=notes,
+        huggingface=pipeline,
+    )
