@@ -106,6 +106,22 @@ def _check_finite(value: Activation, where: str) -> None:
             raise FloatingPointError(f"NaN or Inf first appeared in {where}{part}.")
 
 
+def receives_early(setting: bool | None, device: torch.device, schedule: PipelineSchedule) -> bool:
+    """Whether each exchange also posts the next one's receives (``PipelineExecutor.receive_early``):
+    ``None`` picks on for gloo with interleaved or zero-bubble schedules; ``True`` on CUDA is
+    refused (see the attribute's docstring)."""
+    if setting is None:
+        several = len(schedule.stage_to_rank) > schedule.num_ranks
+        return device.type != "cuda" and (several or schedule.splits_backward)
+    if setting and device.type == "cuda":
+        raise ValueError(
+            "PipelineExecutor.receive_early=True cannot run on CUDA: NCCL completes the operations of an "
+            "exchange together, so a receive posted one exchange early waits for a message the peer sends "
+            "later and the pipeline deadlocks. Leave it None (the default) or set it to False."
+        )
+    return setting
+
+
 class PipelineExecutor:
     """Runs schedules for the stages this rank holds.
 
@@ -150,9 +166,10 @@ class PipelineExecutor:
         otherwise. Measured on this project's 2-core machine (benchmarks/README.md): it shortens
         interleaved steps (0.70 - 0.92) and zero-bubble ones (0.98), but makes overhead-bound 1F1B
         steps up to 3x slower (gloo's posting calls slow down while a receive is outstanding) and
-        leaves fixed-time 1F1B and GPipe within noise. Off with NCCL, where a batch's operations
-        complete together, so a receive moved into an earlier batch would hold back that batch's
-        other messages."""
+        leaves fixed-time 1F1B and GPipe within noise. Refused on CUDA (NCCL): the operations of a
+        batch complete together, so a receive moved into an earlier batch makes the rank wait for
+        a message its peer sends only later, a deadlock for 1F1B, ZB-H1 and interleaved schedules
+        (docs/gpu.md, F2)."""
         self.receives_posted_early = 0
         """How many receives were posted one exchange early so far (a counter for tests and
         benchmarks)."""
@@ -224,10 +241,7 @@ class PipelineExecutor:
         try:
             batches = comm_batches(schedule.actions[pp_rank])
             last_backward = max((k for k, b in enumerate(batches) if b[0].kind in _BACKWARDS), default=-1)
-            early = self.receive_early
-            if early is None:
-                several = len(schedule.stage_to_rank) > schedule.num_ranks
-                early = self.transport.device.type != "cuda" and (several or schedule.splits_backward)
+            early = receives_early(self.receive_early, self.transport.device, schedule)
             # For each exchange, the next one (whose receives it may post early).
             following: dict[int, list[Action]] = {}
             upcoming: list[Action] = []

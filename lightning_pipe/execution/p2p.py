@@ -49,6 +49,25 @@ HEADER_SIZE = 64
 """Header length in int64 words: room for e.g. 8 tensors of rank 4, or 4 tensors of rank 11."""
 
 
+def check_sendable(tensor: torch.Tensor, device: torch.device, label: str, index: int) -> None:
+    """On CUDA (NCCL) every tensor of an exchange must be on the transport's device (one NCCL
+    batch holds tensors of one device) and of a dtype NCCL has (no 16-bit integers); gloo takes
+    anything. Checked before the exchange so that the error names the tensor (docs/gpu.md, F5, F6)."""
+    if device.type != "cuda":
+        return
+    if tensor.dtype == torch.int16:
+        raise TypeError(
+            f"{label}: output tensor {index} is int16, which NCCL cannot send (it has no 16-bit integer "
+            "type). Return it as int32 (or another dtype) from the stage's last layer."
+        )
+    if tensor.device != device:
+        raise ValueError(
+            f"{label}: output tensor {index} is on {tensor.device}, but the pipeline exchanges tensors on "
+            f"{device} (NCCL sends from the rank's device). Create it on the input's device in the "
+            "layer (e.g. torch.ones(..., device=x.device))."
+        )
+
+
 class PipelineCommunicationError(RuntimeError):
     """A pipeline exchange missed its deadline or lost its peer; the message names both ends."""
 
@@ -248,7 +267,8 @@ class P2PTransport:
                 ops.append(dist.P2POp(dist.isend, header, send.peer, self.group))
                 labels.append(f"{send.label} (header)")
                 self.headers_sent += 1
-            for tensor in send.tensors:
+            for index, tensor in enumerate(send.tensors):
+                check_sendable(tensor, self.device, send.label, index)
                 tensor = tensor.detach().contiguous()
                 keep.append(tensor)
                 ops.append(dist.P2POp(dist.isend, tensor, send.peer, self.group))

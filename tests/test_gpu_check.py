@@ -1,0 +1,82 @@
+"""The GPU check (``scripts/gpu_check.py``) in its reduced CPU form, as CI runs it, and the
+CUDA-only decisions it cannot reach on a CPU, tested one by one: a host tensor broadcast over an
+NCCL group travels through the device (F1 in docs/gpu.md), early receives are refused on CUDA
+(F2), and a stage output NCCL cannot send is refused by name (F5, F6)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_pipe import build_schedule
+from lightning_pipe.data_parallel import replicas
+from lightning_pipe.execution.executor import receives_early
+from lightning_pipe.execution.p2p import check_sendable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.distributed  # a one-rank process group in a child process
+def test_the_reduced_gpu_check_runs_and_passes(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "scripts/gpu_check.py", "--cpu", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    by_section: dict[str, list[dict]] = {}
+    for row in rows:
+        by_section.setdefault(row["section"], []).append(row)
+    assert set(by_section) == {"throughput", "equality", "large", "device paths"}
+    equal = [r for r in by_section["equality"] if r["status"] == "ok"]
+    assert len(equal) == 9, by_section["equality"]  # 3 schedules x 3 recomputation modes
+    assert all(r["values"]["max_weight_gap"] <= 1e-5 for r in equal)
+    assert any(r["status"] == "n/a" and "interleaved" in r["name"] for r in by_section["equality"])
+    replayed = [r for r in by_section["device paths"] if r["name"].startswith("dropout masks")]
+    assert len(replayed) == 3 and all(r["status"] == "ok" for r in replayed)
+    missing = {r["name"] for r in by_section["device paths"] if r["status"] == "missing"}
+    assert missing == {"pinned host memory for checkpoint reads", "CUDA events for timeline timings"}
+    ratio = by_section["throughput"][-1]["values"]["ratio"]
+    assert math.isfinite(ratio) and ratio > 0
+    assert "[equality]" in proc.stdout  # the printed table
+
+
+def test_host_tensors_travel_through_the_device_on_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    group = object()
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert replicas.carrier_device(group) == torch.device("cuda", 3)  # type: ignore[arg-type]
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "gloo")
+    assert replicas.carrier_device(group) is None  # type: ignore[arg-type]
+
+
+def test_early_receives_are_refused_on_cuda() -> None:
+    one_f_one_b = build_schedule("1f1b", 2, 4)
+    interleaved = build_schedule("interleaved_1f1b", 4, 4, virtual_stages=2)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    with pytest.raises(ValueError, match=r"receive_early=True cannot run on CUDA.*deadlocks"):
+        receives_early(True, cuda, one_f_one_b)
+    assert receives_early(None, cuda, interleaved) is False
+    assert receives_early(None, cpu, interleaved) is True
+    assert receives_early(None, cpu, one_f_one_b) is False
+    assert receives_early(True, cpu, one_f_one_b) is True
+
+
+def test_what_nccl_cannot_send_is_named_before_the_exchange() -> None:
+    cuda = torch.device("cuda", 0)
+    label = "SEND_F stage 0 micro-batch 2"
+    with pytest.raises(
+        ValueError, match=r"SEND_F stage 0 micro-batch 2: output tensor 1 is on cpu.*device=x.device"
+    ):
+        check_sendable(torch.ones(2), cuda, label, 1)
+    with pytest.raises(TypeError, match=r"output tensor 0 is int16, which NCCL cannot send"):
+        check_sendable(torch.ones(2, dtype=torch.int16), cuda, label, 0)
+    check_sendable(torch.ones(2, dtype=torch.int16), torch.device("cpu"), label, 0)  # gloo takes it
