@@ -59,6 +59,23 @@ def test_cli_help_lists_strategy_options(capsys: pytest.CaptureFixture[str]) -> 
     assert "find_unused_parameters" not in out and "static_graph" not in out
 
 
+def _train_example(script: str, config: str, tmp_path: Path, *args: str) -> list[float]:
+    """Run an example's LightningCLI ``fit`` with a CSV logger under ``tmp_path``; its validation
+    losses in order."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable, script, "fit", "--config", config, *args,
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.save_dir={tmp_path}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    return [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "layout",
@@ -69,30 +86,19 @@ def test_cli_help_lists_strategy_options(capsys: pytest.CaptureFixture[str]) -> 
     ids=["pp2", "tp2"],
 )
 def test_example_gpt_learns_on_two_processes(tmp_path: Path, layout: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable, "examples/gpt/train.py", "fit",
-        "--config", "examples/gpt/configs/pipe_tp.yaml",
+    val = _train_example(
+        "examples/gpt/train.py", "examples/gpt/configs/pipe_tp.yaml", tmp_path,
         "--trainer.devices=2",
         *layout,
         "--trainer.strategy.num_microbatches=4",
         "--trainer.max_steps=60",
         "--trainer.val_check_interval=30",
         "--trainer.limit_val_batches=5",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-        f"--trainer.logger.save_dir={tmp_path}",
         "--model.d_model=64", "--model.n_layers=2",
         "--data.max_chars=300000", "--data.batch_size=16",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
-    val = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+    )  # fmt: skip
     # Validation after 30 and 60 steps; the untrained model starts near ln(97) = 4.57.
-    assert len(val) == 2, rows
-    assert val[0] < 3.5 and val[1] < val[0], val
+    assert len(val) == 2 and val[0] < 3.5 and val[1] < val[0], val
     assert list(tmp_path.rglob("*.ckpt")), "ModelCheckpoint wrote nothing"
 
 
@@ -100,30 +106,20 @@ def test_example_gpt_learns_on_two_processes(tmp_path: Path, layout: list[str]) 
 def test_example_huggingface_model_learns_on_two_processes(tmp_path: Path) -> None:
     """The Hugging Face example (CausalLMModule, no wrapper) at pp=2, then its checkpoint exported
     to a directory that transformers loads."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable, "examples/huggingface/train.py", "fit",
-        "--config", "examples/huggingface/configs/pipe_tp.yaml",
+    val = _train_example(
+        "examples/huggingface/train.py", "examples/huggingface/configs/pipe_tp.yaml", tmp_path,
         "--trainer.max_steps=40",
         "--trainer.val_check_interval=20",
         "--trainer.limit_val_batches=4",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-        f"--trainer.logger.save_dir={tmp_path}",
         "--data.max_chars=200000",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
-    val = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+    )  # fmt: skip
     # Validation after 20 and 40 steps; the untrained model starts near ln(264) = 5.6.
-    assert len(val) == 2, rows
-    assert val[0] < 4.0 and val[1] < val[0], val
+    assert len(val) == 2 and val[0] < 4.0 and val[1] < val[0], val
     checkpoint = next(tmp_path.rglob("*.ckpt"))
     out = tmp_path / "exported"
     export = [sys.executable, "-m", "lightning_pipe.consolidate", str(checkpoint), str(out)]
     export.append("--to-huggingface")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(export, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     from transformers import AutoConfig

@@ -130,3 +130,42 @@ def test_families_train_like_their_own_forward(layout: str) -> None:
         if not gap <= result["tol"]
     ]
     assert failures == [], "\n".join(failures)
+
+
+def _no_targets_on_replica_one(steps: int) -> list[dict[str, torch.Tensor]]:
+    """Padded batches whose second half (data-parallel replica 1's) has no target in step 0 (a
+    prompt-only part of a supervised fine-tuning batch)."""
+    out = batches("padded", steps, BATCH)
+    out[0]["labels"][BATCH // 2 :] = -100
+    return out
+
+
+def empty_replica_worker() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(ParallelLayout(2, 1, 1), "cpu")
+    model = build("llama", torch.float64)
+    pipeline = CausalLMPipeline(model)
+    options = RuntimeOptions(num_microbatches=2, timeout=timedelta(seconds=60))
+    runtime = ParallelRuntime(
+        model, pipeline.layers(), mesh, torch.device("cpu"), options, seed=0, hooks=pipeline.hooks()
+    )
+    optimizer = runtime.keep_own(torch.optim.SGD(model.parameters(), lr=LR))
+    dp_rank = mesh.coordinates.dp_rank
+    for batch in _no_targets_on_replica_one(STEPS):
+        optimizer.zero_grad()
+        runtime.begin_accumulation()
+        runtime.train_batch({k: v.chunk(2)[dp_rank] for k, v in batch.items()}, _head)
+        optimizer.step()
+    last = gather_model_state(model, runtime.partition, mesh)
+    runtime.close()
+    return last if mesh.rank == 0 else {}
+
+
+def test_a_replica_without_target_tokens_trains_like_one_device() -> None:
+    """dp=2: replica 1's part of the first batch has no target token. It must not stop alone (the
+    other replica would wait for it) and must weigh nothing: the global batch's mean over its
+    tokens, as one device computes it."""
+    last = run_distributed(empty_replica_worker, 2, timeout=300)[0]
+    expected = train_reference(build("llama", torch.float64), _no_targets_on_replica_one(STEPS), LR)["last"]
+    gap = max((last[k] - v).abs().max().item() for k, v in expected.items() if v.is_floating_point())
+    assert gap <= 1e-9, gap

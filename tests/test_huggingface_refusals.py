@@ -7,6 +7,7 @@ whose heads do not split."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from lightning_pipe.huggingface import (
     causal_lm_loss,
     causal_lm_parts,
 )
-from tests.hf_families import build, config, padded_batch
+from tests.hf_families import build, config, packed_batch, padded_batch
 
 
 def test_a_model_without_a_pipeline_plan_names_the_fix() -> None:
@@ -120,7 +121,8 @@ def _call(family: str = "llama") -> tuple[ModelCall, dict[str, torch.Tensor], to
     pipeline = CausalLMPipeline(build(family), "model")
     batch = padded_batch(3, seed=6)
     logits = torch.randn(3, batch["input_ids"].shape[1], 96)
-    return ModelCall(pipeline, batch, logits), batch, logits
+    items = float(pipeline.loss_items(batch).sum())  # what the runtime weighted the micro-batch by
+    return ModelCall(pipeline, batch, logits, items), batch, logits
 
 
 def test_the_model_call_in_the_step_returns_the_pipeline_logits_and_loss() -> None:
@@ -153,3 +155,92 @@ def test_a_model_call_that_asks_for_something_else_is_refused(change: Any, match
         return
     with pytest.raises(ModelCallError, match=match):
         call(**change(batch))
+
+
+def test_labels_other_than_the_counted_ones_are_refused() -> None:
+    """The runtime weighs each micro-batch by the tokens of the batch's labels; a loss over other
+    tokens (labels made in the step, or none in the batch to count) would not be the batch's mean."""
+    call, batch, logits = _call()
+    fewer = batch["labels"].clone()
+    fewer[:, 2] = -100
+    with pytest.raises(ModelCallError, match=r"have \d+ target tokens .* batch's labels have \d+"):
+        call(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=fewer)
+    uncounted = ModelCall(call.pipeline, batch, logits, None)  # no labels found in the batch
+    with pytest.raises(ModelCallError, match=r"found no 'labels' in the batch .* loss_items"):
+        uncounted(**batch)
+    full = {**batch, "labels": batch["input_ids"]}  # no ignored token: samples weigh as tokens do
+    assert ModelCall(call.pipeline, full, logits, None)(**full).loss is not None
+
+
+def test_hidden_states_are_not_on_the_last_stage() -> None:
+    call, batch, _ = _call()
+    with pytest.raises(ModelCallError, match=r"output_hidden_states=True.*logits only"):
+        call(**batch, output_hidden_states=True)
+
+
+def test_a_cache_with_packed_sequences_is_refused() -> None:
+    """With config.use_cache=True Hugging Face's own forward attends across packed sequences."""
+    model = build("llama")
+    model.config.use_cache = True
+    pipeline = CausalLMPipeline(model)
+    with pytest.raises(ValueError, match=r"use_cache=True and the batch packs .*use_cache = False"):
+        pipeline.pipeline_input(packed_batch(2, seed=1))
+    pipeline.pipeline_input(padded_batch(2, seed=1))  # one sequence per row: the same either way
+
+
+def test_probe_kinds_tell_padded_packed_and_plain() -> None:
+    pipeline = CausalLMPipeline(build("llama"))
+    padded = padded_batch(4, seed=3)
+    padded["attention_mask"][0, -1] = 0  # at least one padded position
+    assert pipeline.probe_kind(pipeline.pipeline_input(padded)) == (True, False)
+    assert pipeline.probe_kind(pipeline.pipeline_input(packed_batch(2, seed=1))) == (False, True)
+    assert pipeline.probe_kind(pipeline.pipeline_input({"input_ids": padded["input_ids"]})) == (False, False)
+
+
+def test_a_plan_with_other_inputs_is_refused() -> None:
+    model = build("llama")
+    plan = dict(model.config.base_model_pp_plan)
+    model.config.base_model_pp_plan = {
+        "embed_tokens": plan["embed_tokens"],
+        "rotary_emb": (["hidden_states", "position_ids"], ["position_embeddings"]),
+        "layers": plan["layers"],
+        "norm": plan["norm"],
+    }
+    with pytest.raises(UnsupportedModelError, match=r"\['rotary_emb'\] take .* configure_pipeline"):
+        causal_lm_parts(model)
+
+
+def test_per_head_norms_the_plan_omits_are_summed_and_unknown_parameters_refused() -> None:
+    made = transformers.Glm4MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, use_qk_norm=True,
+        n_group=1, topk_group=1,
+    )  # fmt: skip
+    derived = CausalLMPipeline(transformers.Glm4MoeForCausalLM(made), "model").tensor_parallel_plan(2)
+    for norm in ("q_norm", "k_norm"):
+        assert derived.plan[f"model.model.layers.*.self_attn.{norm}"] == "replicated_with_grad_allreduce"
+    assert any("per-head norm" in note for note in derived.notes)
+    model = build("llama")
+    model.model.layers[1].self_attn.add_module("gate", torch.nn.Linear(8, 8))
+    with pytest.raises(UnsupportedModelError, match=r"layers.1.self_attn.gate .* tensor_parallel_size=1"):
+        CausalLMPipeline(model, "model").tensor_parallel_plan(2)
+    assert CausalLMPipeline(model, "model").tensor_parallel_plan(1).plan  # no split: nothing to refuse
+
+
+def test_causal_lm_module_asks_for_local_weights_under_pipe_tp(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from lightning_pipe import CausalLMModule
+
+    def under_pipe_tp(module: Any) -> Any:
+        module._trainer = SimpleNamespace(strategy=SimpleNamespace(strategy_name="pipe_tp", pretrained=None))
+        return module
+
+    with pytest.raises(ValueError, match=r"not a local directory.*hf download org/model"):
+        under_pipe_tp(CausalLMModule("org/model")).configure_model()
+    model = build("llama")
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # an older checkpoint's format
+    with pytest.raises(ValueError, match=r"pytorch_model\*.bin.*save_pretrained"):
+        under_pipe_tp(CausalLMModule(str(tmp_path))).configure_model()

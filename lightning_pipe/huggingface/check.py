@@ -45,13 +45,18 @@ def _stubbed(modules: Sequence[nn.Module], replies: Sequence[Any], record: Recor
 
         return forward
 
+    # A forward patched onto an instance (e.g. by accelerate's hooks) is put back, not deleted.
+    patched = [module.__dict__.get("forward") for module in modules]
     for module, reply in zip(modules, replies, strict=True):
         module.forward = stub(reply)
     try:
         yield
     finally:
-        for module in modules:
-            del module.forward
+        for module, before in zip(modules, patched, strict=True):
+            if before is None:
+                del module.forward
+            else:
+                module.forward = before
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -28,6 +28,9 @@ import torch
 
 from lightning_pipe.huggingface.parts import CausalLMParts
 
+IGNORE_INDEX = -100
+"""The label of a token that is not a target (Hugging Face's and PyTorch's convention)."""
+
 Carried = tuple[torch.Tensor, torch.Tensor]
 """What travels beside the hidden states: the padding mask (``[b, s]``, or ``[b, 0]`` for none)
 and the position ids (``[b, s]``)."""

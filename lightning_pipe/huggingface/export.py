@@ -123,6 +123,11 @@ def export_huggingface(
 
 
 def _tied_copy(model: Any, key: str) -> bool:
-    """A key whose tensor is another key's (``lm_head.weight`` tied to the embedding)."""
-    tied = getattr(model, "_tied_weights_keys", None) or {}
+    """A key whose tensor is another key's in this model (``lm_head.weight`` tied to the embedding
+    when the config ties them): the instance's ties, not the class's list of possible ones."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is None:  # older transformers: the class's list, valid only when the config ties
+        tied = getattr(model, "_tied_weights_keys", None) or {}
+        if not getattr(model.config, "tie_word_embeddings", False):
+            return False
     return key in tied

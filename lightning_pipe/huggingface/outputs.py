@@ -22,13 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from lightning_pipe.huggingface.context import default_positions, mask_or_none
+from lightning_pipe.huggingface.context import IGNORE_INDEX, default_positions, mask_or_none
 from lightning_pipe.tensor_parallel.cross_entropy import cross_entropy
 
 if TYPE_CHECKING:
     from lightning_pipe.huggingface.pipeline import CausalLMPipeline
-
-IGNORE_INDEX = -100
 
 
 class ModelCallError(ValueError):
@@ -57,10 +55,14 @@ def causal_lm_loss(
 class ModelCall:
     """The causal LM's ``forward`` for one micro-batch whose pipeline output is ``logits``."""
 
-    def __init__(self, pipeline: CausalLMPipeline, microbatch: Any, logits: torch.Tensor) -> None:
+    def __init__(
+        self, pipeline: CausalLMPipeline, microbatch: Any, logits: torch.Tensor, items: float | None = None
+    ) -> None:
         self.pipeline = pipeline
         self.inputs = pipeline.pipeline_input(microbatch)
         self.logits = logits
+        self.items = items
+        """The micro-batch's loss items the runtime weighted it by (``None``: by samples)."""
         self.signature = inspect.signature(type(pipeline.model).forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -84,8 +86,41 @@ class ModelCall:
                     "each micro-batch is its mean over its own tokens and the runtime weights it by its "
                     "share of the batch's tokens (the whole batch's mean, as on one device). Leave it out."
                 )
+            self._check_items(labels, given.get("shift_labels"))
             loss = causal_lm_loss(self.logits, labels, given.get("shift_labels"))
+        for flag in ("output_hidden_states", "output_attentions"):
+            if given.get(flag):
+                raise ModelCallError(
+                    f"{type(self.pipeline.model).__name__}({flag}=True) inside the step: under pipe_tp the "
+                    "last stage holds the logits only (each stage's hidden states stay on its rank). Leave "
+                    f"{flag} out, or compute what you need from the logits."
+                )
         return CausalLMOutputWithPast(loss=loss, logits=self.logits)
+
+    def _check_items(self, labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> None:
+        """The loss asked for averages over the tokens the runtime weighted this micro-batch by;
+        otherwise the batch's loss would not be its mean over tokens, as on one device."""
+        shifted = shift_labels if shift_labels is not None else labels[..., 1:]  # type: ignore[index]
+        name = type(self.pipeline.model).__name__
+        if self.items is None:
+            if bool((shifted == IGNORE_INDEX).any()):
+                raise ModelCallError(
+                    f"The labels given to {name} inside the step ignore some tokens (-100), but pipe_tp "
+                    "found no 'labels' in the batch to count them, so it weighs the micro-batches by "
+                    "samples and the batch's loss would not be its mean over tokens as on one device. Put "
+                    "the labels in the batch (a dict with 'labels'), return them from "
+                    "pipeline_input(self, batch), or define loss_items(self, batch) giving each sample's "
+                    "number of target tokens."
+                )
+            return
+        count = int((shifted != IGNORE_INDEX).sum())
+        if count != round(self.items):
+            raise ModelCallError(
+                f"The labels given to {name} inside the step have {count} target tokens in this "
+                f"micro-batch, but the batch's labels have {round(self.items)}, which pipe_tp weighted it "
+                "by. Pass the batch's labels (labels=batch['labels']), or define loss_items(self, batch) "
+                "counting the tokens your loss averages over."
+            )
 
     def _check_inputs(self, given: dict[str, Any]) -> None:
         name = type(self.pipeline.model).__name__

@@ -179,6 +179,17 @@ def causal_lm_parts(model: nn.Module) -> CausalLMParts:
         raise UnsupportedModelError(
             f"{name} ({family}): its pipeline plan names {missing}, which the base model does not have."
         )
+    first_inputs = list(plan[names[0]][0]) if k > 0 else []
+    # After the embedding, each module takes the hidden states alone (whatever the plan calls them:
+    # "hidden_states", GPT-NeoX's dropout "inputs_embeds").
+    others = [n for n in names[1:k] + names[k + 1 :] if len(plan[n][0]) != 1]
+    if first_inputs != ["input_ids"] or others:
+        odd = others if first_inputs == ["input_ids"] else [names[0], *others]
+        raise UnsupportedModelError(
+            f"{name} ({family}): its pipeline plan {names} is not an embedding of input_ids, decoder "
+            f"layers and modules of the hidden states alone ({odd} take {[list(plan[n][0]) for n in odd]}); "
+            "pipe_tp cannot follow it. Write configure_pipeline() by hand."
+        )
     if getattr(config, "output_router_logits", False):
         raise UnsupportedModelError(
             f"{name} ({family}) adds a router load-balancing loss (config.output_router_logits=True), which "

@@ -26,13 +26,19 @@ import torch
 from torch import nn
 
 from lightning_pipe.execution.layers import LayerCall
-from lightning_pipe.huggingface.context import Epilogue, LayerContext, Prologue, default_positions, no_mask
+from lightning_pipe.huggingface.context import (
+    IGNORE_INDEX,
+    Epilogue,
+    LayerContext,
+    Prologue,
+    default_positions,
+    no_mask,
+)
 from lightning_pipe.huggingface.parts import CausalLMParts, causal_lm_parts
 from lightning_pipe.huggingface.tensor_parallel import DerivedPlan, derive_plan
 from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.tensor_parallel.cross_entropy import copy_vocab_parallel_tag
 
-IGNORE_INDEX = -100
 """Hugging Face's label for a token the loss ignores (padding, a prompt)."""
 
 
@@ -102,11 +108,26 @@ class CausalLMPipeline:
         """``(input_ids, attention_mask, position_ids)`` of a (micro-)batch, as the first layer
         takes them (the mask ``[b, 0]`` when the batch has none, positions ``arange`` when none)."""
         input_ids, mask, positions = model_inputs(batch)
+        if positions is not None and getattr(self.parts.config, "use_cache", False):
+            self._refuse_packed_with_cache(positions)
         return (
             input_ids,
             no_mask(input_ids) if mask is None else mask,
             default_positions(input_ids) if positions is None else positions,
         )
+
+    def _refuse_packed_with_cache(self, positions: torch.Tensor) -> None:
+        """With ``config.use_cache=True`` Hugging Face's forward builds a cache and then ignores
+        the boundaries of packed sequences (position ids restarting at 0): one device attends
+        across them, which the pipeline, masking each sequence apart, would not reproduce."""
+        steps = positions[..., 1:] - positions[..., :-1]
+        if bool((steps != 1).any()):
+            raise ValueError(
+                f"{type(self.model).__name__} has config.use_cache=True and the batch packs several "
+                "sequences per row (position_ids restart): with a cache Hugging Face's forward attends "
+                "across the packed sequences' boundaries, which pipe_tp does not reproduce. Training "
+                f"needs no cache: set model.config.use_cache = False (e.g. in configure_model)."
+            )
 
     def loss_items(self, batch: Any) -> torch.Tensor | None:
         """Per sample, the tokens Hugging Face's causal-LM loss averages over (``labels`` shifted
@@ -134,11 +155,20 @@ class CausalLMPipeline:
 
         return check_pipeline(self, probe, own_layers)
 
+    def probe_kind(self, probe: Any) -> tuple[bool, bool]:
+        """Whether a first-layer input masks padding and whether it packs sequences: the setup
+        check runs again for each kind first seen (some families treat packed rows otherwise)."""
+        _, mask, positions = probe
+        padded = mask.numel() > 0 and bool((mask == 0).any())
+        packed = bool(((positions[..., 1:] - positions[..., :-1]) != 1).any())
+        return padded, packed
+
     def hooks(self) -> ModelHooks:
         return ModelHooks(
             pipeline_input=self.pipeline_input,
             layer_calls=self.calls(),
             check_forward=self.check,
+            probe_kind=self.probe_kind,
             loss_items=self.loss_items,
         )
 

@@ -92,7 +92,70 @@ def derive_plan(parts: CausalLMParts, prefix: str, tensor_parallel_size: int) ->
         derived.plan[f"{prefix}{pattern}"] = str(style)
     _keep_tied_pairs(parts, prefix, derived)
     _check_heads(parts, derived, tensor_parallel_size, where)
+    if tensor_parallel_size > 1:
+        _cover_split_siblings(parts, prefix, derived, where)
     return derived
+
+
+def _cover_split_siblings(parts: CausalLMParts, prefix: str, derived: DerivedPlan, where: str) -> None:
+    """Parameters beside a ``colwise`` projection (whose output stays split by heads) that the plan
+    does not name. A per-head norm (weight of shape ``[head_dim]``, e.g. GLM-4's q/k norms when its
+    plan omits them) computes within each head, so it stays whole and its gradients, partial on
+    each tensor rank, are summed (``replicated_sum``), as the plans that name it ask. Anything else
+    there could see split features or contribute partial gradients; what it does cannot be told
+    from its name, so the model is refused rather than trained differently."""
+    model = parts.model
+    config = parts.config
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+        if getattr(config, "num_attention_heads", 0)
+        else None
+    )
+    named = [(_regex(k[len(prefix) :]), v) for k, v in derived.plan.items()]
+    in_layers = f"{parts.base_name}.{parts.layers_name}."
+
+    def style_of(name: str) -> str | None:
+        return next((v for regex, v in named if regex.fullmatch(name)), None)
+
+    added: set[str] = set()
+    for name, _ in model.named_modules():
+        if not name.startswith(in_layers) or style_of(name) != "colwise":
+            continue
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        own = [n for n, _ in parent.named_parameters(recurse=False)]
+        if own:
+            raise UnsupportedModelError(
+                f"{where}: {parent_name} holds parameters of its own ({own}) beside the column-split "
+                f"{name}, which its tensor-parallel plan does not name; pipe_tp cannot tell whether they "
+                "see split features. Use tensor_parallel_size=1, or give tensor_parallel_plan=... naming "
+                "them."
+            )
+        for child_name, child in parent.named_children():
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            params = list(child.parameters())
+            if (
+                not params
+                or style_of(full) is not None
+                or any(style_of(n) is not None for n, _ in child.named_modules(prefix=full))
+            ):
+                continue
+            pattern = re.sub(r"\.\d+\.", ".*.", full)
+            if "norm" in child_name.lower() and all(tuple(p.shape) == (head_dim,) for p in params):
+                if pattern not in added:
+                    added.add(pattern)
+                    derived.plan[f"{prefix}{pattern}"] = "replicated_with_grad_allreduce"
+                    derived.notes.append(
+                        f"{prefix}{pattern}: a per-head norm beside a column-split projection, kept whole "
+                        "with its gradients summed over the tensor ranks (its plan does not name it)"
+                    )
+                continue
+            raise UnsupportedModelError(
+                f"{where}: {full} ({type(child).__name__}) has parameters beside the column-split {name} and "
+                "its tensor-parallel plan does not name it; pipe_tp cannot tell whether it sees split "
+                "features or contributes partial gradients. Use tensor_parallel_size=1, or give "
+                "tensor_parallel_plan=... naming it."
+            )
 
 
 def _keep_tied_pairs(parts: CausalLMParts, prefix: str, derived: DerivedPlan) -> None:

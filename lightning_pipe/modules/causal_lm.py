@@ -79,28 +79,43 @@ class CausalLMModule(L.LightningModule):
         from transformers import AutoModelForCausalLM
 
         source = self.hparams["model"]
-        config = _config(source, self.hparams["attn_implementation"])
-        has_weights = not isinstance(source, dict) and any(
-            os.path.exists(os.path.join(os.fspath(source), name))
-            for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-        )
+        local = not isinstance(source, dict) and os.path.isdir(os.fspath(source))
+        files = os.listdir(os.fspath(source)) if local else []
+        safetensors = any(f.endswith(".safetensors") for f in files)
+        pickled = any(f.startswith("pytorch_model") and ".bin" in f for f in files)
+        hub = not isinstance(source, dict) and not local  # a Hub id: its weights are to download
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if getattr(strategy, "strategy_name", None) == "pipe_tp":
-            # Built on the meta device: each rank materialises its own stage, from the strategy's
-            # pretrained files when given.
-            pretrained = getattr(strategy, "pretrained", None)
-            if has_weights and pretrained is None:
-                raise ValueError(
-                    f"{source} holds weights, which pipe_tp loads stage by stage only when told: set "
-                    f"PipeTPStrategy(pretrained={os.fspath(source)!r}) (from LightningCLI: "
-                    f"--trainer.strategy.pretrained={os.fspath(source)}); to start from scratch with its "
-                    "config only, copy config.json to a directory of its own."
-                )
-            self.model = AutoModelForCausalLM.from_config(config)
-        elif has_weights:
-            self.model = AutoModelForCausalLM.from_pretrained(os.fspath(source), config=config)
-        else:
-            self.model = AutoModelForCausalLM.from_config(config)
+        pipe_tp = getattr(strategy, "strategy_name", None) == "pipe_tp"
+        if pipe_tp and hub:
+            raise ValueError(
+                f"model={source!r} is not a local directory: under pipe_tp each rank reads its own stage's "
+                f"weights from local files. Download it first (e.g. `hf download {source} --local-dir DIR`), "
+                "then pass model=DIR and PipeTPStrategy(pretrained=DIR)."
+            )
+        config = _config(source, self.hparams["attn_implementation"])
+        if not pipe_tp:
+            if hub or safetensors or pickled:
+                self.model = AutoModelForCausalLM.from_pretrained(os.fspath(source), config=config)
+            else:
+                self.model = AutoModelForCausalLM.from_config(config)
+            return
+        # Under pipe_tp the model is built on the meta device: each rank materialises its own stage,
+        # from the strategy's pretrained files when given.
+        pretrained = getattr(strategy, "pretrained", None)
+        if pickled and not safetensors:
+            raise ValueError(
+                f"{source} holds its weights as pytorch_model*.bin, which pipe_tp does not read stage by "
+                "stage; save them as safetensors once (AutoModelForCausalLM.from_pretrained(DIR)"
+                ".save_pretrained(NEW_DIR)) and pass NEW_DIR."
+            )
+        if safetensors and pretrained is None:
+            raise ValueError(
+                f"{source} holds weights, which pipe_tp loads stage by stage only when told: set "
+                f"PipeTPStrategy(pretrained={os.fspath(source)!r}) (from LightningCLI: "
+                f"--trainer.strategy.pretrained={os.fspath(source)}); to start from scratch with its "
+                "config only, copy config.json to a directory of its own."
+            )
+        self.model = AutoModelForCausalLM.from_config(config)
 
     def forward(self, **batch: Any) -> Any:
         assert self.model is not None, "configure_model() builds the model"
@@ -113,8 +128,8 @@ class CausalLMModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss = self(**batch).loss
+        # Perplexity is exp of the epoch's val_loss (a mean of per-batch exp(loss) is another number).
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val_ppl", torch.exp(loss.detach()), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "configure_model() builds the model"

@@ -28,7 +28,10 @@ class Microbatch:
     size: int
     """Its samples."""
     share: float
-    """Its share of the batch's samples (the weight of its loss in the batch's)."""
+    """Its share of the batch (the weight of its loss in the batch's): of the batch's loss items
+    when the model's hooks count them (tokens), else of its samples."""
+    items: float | None = None
+    """Its loss items (e.g. predicted tokens), when the hooks count them; ``None`` otherwise."""
 
 
 class Head(Protocol):

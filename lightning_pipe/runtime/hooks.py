@@ -11,7 +11,7 @@ the first layer, how each layer is called, how ``forward`` is checked, and how m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,10 @@ class ModelHooks:
     :mod:`lightning_pipe.execution.layers`."""
     check_forward: ForwardCheck | None = None
     """Replaces the default check that the module's ``forward`` is the chained layers."""
+    probe_kind: Callable[[Any], Hashable] | None = None
+    """A first micro-batch input -> its kind for ``check_forward`` (e.g. padded, packed, plain):
+    the check runs again on the first batch of each kind not seen yet, since a model may treat the
+    kinds differently (``None``: once, on the first batch)."""
     loss_items: Callable[[Any], torch.Tensor | None] | None = None
     """A batch -> how many loss items each sample holds (shape ``[batch size]``), when the loss is
     a mean over items rather than over samples (a language model's mean over the tokens whose

@@ -227,6 +227,7 @@ class ParallelRuntime:
         for text in self.warnings:
             self._warn(text)
         self._forward_checked = not self.options.check_forward
+        self._checked_kinds: set[Any] = set()
         self._warned_small_batch = False
         self._batches = 0
 
@@ -392,16 +393,26 @@ class ParallelRuntime:
             )
         sizes = microbatch_sizes(batch_size(batch), m)
         pieces = split_microbatches(batch, m)
-        counts, replica_items = self._loss_counts(batch, sizes, step, training)
+        counts, replica_items, counted = self._loss_counts(batch, sizes, step, training)
         total = sum(counts)
-        microbatches = [Microbatch(i, pieces[i], sizes[i], counts[i] / total) for i in range(m)]
+        items = counts if counted and total > 0 else None
+        if total <= 0:
+            # A replica without loss items in a global batch that has some (data-parallel
+            # training): its losses weigh nothing (dp_factor is 0 below), its shares for the
+            # logged values are by samples.
+            counts, total = [float(n) for n in sizes], float(sum(sizes))
+        microbatches = [
+            Microbatch(i, pieces[i], sizes[i], counts[i] / total, None if items is None else items[i])
+            for i in range(m)
+        ]
         inputs = [as_layer_arguments(self._pipeline_input(mb.data)) for mb in microbatches]
         self._check_before(step, batch, inputs[0])
         # By items, the replicas' gradients are averaged, so each replica's losses are weighted by
         # its share of the global batch's items times the number of replicas (1 when the replicas
         # hold as many items each): the average is then the global batch's mean.
+        local = 0.0 if replica_items is not None and items is None else total
         dp_factor = (
-            1.0 if replica_items is None else total * self.mesh.layout.data_parallel_size / replica_items
+            1.0 if replica_items is None else local * self.mesh.layout.data_parallel_size / replica_items
         )
 
         def end(output: Any, i: int) -> Any:
@@ -458,12 +469,13 @@ class ParallelRuntime:
 
     def _loss_counts(
         self, batch: Any, sizes: Sequence[int], step: StepIdentity, training: bool
-    ) -> tuple[list[float], float | None]:
-        """Each micro-batch's loss items (its samples, unless the hooks count items) and, when items
-        are counted and training averages gradients over several replicas, the global batch's."""
+    ) -> tuple[list[float], float | None, bool]:
+        """Each micro-batch's loss items (its samples, unless the hooks count items), when items
+        are counted and training averages gradients over several replicas the global batch's, and
+        whether items were counted."""
         items = self.hooks.loss_items(batch) if self.hooks.loss_items is not None else None
         if items is None:
-            return [float(n) for n in sizes], None
+            return [float(n) for n in sizes], None, False
         total = sum(sizes)
         if not isinstance(items, torch.Tensor) or tuple(items.shape) != (total,):
             raise ValueError(
@@ -471,23 +483,35 @@ class ParallelRuntime:
                 f"got {tuple(items.shape) if isinstance(items, torch.Tensor) else type(items).__name__}."
             )
         counts = [float(chunk.sum()) for chunk in torch.split(items.detach().double().cpu(), list(sizes))]
-        if sum(counts) <= 0:
-            raise ValueError(
-                f"The batch of {step} holds no loss items (every label is ignored, "
-                "e.g. -100 everywhere): its mean loss is undefined, on one device too. Filter such "
-                "batches out before they reach the model."
-            )
+        empty = f"The batch of {step} holds no loss items (every label is ignored, e.g. -100 everywhere"
         if self.mesh.layout.data_parallel_size == 1 or not training:
-            return counts, None
+            if sum(counts) <= 0 and training:
+                raise ValueError(
+                    f"{empty}): its mean loss is undefined, on one device too. Filter such batches out "
+                    "before they reach the model."
+                )
+            # Evaluation of a batch without items: weighted by samples (its loss is 0, not 0/0).
+            return counts, None, True
+        # Summed before any refusal: a replica whose part holds no items must not stop alone while
+        # the others wait in this all-reduce; only a global batch without items is refused.
         global_items = torch.tensor([sum(counts)], dtype=torch.float64, device=self.device)
         with self.naming("summing the batch's loss items over the data-parallel group"):
             dist.all_reduce(global_items, group=self.mesh.group(MeshAxis.DATA))
-        return counts, float(global_items)
+        if float(global_items) <= 0:
+            raise ValueError(
+                f"{empty} on every data-parallel replica): its mean loss is undefined, on one device "
+                "too. Filter such batches out before they reach the model."
+            )
+        return counts, float(global_items), True
 
     def _check_before(self, step: StepIdentity, batch: Any, probe: Any) -> None:
         """Stop every rank of the replica, with one message, if its ranks are about to run
         different batches or (on the first batch) ``forward`` is not the chained layers."""
         problem = None
+        kind = self.hooks.probe_kind(probe) if self.hooks.probe_kind is not None else None
+        if self.options.check_forward and kind not in self._checked_kinds:
+            self._checked_kinds.add(kind)
+            self._forward_checked = False
         if not self._forward_checked:
             self._forward_checked = True
             if self.hooks.check_forward is not None:

@@ -162,17 +162,23 @@ def _derived(
         def pipeline_input(batch: Any) -> Any:
             return derived_input(user_input(batch) if user_input is not None else batch)
 
+        def items_after_input(batch: Any) -> Any:
+            # Counted on what the user's pipeline_input makes of the batch (labels may appear
+            # only there, e.g. from a tuple batch).
+            return derived_items(user_input(batch) if user_input is not None else batch)
+
         hooks = ModelHooks(
             pipeline_input=pipeline_input,
             layer_calls=hooks.layer_calls,
             check_forward=hooks.check_forward,
-            loss_items=user_items if user_items is not None else derived_items,
+            probe_kind=hooks.probe_kind,
+            loss_items=user_items if user_items is not None else items_after_input,
         )
     model = pipeline.model
 
     def redirect(microbatch: Microbatch, output: Any) -> tuple[nn.Module, Callable[..., Any], str]:
         data = user_input(microbatch.data) if user_input is not None else microbatch.data
-        return model, ModelCall(pipeline, data, output), f"self.{pipeline.name}(...)"
+        return model, ModelCall(pipeline, data, output, microbatch.items), f"self.{pipeline.name}(...)"
 
     return PipelineModel(
         layers=pipeline.layers() if first else [],
