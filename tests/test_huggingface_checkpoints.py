@@ -110,6 +110,7 @@ def test_pretrained_directory_trains_and_exports_like_one_device() -> None:
         assert (expected - before).abs().max().item() > 1e-2  # training moved the logits
         # The tie survives: one tensor in the files, shared again after loading.
         assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+        assert exported.config.use_cache  # trained without a cache, exported for generation
 
 
 @pytest.mark.distributed

@@ -48,6 +48,8 @@ This directory is one lightning_pipe (pipe_tp) sharded checkpoint. Ways to use i
   (MyModel.load_from_checkpoint reads files only: it fails here with IsADirectoryError.)
 * Turn it into one ordinary Lightning checkpoint file:
       python -m lightning_pipe.consolidate "<this directory>" model.ckpt [--weights-only]
+* Of a Hugging Face model: into a directory AutoModelForCausalLM.from_pretrained reads:
+      python -m lightning_pipe.consolidate "<this directory>" OUT_DIR --to-huggingface
 * Without Lightning (lightning_pipe.ParallelRuntime), at any layout:
       extra = runtime.load_checkpoint("<this directory>", [optimizer])
 """

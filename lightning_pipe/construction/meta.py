@@ -57,8 +57,10 @@ class _MetaTwins:
                 f"{type(module).__name__}: loading weights here (from_pretrained, "
                 "load_state_dict(assign=True)) or replacing a parameter after construction would be "
                 "lost. Build the model from its configuration (e.g. AutoModelForCausalLM.from_config) and "
-                "initialise in place (reset_parameters(), nn.init); to start from pretrained weights, "
-                "build the model in __init__ and load them there (every rank then holds the whole model)."
+                "initialise in place (reset_parameters(), nn.init); to start from pretrained weights, give "
+                "them to the strategy, which loads each rank's own stage: PipeTPStrategy(pretrained=DIR) "
+                "(a save_pretrained directory or a checkpoint); or build the model in __init__ and load "
+                "them there (every rank then holds the whole model)."
             )
         twin = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
         twin.__dict__.update(param.__dict__)  # attributes set on the parameter (sharding marks)

@@ -95,6 +95,8 @@ def export_huggingface(
             f"{checkpoint} records no Hugging Face config (it was not saved by pipe_tp from a derived "
             "Hugging Face model); give the directory of the model's config.json (--config DIR)."
         )
+    # Trained without a key/value cache (CausalLMModule turns it off); generation wants it back.
+    made.use_cache = True
     prefix = prefix if prefix is not None else recorded.get("prefix", "model.")
     weights = {k[len(prefix) :]: v for k, v in state["state_dict"].items() if k.startswith(prefix)}
     if not weights:
