@@ -228,3 +228,19 @@ def test_split_layers_accepts_sequential_and_checks_balance() -> None:
         split_layers(list(seq), [1, 2])
     with pytest.raises(ValueError, match="Every stage needs at least one layer"):
         split_layers(list(seq), [4, 0])
+
+
+def test_the_layout_log_says_which_elements_are_tied_across_stages() -> None:
+    """A weight tied across stages has a copy on each: the log says so, or the stages' counts
+    would seem to add up to more than the model."""
+    from lightning_pipe.partition.model import partition_model
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False))
+    model[2].weight = model[0].weight  # the head tied to the embedding
+    split = partition_model(model, list(model), 2)
+    assert split.tied_counts == (40, 40)
+    log = split.describe(list(model))
+    assert "stage 0: layers 0-0 (Embedding), 40 parameters, 40 of them tied with stage 1" in log
+    assert "stage 1: layers 1-2 (Linear, Linear), 60 parameters, 40 of them tied with stage 0" in log
+    untied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert "tied" not in partition_model(untied, list(untied), 2).describe(list(untied))

@@ -42,6 +42,9 @@ class PipelinePartition:
     layer_times: tuple[float, ...] = ()
     """Each layer's measured forward + backward seconds per micro-batch (``partition="time"``;
     empty otherwise)."""
+    tied_counts: tuple[int, ...] = ()
+    """Per stage, the parameter elements it shares with other stages (tied weights, counted in
+    each of their stages' ``parameter_counts``); empty without ties."""
 
     @property
     def num_stages(self) -> int:
@@ -95,6 +98,13 @@ class PipelinePartition:
             kinds = ", ".join(type(layers[i]).__name__ for i in rng)
             params = sum(self.parameter_counts[i] for i in rng)
             held = "" if per_rank is None else f" ({per_rank(stage):,} per rank)"
+            tied = self.tied_counts[stage] if self.tied_counts else 0
+            if tied:
+                # A tied weight has a copy on each stage that uses it: say so, or the stages'
+                # counts seem to add up to more than the model.
+                others = sorted({t for _, st in self.tied if stage in st for t in st} - {stage})
+                names = ", ".join(str(t) for t in others)
+                held += f", {tied:,} of them tied with stage{'s' if len(others) > 1 else ''} {names}"
             if self.layer_times:
                 measured = sum(self.layer_times[i] for i in rng) * 1e3
                 held += f", {measured:.3g} ms forward + backward per micro-batch (measured)"
@@ -173,8 +183,18 @@ def partition_model(
         if split.stage_of_key(key) is None and id(value) in stage_of_tensor
     )
     if tied or aliases:
+        sizes = {name: p.numel() for name, p in model.named_parameters()}
+        tied_counts = tuple(
+            sum(sizes[name] for name, stages in tied if stage in stages) for stage in range(num_stages)
+        )
         split = PipelinePartition(
-            split.layer_names, split.balance, split.parameter_counts, tied, aliases, times
+            split.layer_names,
+            split.balance,
+            split.parameter_counts,
+            tied,
+            aliases,
+            times,
+            tied_counts if tied else (),
         )
     stray = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stages_of_param]
     if stray:
