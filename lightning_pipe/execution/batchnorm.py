@@ -89,7 +89,9 @@ class DeferredBatchNorm:
             # float64 sums: the variance from sum and sum of squares then matches one device's
             # two-pass statistics to far below 1e-5.
             x64 = x.double()
-            count = torch.tensor([x.numel() // x.shape[1]], dtype=torch.float64, device=x.device)
+            # A fill on the device, not torch.tensor([...], device=...): that copies from the host
+            # and, on CUDA, synchronises once per BatchNorm layer per micro-batch (docs/gpu.md F15).
+            count = x64.new_full((1,), float(x.numel() // x.shape[1]))
             stats = torch.cat([x64.sum(dims), (x64 * x64).sum(dims), count])
             current = self._sums[index]
             self._sums[index] = stats if current is None else current + stats
