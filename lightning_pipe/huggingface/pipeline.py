@@ -159,9 +159,10 @@ class CausalLMPipeline:
         """Whether a first-layer input masks padding and whether it packs sequences: the setup
         check runs again for each kind first seen (some families treat packed rows otherwise)."""
         _, mask, positions = probe
-        padded = mask.numel() > 0 and bool((mask == 0).any())
-        packed = bool(((positions[..., 1:] - positions[..., :-1]) != 1).any())
-        return padded, packed
+        padded = (mask == 0).any()  # False for the empty "no mask" stand-in
+        packed = ((positions[..., 1:] - positions[..., :-1]) != 1).any()
+        flags = torch.stack([padded, packed]).tolist()  # one read from the device, not two
+        return bool(flags[0]), bool(flags[1])
 
     def hooks(self) -> ModelHooks:
         return ModelHooks(

@@ -226,8 +226,9 @@ class ParallelRuntime:
                 self.warnings.append(BATCH_NORM_NOT_DEFERRED)
         for text in self.warnings:
             self._warn(text)
-        self._forward_checked = not self.options.check_forward
         self._checked_kinds: set[Any] = set()
+        """The kinds of first micro-batch (``ModelHooks.probe_kind``; one kind, ``None``, without
+        it) whose forward has been checked."""
         self._warned_small_batch = False
         self._batches = 0
 
@@ -394,15 +395,15 @@ class ParallelRuntime:
         sizes = microbatch_sizes(batch_size(batch), m)
         pieces = split_microbatches(batch, m)
         counts, replica_items, counted = self._loss_counts(batch, sizes, step, training)
-        total = sum(counts)
-        items = counts if counted and total > 0 else None
-        if total <= 0:
-            # A replica without loss items in a global batch that has some (data-parallel
-            # training): its losses weigh nothing (dp_factor is 0 below), its shares for the
-            # logged values are by samples.
-            counts, total = [float(n) for n in sizes], float(sum(sizes))
+        local = sum(counts)  # this replica's loss items (or samples)
+        items = counts if counted and local > 0 else None
+        # Shares of the items; by samples for a replica without items in a global batch that has
+        # some (data-parallel training: its losses weigh nothing, dp_factor is 0 below) and for
+        # the logged values of such a part.
+        shared = counts if local > 0 else [float(n) for n in sizes]
+        whole = sum(shared)
         microbatches = [
-            Microbatch(i, pieces[i], sizes[i], counts[i] / total, None if items is None else items[i])
+            Microbatch(i, pieces[i], sizes[i], shared[i] / whole, None if items is None else items[i])
             for i in range(m)
         ]
         inputs = [as_layer_arguments(self._pipeline_input(mb.data)) for mb in microbatches]
@@ -410,7 +411,6 @@ class ParallelRuntime:
         # By items, the replicas' gradients are averaged, so each replica's losses are weighted by
         # its share of the global batch's items times the number of replicas (1 when the replicas
         # hold as many items each): the average is then the global batch's mean.
-        local = 0.0 if replica_items is not None and items is None else total
         dp_factor = (
             1.0 if replica_items is None else local * self.mesh.layout.data_parallel_size / replica_items
         )
@@ -506,14 +506,15 @@ class ParallelRuntime:
 
     def _check_before(self, step: StepIdentity, batch: Any, probe: Any) -> None:
         """Stop every rank of the replica, with one message, if its ranks are about to run
-        different batches or (on the first batch) ``forward`` is not the chained layers."""
+        different batches or (on the first batch of each kind) ``forward`` is not the chained
+        layers."""
         problem = None
-        kind = self.hooks.probe_kind(probe) if self.hooks.probe_kind is not None else None
+        # The kind only when checking: a model's probe_kind may read the device (a host sync).
+        kind = None
+        if self.options.check_forward and self.hooks.probe_kind is not None:
+            kind = self.hooks.probe_kind(probe)
         if self.options.check_forward and kind not in self._checked_kinds:
             self._checked_kinds.add(kind)
-            self._forward_checked = False
-        if not self._forward_checked:
-            self._forward_checked = True
             if self.hooks.check_forward is not None:
                 own = [self.layers[i] for s in self.stage_indices for i in self.partition.layer_range(s)]
                 problem, warning = self.hooks.check_forward(probe, own)

@@ -15,6 +15,7 @@ so that later Trainer calls (validate after fit) use the same one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,12 @@ def find_causal_lm(module: nn.Module) -> tuple[str, nn.Module] | None:
     return found[0] if found else None
 
 
+def _method(module: LightningModule, name: str) -> Callable[..., Any] | None:
+    """The module's optional hook ``name``, when it defines one."""
+    hook = getattr(module, name, None)
+    return hook if callable(hook) else None
+
+
 def read_module(
     module: LightningModule,
     first: bool,
@@ -82,17 +89,15 @@ def read_module(
 ) -> PipelineModel:
     """The module's pipeline (``first``: its first setup, when the layers are split; later calls
     reuse the split, so no layers are given then)."""
-    user_input = getattr(module, "pipeline_input", None)
-    user_input = user_input if callable(user_input) else None
-    user_init = getattr(module, "init_module_weights", None)
-    user_init = user_init if callable(user_init) else None
-    user_items = getattr(module, "loss_items", None)
-    user_items = user_items if callable(user_items) else None
+    user_input = _method(module, "pipeline_input")
+    user_init = _method(module, "init_module_weights")
+    user_items = _method(module, "loss_items")
+    # A plan is needed once, when the layers are split: the option, else the module's hook, else
+    # (for a derived Hugging Face pipeline) the model's own.
+    plan_hook = _method(module, "tensor_parallel_plan")
+    wants_plan = first and plan_option is None and tensor_parallel_size > 1
+    plan = plan_hook() if wants_plan and plan_hook is not None else plan_option
     if callable(getattr(module, "configure_pipeline", None)):
-        plan = plan_option
-        if first and plan is None and tensor_parallel_size > 1:
-            hook = getattr(module, "tensor_parallel_plan", None)
-            plan = hook() if callable(hook) else None
         return PipelineModel(
             layers=list(module.configure_pipeline()) if first else [],  # type: ignore[operator]
             hooks=ModelHooks(pipeline_input=user_input, loss_items=user_items),
@@ -117,25 +122,21 @@ def read_module(
         except UnsupportedModelError as err:
             raise MisconfigurationException(str(err)) from err
         module.__dict__[_DERIVED] = pipeline
-    return _derived(
-        module,
-        pipeline,
-        first,
-        tensor_parallel_size,
-        plan_option,
-        prefix_option,
-        user_input,
-        user_init,
-        user_items,
-    )
+    notes: list[str] = []
+    if wants_plan and plan_hook is None:
+        try:
+            derived = pipeline.tensor_parallel_plan(tensor_parallel_size)
+        except UnsupportedModelError as err:
+            raise MisconfigurationException(str(err)) from err
+        plan, notes = derived.plan, derived.notes
+    return _derived(pipeline, first, plan, notes, prefix_option, user_input, user_init, user_items)
 
 
 def _derived(
-    module: LightningModule,
     pipeline: Any,
     first: bool,
-    tensor_parallel_size: int,
-    plan_option: dict[str, str] | None,
+    plan: dict[str, str] | None,
+    notes: list[str],
     prefix_option: str | None,
     user_input: Callable[[Any], Any] | None,
     user_init: InitFn | None,
@@ -143,36 +144,19 @@ def _derived(
 ) -> PipelineModel:
     from lightning_pipe.huggingface.outputs import ModelCall
 
-    notes: list[str] = []
-    plan = plan_option
-    if first and plan is None and tensor_parallel_size > 1:
-        hook = getattr(module, "tensor_parallel_plan", None)
-        if callable(hook):
-            plan = hook()
-        else:
-            try:
-                derived = pipeline.tensor_parallel_plan(tensor_parallel_size)
-            except UnsupportedModelError as err:
-                raise MisconfigurationException(str(err)) from err
-            plan, notes = derived.plan, derived.notes
     hooks = pipeline.hooks()
     if user_input is not None or user_items is not None:
         derived_input, derived_items = hooks.pipeline_input, hooks.loss_items
 
-        def pipeline_input(batch: Any) -> Any:
-            return derived_input(user_input(batch) if user_input is not None else batch)
+        def users(batch: Any) -> Any:
+            return user_input(batch) if user_input is not None else batch
 
-        def items_after_input(batch: Any) -> Any:
-            # Counted on what the user's pipeline_input makes of the batch (labels may appear
-            # only there, e.g. from a tuple batch).
-            return derived_items(user_input(batch) if user_input is not None else batch)
-
-        hooks = ModelHooks(
-            pipeline_input=pipeline_input,
-            layer_calls=hooks.layer_calls,
-            check_forward=hooks.check_forward,
-            probe_kind=hooks.probe_kind,
-            loss_items=user_items if user_items is not None else items_after_input,
+        # Tokens are counted on what the user's pipeline_input makes of the batch (labels may
+        # appear only there, e.g. from a tuple batch).
+        hooks = dataclasses.replace(
+            hooks,
+            pipeline_input=lambda batch: derived_input(users(batch)),
+            loss_items=user_items if user_items is not None else lambda batch: derived_items(users(batch)),
         )
     model = pipeline.model
 
