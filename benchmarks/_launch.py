@@ -32,7 +32,13 @@ def free_port() -> int:
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...]
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    args: tuple[Any, ...],
+    init_group: bool = True,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -45,7 +51,8 @@ def _child(
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.pt"
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        if init_group:  # a Lightning Trainer in ``fn`` initialises the group itself
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         result = fn(*args)
         torch.save({"ok": True, "result": result}, out)
     except BaseException:
@@ -56,13 +63,16 @@ def _child(
             dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result, by rank."""
+def launch(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, init_group: bool = True
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result, by rank
+    (``init_group=False``: ``fn`` initialises the process group, e.g. through a Trainer)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, port, out_dir, args), daemon=True)
+            ctx.Process(target=_child, args=(fn, r, world_size, port, out_dir, args, init_group), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -54,6 +54,11 @@ def main() -> None:
         action="store_true",
         help="ZeRO-1: each replica keeps 1/dp of AdamW's state",
     )
+    parser.add_argument(
+        "--shard-parameters",
+        action="store_true",
+        help="FSDP2 over the data axis: parameters, gradients and AdamW's state each 1/dp per rank",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -65,6 +70,7 @@ def main() -> None:
         schedule="1f1b",
         tensor_parallel_plan={"*.up": "colwise", "*.down": "rowwise"},
         shard_optimizer_state=args.shard_optimizer_state,
+        shard_parameters=args.shard_parameters,
     )
     runtime = ParallelRuntime(model, list(model), mesh, torch.device("cpu"), options, seed=0)
     # Built over the whole model, as one device would; the runtime keeps this rank's parameters.

@@ -190,6 +190,34 @@ def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
     return ParallelMesh(layout, rank, mesh, model_group)
 
 
+def data_parallel_mesh(mesh: ParallelMesh, replicate_size: int = 1) -> DeviceMesh:
+    """The data axis as FSDP2 takes it: 1-D (every data-parallel rank holds different shards), or
+    for HSDP 2-D, ``("dp_replicate", "dp_shard")``: ``replicate_size`` replicas of
+    ``data_parallel_size / replicate_size`` shards each, the shard index innermost (shards talk at
+    every gather and reduction, replicas once per step), so that ``dp_rank = replica x shards +
+    shard``.
+
+    Collective over the world when ``replicate_size > 1`` (it builds that mesh's groups): every
+    rank calls it, with the same size.
+    """
+    dp = mesh.layout.data_parallel_size
+    if replicate_size == 1:
+        return mesh.device_mesh[MeshAxis.DATA.value]
+    if dp % replicate_size != 0:
+        raise ValueError(
+            f"data_parallel_replicate_size={replicate_size} does not divide data_parallel_size={dp}: HSDP "
+            f"splits the {dp} data-parallel ranks into replicas of equal shard groups. Use a divisor of {dp}."
+        )
+    per_replica = mesh.layout.pipeline_parallel_size * mesh.layout.tensor_parallel_size
+    # rank = dp_rank x (pp x tp) + (pp_rank x tp + tp_rank): the last dim is a replica's model ranks.
+    world = init_device_mesh(
+        mesh.device_mesh.device_type,
+        (replicate_size, dp // replicate_size, per_replica),
+        mesh_dim_names=("dp_replicate", "dp_shard", "model"),
+    )
+    return world["dp_replicate", "dp_shard"]
+
+
 _EXIT_GRACE_S = 0.1
 _exit_hook_registered = False
 

@@ -119,7 +119,7 @@ ALLOWED: dict[str, set[str]] = {
     "batches": {"execution", "mesh"},
     "data_parallel": {"collectives"},
     "tensor_parallel": {"data_parallel", "arguments"},
-    "checkpoint": {"partition", "tensor_parallel", "mesh"},
+    "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh"},
     "construction": {"checkpoint", "tensor_parallel"},
     "consolidate": {"checkpoint", "mesh", "huggingface"},
 }

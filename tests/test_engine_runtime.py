@@ -4,7 +4,9 @@ dp=2 x pp=2 x tp=2 (8 processes) with global-norm clipping and AdamW trains to t
 plain PyTorch loop on the whole batch (``clip_grad_norm_``, same initial weights) within 1e-5; its
 sharded checkpoint, saved after step 6, resumes at pp=4 and continues on the same losses. So meta
 construction, tensor-parallel sharding, the data-parallel reducer, clipping and checkpoints all go
-through the runtime's public API as a user's loop calls it.
+through the runtime's public API as a user's loop calls it. With ``--shard-parameters`` (FSDP2
+over the data axis) at dp=2 x pp=2 the losses are the same, and its checkpoint resumes unsharded
+at pp=4.
 """
 
 from __future__ import annotations
@@ -73,3 +75,18 @@ def test_runtime_trains_dp_pp_tp_like_one_process_and_resumes_at_another_layout(
     assert sorted(resumed) == list(range(6, STEPS))  # continues after the saved step
     for step, loss in resumed.items():
         assert loss == pytest.approx(one[step], abs=1e-5), f"resumed at pp=4, step {step}"
+
+
+def test_runtime_with_sharded_parameters_trains_like_one_process_and_resumes_unsharded(
+    tmp_path: Path,
+) -> None:
+    """``--shard-parameters`` (FSDP2 over the data axis) at dp=2 x pp=2: the same losses; its
+    checkpoint resumes at pp=4 without sharding on the same losses."""
+    sharded = _torchrun(tmp_path, 4, "--dp", "2", "--pp", "2", "--shard-parameters", "--save-at", "6")
+    one = _plain_torch_losses()
+    for step, loss in one.items():
+        assert sharded[step] == pytest.approx(loss, abs=1e-5), f"dp2 x pp2 sharded, step {step}"
+    resumed = _torchrun(tmp_path, 4, "--pp", "4", "--resume")
+    assert sorted(resumed) == list(range(6, STEPS))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(one[step], abs=1e-5), f"resumed unsharded at pp=4, step {step}"

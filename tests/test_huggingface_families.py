@@ -1,6 +1,7 @@
 """Hugging Face causal LMs of ten families, pipelined from their own plans with no wrappers, train
-like the model's own single-process forward at pp=2, pp=2 x tp=2 and dp=2 x pp=2, on padded
-batches and on packed sequences.
+like the model's own single-process forward at pp=2, pp=2 x tp=2 and dp=2 x pp=2 (and three of
+them with the data axis fully sharded, ``shard_parameters``), on padded batches and on packed
+sequences.
 
 Each rank builds the same tiny random model, derives its pipeline (``CausalLMPipeline``: the
 plan's modules in order, masks and rotary tables rebuilt per stage, the family's prologue and
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe import ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
 from lightning_pipe.checkpoint.full import gather_model_state
@@ -38,20 +40,30 @@ def _gathered_grads(model: torch.nn.Module, runtime: ParallelRuntime) -> dict[st
     """The whole model's gradients on rank 0 (each parameter's data swapped for its gradient)."""
     saved = []
     for param in runtime.parameters:
-        saved.append(param.data)
-        param.data = param.grad.detach() if param.grad is not None else torch.zeros_like(param)
+        grad = param.grad.detach() if param.grad is not None else torch.zeros_like(param)
+        if isinstance(param, DTensor):  # shard_parameters: this rank's shard, copied in place
+            with torch.no_grad():
+                saved.append(param.to_local().clone())
+                param.to_local().copy_(grad.to_local())
+        else:
+            saved.append(param.data)
+            param.data = grad
     try:
         return gather_model_state(model, runtime.partition, runtime.mesh)
     finally:
         for param, data in zip(runtime.parameters, saved, strict=True):
-            param.data = data
+            if isinstance(param, DTensor):
+                with torch.no_grad():
+                    param.to_local().copy_(data)
+            else:
+                param.data = data
 
 
 def _head(output: torch.Tensor, microbatch: Microbatch) -> torch.Tensor:
     return causal_lm_loss(output, microbatch.data["labels"])
 
 
-def _train(family: str, kind: str, layout: ParallelLayout, mesh: Any) -> dict[str, Any]:
+def _train(family: str, kind: str, layout: ParallelLayout, mesh: Any, shard: bool = False) -> dict[str, Any]:
     float64 = FAMILIES[family].float64
     dtype = torch.float64 if float64 else torch.float32
     model = build(family, dtype)
@@ -65,6 +77,7 @@ def _train(family: str, kind: str, layout: ParallelLayout, mesh: Any) -> dict[st
         num_microbatches=4 // layout.data_parallel_size,
         tensor_parallel_plan=plan.plan if plan is not None else None,
         timeout=timedelta(seconds=60),
+        shard_parameters=shard,
     )
     runtime = ParallelRuntime(
         model, pipeline.layers(), mesh, torch.device("cpu"), options, seed=0, hooks=pipeline.hooks()
@@ -103,26 +116,31 @@ def _train(family: str, kind: str, layout: ParallelLayout, mesh: Any) -> dict[st
     return {"gaps": gaps, "tol": tol, "dtype": str(dtype), "notes": plan.notes if plan is not None else []}
 
 
-def family_worker(sizes: tuple[int, int, int], families: list[str]) -> dict[str, Any]:
+def family_worker(sizes: tuple[int, int, int], families: list[str], shard: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1)
     layout = ParallelLayout(*sizes)
     mesh = init_mesh(layout, "cpu")
     return {
-        f"{family}/{kind}": _train(family, kind, layout, mesh)
+        f"{family}/{kind}": _train(family, kind, layout, mesh, shard)
         for family in families
         for kind in ("padded", "packed")
     }
 
 
-LAYOUTS = {"pp2": (1, 2, 1), "pp2_tp2": (1, 2, 2), "dp2_pp2": (2, 2, 1)}
+LAYOUTS = {"pp2": (1, 2, 1), "pp2_tp2": (1, 2, 2), "dp2_pp2": (2, 2, 1), "dp2_pp2_fsdp": (2, 2, 1)}
+SHARDED_FAMILIES = ["llama", "gemma3_text", "mixtral"]
+"""Under ``shard_parameters``: tied embedding and head (llama), sliding and global layers with
+several rotary tables (gemma3), experts (mixtral)."""
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_families_train_like_their_own_forward(layout: str) -> None:
     sizes = LAYOUTS[layout]
     world = sizes[0] * sizes[1] * sizes[2]
-    got = run_distributed(family_worker, world, sizes, list(FAMILIES), timeout=600, pg_timeout=120)[0]
-    assert sorted(got) == sorted(f"{f}/{k}" for f in FAMILIES for k in ("padded", "packed"))
+    shard = layout.endswith("_fsdp")
+    families = SHARDED_FAMILIES if shard else list(FAMILIES)
+    got = run_distributed(family_worker, world, sizes, families, shard, timeout=600, pg_timeout=120)[0]
+    assert sorted(got) == sorted(f"{f}/{k}" for f in families for k in ("padded", "packed"))
     failures = [
         f"{case} ({result['dtype']}): {what} differ by {gap:.2e} > {result['tol']:.0e}"
         for case, result in got.items()

@@ -196,19 +196,25 @@ def test_optimizer_that_is_not_elementwise_is_refused_by_name() -> None:
         assert "Adafactor is not known to be" in message and "shard_optimizer_state=False" in message
 
 
-def checkpoint_worker(root: str, shard: bool, resume: str | None, distributed: bool = True) -> dict[str, Any]:
+def checkpoint_worker(root: str, mode: str, resume: str | None, distributed: bool = True) -> dict[str, Any]:
+    """Fit (or resume) AdamRegressor at dp = the world size with a data axis that is ``"none"``
+    (replicated), ``"zero1"`` (optimizer state sharded) or ``"fsdp"`` (shard_parameters), saving
+    a checkpoint at each epoch's end; returns the whole weights."""
+    from lightning_pipe.data_parallel.fully_sharded import full
+
     model = AdamRegressor()
     world = int(os.environ["WORLD_SIZE"])
     strategy = PipeTPStrategy(
-        pipeline_parallel_size=1, num_microbatches=2, shard_optimizer_state=shard, bucket_cap_mb=0.0004,
-        timeout=timedelta(seconds=90), save_distributed_checkpoint=distributed,
+        pipeline_parallel_size=1, num_microbatches=2, shard_optimizer_state=mode == "zero1",
+        shard_parameters=mode == "fsdp", bucket_cap_mb=0.0004, timeout=timedelta(seconds=90),
+        save_distributed_checkpoint=distributed,
     )  # fmt: skip
     cb = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, filename="last", save_on_train_epoch_end=True)
     fit(
         model, strategy, world, _data("mlp", 8 // world, False), root, resume,
         max_epochs=2 if resume is None else 4, enable_checkpointing=True, callbacks=[cb], **TRAINING,
     )  # fmt: skip
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: full(p).detach().clone() for n, p in model.named_parameters()}
 
 
 def _one_device(epochs: int) -> L.Trainer:
@@ -222,43 +228,48 @@ def _assert_state_equal(got: dict[int, Any], expected: dict[int, Any]) -> None:
             torch.testing.assert_close(got[index][key], value, atol=TOL, rtol=0, msg=f"{index}.{key}")
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    ("writer", "readers"),
-    [((4, True), [(2, True), (1, False)]), ((1, False), [(2, True)])],
-    ids=["dp4-sharded-to-dp2-and-dp1", "dp1-to-dp2-sharded"],
-)
-def test_checkpoint_moves_between_sharded_and_unsharded_layouts(
-    tmp_path: Path, writer: tuple[int, bool], readers: list[tuple[int, bool]]
-) -> None:
+def check_checkpoint_moves(tmp_path: Path, writer: tuple[int, str], readers: list[tuple[int, str]]) -> None:
+    """A checkpoint directory written at ``writer`` (dp, data-axis mode) consolidates to one
+    device's Adam state after two epochs, and resumes at each of ``readers`` for two more epochs to
+    the weights of four epochs on one device."""
     from lightning_pipe.checkpoint.single_file import consolidate_checkpoint
 
-    world, shard = writer
-    run_distributed(checkpoint_worker, world, str(tmp_path), shard, None, timeout=300, init_group=False)
+    world, mode = writer
+    run_distributed(checkpoint_worker, world, str(tmp_path), mode, None, timeout=300, init_group=False)
     saved = tmp_path / "last.ckpt"
-    assert saved.is_dir(), "a sharded checkpoint directory"
-    # Consolidated: the Adam moments one device has after the same two epochs.
+    assert saved.is_dir(), "a checkpoint directory"
     whole = consolidate_checkpoint(saved, trust_pickle=True)
     _assert_state_equal(
         whole["optimizer_states"][0]["state"], _one_device(2).optimizers[0].state_dict()["state"]
     )
-    # Resumed for two more epochs, against four epochs on one device.
     reference = dict(_one_device(4).lightning_module.named_parameters())
-    for world, shard in readers:
+    for world, mode in readers:
         with tempfile.TemporaryDirectory() as again:
             resumed = run_distributed(
-                checkpoint_worker, world, again, shard, str(saved), timeout=300, init_group=False
+                checkpoint_worker, world, again, mode, str(saved), timeout=300, init_group=False
             )
         for name, value in resumed[0].items():
             torch.testing.assert_close(
-                value, reference[name].detach(), atol=TOL, rtol=0, msg=f"dp={world}: {name}"
+                value, reference[name].detach(), atol=TOL, rtol=0, msg=f"{mode} dp={world}: {name}"
             )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("writer", "readers"),
+    [((4, "zero1"), [(2, "zero1"), (1, "none")]), ((1, "none"), [(2, "zero1")])],
+    ids=["dp4-sharded-to-dp2-and-dp1", "dp1-to-dp2-sharded"],
+)
+def test_checkpoint_moves_between_sharded_and_unsharded_layouts(
+    tmp_path: Path, writer: tuple[int, str], readers: list[tuple[int, str]]
+) -> None:
+    check_checkpoint_moves(tmp_path, writer, readers)
 
 
 @pytest.mark.distributed
 def test_single_file_checkpoint_holds_the_unsharded_state(tmp_path: Path) -> None:
     """save_distributed_checkpoint=False gathers the whole state into one file on rank 0."""
-    run_distributed(checkpoint_worker, 2, str(tmp_path), True, None, False, timeout=300, init_group=False)
+    run_distributed(checkpoint_worker, 2, str(tmp_path), "zero1", None, False, timeout=300, init_group=False)
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     _assert_state_equal(
         saved["optimizer_states"][0]["state"], _one_device(2).optimizers[0].state_dict()["state"]

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint.optimizer_view import local_to_whole, whole_groups
 from lightning_pipe.checkpoint.state import parameter_names, writes_key
+from lightning_pipe.data_parallel.fully_sharded import full
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.tensor_parallel.layers import gather_slices, tensor_parallel_dim
@@ -57,8 +58,9 @@ def gather_model_state(module: nn.Module, partition: PipelinePartition, mesh: Pa
     current = module.state_dict(keep_vars=True)
     group = mesh.group(MeshAxis.TENSOR)
     # Every tensor rank of a stage gathers the same keys in the same order.
+    # A parameter sharded over the data axis (shard_parameters) is gathered whole first.
     own = {
-        k: unshard(v, v if isinstance(v, torch.Tensor) else None, group)
+        k: unshard(full(v), v if isinstance(v, torch.Tensor) else None, group)
         for k, v in current.items()
         if writes_key(partition, k, stages)
     }

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_pipe.checkpoint.metadata import CheckpointError, CheckpointMetadata, part_file_name
 from lightning_pipe.checkpoint.optimizer_view import local_groups, local_to_whole
@@ -41,6 +42,7 @@ from lightning_pipe.checkpoint.state import (
     slice_optimizer_state,
 )
 from lightning_pipe.checkpoint.writer import PartFile, write_checkpoint_directory
+from lightning_pipe.data_parallel.fully_sharded import full, shard_like
 from lightning_pipe.mesh import ParallelLayout, RankCoordinates
 from lightning_pipe.partition.model import PipelinePartition
 
@@ -66,8 +68,23 @@ class RankPart:
 
 
 def model_state(part: RankPart) -> dict[str, Any]:
-    """This rank's part of the model state, keyed by the unsharded model's names."""
-    return model_part(part.module, part.partition, part.stages, part.coordinates.tp_rank)
+    """This rank's part of the model state, keyed by the unsharded model's names.
+
+    Collective over the data axis under ``shard_parameters``: each parameter is gathered whole
+    from its shards, one at a time, and kept, on the host, by the first replica only (which
+    writes it).
+    """
+    state = model_part(part.module, part.partition, part.stages, part.coordinates.tp_rank)
+    keep = part.coordinates.dp_rank == 0
+    return {k: _gathered(v, keep) for k, v in state.items()}
+
+
+def _gathered(value: Any, keep: bool) -> Any:
+    if not isinstance(value, DTensor):
+        return value
+    whole = full(value)
+    # On the host at once: the writer never holds its whole stage on the device.
+    return whole.cpu() if keep else value
 
 
 def optimizer_state(part: RankPart, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -154,7 +171,11 @@ def load_model(part: RankPart, checkpoint: dict[str, Any], strict: bool = True) 
         shapes = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}
         check_shapes(shapes, current, tp, "The checkpoint")
     state = {
-        k: slice_for(v, current.get(k) if isinstance(current.get(k), torch.Tensor) else None, tp, tp_rank)
+        # A whole tensor cut to this tensor rank's slice, then (shard_parameters) to its shard.
+        k: shard_like(
+            slice_for(v, current.get(k) if isinstance(current.get(k), torch.Tensor) else None, tp, tp_rank),
+            current.get(k),
+        )
         for k, v in saved.items()
         if k in current and holds_key(part.partition, k, part.stages)
     }

@@ -7,7 +7,9 @@ bucket by bucket), the copies of every tied parameter are summed across the stag
 and, under ZeRO-1, each optimizer's pieces take their slices of the averaged buckets. Clipping by
 the global norm then sums every element once over the whole model: each stage's and tensor
 slice's, a tied parameter on one stage only, a replicated parameter on tensor rank 0 only, and
-under ZeRO-1 each replica's slices.
+under ZeRO-1 each replica's slices. With a fully sharded data axis (``shard_parameters``) FSDP2
+reduce-scatters instead of the reducer (:mod:`lightning_pipe.data_parallel.fully_sharded`), tied
+copies are summed shard by shard, and the norm sums each rank's shards over the shard group.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages, local
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer, ShardingError
 from lightning_pipe.faults.naming import CollectiveNaming
@@ -27,6 +31,13 @@ from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 TiedCopy = tuple[nn.Parameter, dist.ProcessGroup, bool]
 """A tied parameter this rank holds: its copy, the group of the ranks holding copies, and whether
 this rank counts it in the gradient norm (the first stage that holds it does)."""
+
+
+def _grad_of(param: nn.Parameter) -> torch.Tensor:
+    """``param``'s gradient, zeros where it has none (a rank whose micro-batches skipped it)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
 
 
 class Gradients:
@@ -42,6 +53,8 @@ class Gradients:
         summed_over_tensor: parameters kept whole on every tensor rank whose gradient each rank
             computes for its own slice of the input only (a per-head norm): summed over the
             tensor group.
+        fully_sharded: FSDP2 over the data axis (``shard_parameters``): it reduces the sharded
+            gradients; no reducer then.
     """
 
     def __init__(
@@ -53,11 +66,13 @@ class Gradients:
         bucket_cap_mb: float = 25.0,
         shard: bool = False,
         summed_over_tensor: Sequence[nn.Parameter] = (),
+        fully_sharded: FullyShardedStages | None = None,
     ) -> None:
         self.parameters, self.tied, self.mesh, self.naming = list(parameters), list(tied), mesh, naming
         self.summed_over_tensor = list(summed_over_tensor)
+        self.fully_sharded = fully_sharded
         self.reducer: GradientReducer | None = None
-        if mesh.layout.data_parallel_size > 1:
+        if mesh.layout.data_parallel_size > 1 and fully_sharded is None:
             self.reducer = GradientReducer(
                 self.parameters,
                 mesh.group(MeshAxis.DATA),
@@ -92,6 +107,8 @@ class Gradients:
         """Start an accumulation window (after zeroing the gradients)."""
         if self.reducer is not None:
             self.reducer.attach()
+        if self.fully_sharded is not None:
+            self.fully_sharded.begin()
 
     def arm(self) -> None:
         """The next backward is the window's last: overlap the averaging with it."""
@@ -104,27 +121,37 @@ class Gradients:
         def sum_tied() -> None:
             with self.naming("summing the gradients of tied parameters across stages"):
                 for param, group, _ in self.tied:
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+                    # Under shard_parameters each copy holds the same rows (same data-parallel
+                    # rank, same sharding): the local shards are summed.
+                    dist.all_reduce(local(_grad_of(param)), op=dist.ReduceOp.SUM, group=group)
             if self.summed_over_tensor:
-                # One flat all-reduce for all of them (norm weights: small and many).
-                grads = [
-                    p.grad if p.grad is not None else torch.zeros_like(p) for p in self.summed_over_tensor
-                ]
+                # One flat all-reduce for all of them (norm weights: small and many); in place: a
+                # gradient may be a view into the reducer's bucket, which scatters it.
+                grads = [local(_grad_of(p)) for p in self.summed_over_tensor]
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 with self.naming("summing the gradients of replicated_sum parameters over the tensor group"):
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.mesh.group(MeshAxis.TENSOR))
                 offset = 0
-                for p, g in zip(self.summed_over_tensor, grads, strict=True):
-                    # In place: a gradient may be a view into the reducer's bucket, which scatters it.
-                    summed = flat[offset : offset + g.numel()].view_as(p)
-                    if p.grad is None:
-                        p.grad = summed.clone()
-                    else:
-                        p.grad.copy_(summed)
+                for g in grads:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
 
+        if self.fully_sharded is not None:
+            with self.naming("reduce-scattering gradients over the data-parallel group (FSDP2)"):
+                self.fully_sharded.reduce()
+            unsharded = [p for p in self.fully_sharded.unsharded if any(p is q for q in self.parameters)]
+            if unsharded:  # 0-dim parameters FSDP2 leaves whole: averaged as without sharding
+                grads = [_grad_of(p) for p in unsharded]
+                flat = torch.stack([g.reshape(()) for g in grads])
+                with self.naming("averaging the gradients of 0-dim parameters over the data-parallel group"):
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.mesh.group(MeshAxis.DATA))
+                flat /= self.mesh.layout.data_parallel_size
+                for g, value in zip(grads, flat, strict=True):
+                    g.copy_(value)
+            with self.naming("agreeing which parameters had gradients over the data-parallel group"):
+                self.fully_sharded.drop_unused()
+            sum_tied()
+            return
         if self.reducer is not None and self.reducer.shard:
             # Tied copies sit in different slices on different stages: summed whole, before their
             # (late) buckets are scattered; then each optimizer's pieces take their slices.
@@ -145,7 +172,7 @@ class Gradients:
         # a replicated parameter (not sliced across the tensor group) on tensor rank 0 only.
         not_counted = {id(p) for p, _, counts in self.tied if not counts}
         replicas_counted = self.mesh.coordinates.tp_rank == 0
-        local = torch.zeros((), dtype=torch.float32, device=device)
+        local_sum = torch.zeros((), dtype=torch.float32, device=device)
         # Sharded (ZeRO-1), each replica holds its slices' averaged gradients: the norm is summed
         # over the replicas too, each element counted once.
         grads = (
@@ -158,19 +185,28 @@ class Gradients:
             if self.sharded
             else [(p, p.grad) for p in self.parameters]
         )
+        # Under shard_parameters each data-parallel rank holds different shards (DTensor gradients),
+        # summed over the shard group too; a gradient FSDP leaves whole (0-dim) is the same on every
+        # rank of that group and counted on its first.
+        shard_group = self.fully_sharded.shard_group() if self.fully_sharded is not None else None
+        whole_counted = shard_group is None or dist.get_rank(shard_group) == 0
         for p, grad in grads:
             if grad is None or id(p) in not_counted:
                 continue
             if tensor_parallel_dim(p) is None and not replicas_counted:
                 continue
-            local += grad.detach().float().pow(2).sum()
+            if shard_group is not None and not isinstance(grad, DTensor) and not whole_counted:
+                continue
+            local_sum += local(grad).detach().float().pow(2).sum()
         with self.naming("summing the gradient norm over the model's ranks"):
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
+            dist.all_reduce(local_sum, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
             if self.sharded:
-                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.mesh.group(MeshAxis.DATA))
-        total = local.sqrt()
+                dist.all_reduce(local_sum, op=dist.ReduceOp.SUM, group=self.mesh.group(MeshAxis.DATA))
+            if shard_group is not None:
+                dist.all_reduce(local_sum, op=dist.ReduceOp.SUM, group=shard_group)
+        total = local_sum.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for _, grad in grads:
             if grad is not None:
-                grad.detach().mul_(coef.to(grad.dtype))
+                local(grad).detach().mul_(coef.to(grad.dtype))
         return total

@@ -27,6 +27,11 @@ SHARDING_ONE_REPLICA = (
     "sharded over the data-parallel replicas, and there is one, which keeps all of it. Use "
     "data_parallel_size >= 2 (more processes), or drop the option."
 )
+PARAMETERS_ONE_REPLICA = (
+    "pipe_tp: shard_parameters=True has no effect with data_parallel_size=1: parameters are sharded over "
+    "the data-parallel ranks, and there is one, which holds all of them. Use data_parallel_size >= 2 "
+    "(more processes), or drop the option."
+)
 BATCH_NORM_NOT_DEFERRED = (
     "pipe_tp: deferred_batch_norm=False: BatchNorm layers normalise with micro-batch statistics and update "
     "their running statistics once per micro-batch, unlike one device."

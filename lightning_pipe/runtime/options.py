@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
+
 from lightning_pipe.arguments import check_count, check_flag, check_positive
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.partition.balance import PartitionMethod, check_partition
@@ -41,6 +43,21 @@ class RuntimeOptions:
     shard_optimizer_state: bool = False
     """ZeRO-1: each data-parallel replica keeps the optimizer state of 1/dp of its stage
     (:mod:`lightning_pipe.data_parallel.sharded_optimizer`)."""
+    shard_parameters: bool = False
+    """FSDP2 over the data axis: each data-parallel rank keeps 1/dp of its stage's parameters,
+    gradients and optimizer state (:mod:`lightning_pipe.data_parallel.fully_sharded`)."""
+    data_parallel_replicate_size: int = 1
+    """HSDP: the data axis as this many replicas of ``data_parallel_size / this`` shards each
+    (``shard_parameters=True``)."""
+    reshard_after_forward: bool | None = None
+    """Under ``shard_parameters``: ``False`` gathers a stage's parameters once per step and reduces
+    its gradients once per accumulation window; ``True`` frees them after each unit's forward and
+    reduces every backward (least memory, ``num_microbatches`` times the communication; refused
+    for zero-bubble schedules). ``None``: ``True`` without a pipeline (one stage, no split
+    backward), else ``False``."""
+    param_dtype: torch.dtype | None = None
+    """Under ``shard_parameters``: the dtype parameters are gathered and computed in (FSDP2's
+    ``MixedPrecisionPolicy``; gradients reduced in float32). ``None``: their own."""
     bucket_cap_mb: float = 25.0
     """Size of the data-parallel reducer's gradient buckets."""
     timeout: timedelta | None = None
@@ -66,6 +83,7 @@ class RuntimeOptions:
                 f"schedule='interleaved_1f1b', the only schedule with several; got "
                 f"schedule={self.schedule_kind.value!r}."
             )
+        self._check_sharding()
         check_positive("bucket_cap_mb", self.bucket_cap_mb, "megabytes per gradient bucket")
         for name in ("shard_optimizer_state", "check_finite", "deferred_batch_norm", "check_forward"):
             check_flag(name, getattr(self, name))
@@ -73,6 +91,55 @@ class RuntimeOptions:
             not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0
         ):
             raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {self.timeout!r}.")
+
+    def _check_sharding(self) -> None:
+        check_flag("shard_parameters", self.shard_parameters)
+        check_count("data_parallel_replicate_size", self.data_parallel_replicate_size)
+        if self.reshard_after_forward is not None:
+            check_flag("reshard_after_forward", self.reshard_after_forward)
+        if self.param_dtype is not None and not (
+            isinstance(self.param_dtype, torch.dtype) and self.param_dtype.is_floating_point
+        ):
+            raise ValueError(f"param_dtype must be a floating torch.dtype or None, got {self.param_dtype!r}.")
+        if self.shard_parameters:
+            if self.shard_optimizer_state:
+                raise ValueError(
+                    "shard_parameters=True already shards the optimizer state (with the parameters and "
+                    "gradients); drop shard_optimizer_state=True (ZeRO-1), or use it without "
+                    "shard_parameters."
+                )
+            if self.reshard_after_forward and ScheduleKind.parse(self.schedule).splits_backward:
+                raise ValueError(
+                    f"reshard_after_forward=True reduces each backward's gradients, but schedule="
+                    f"{ScheduleKind.parse(self.schedule).value!r} computes the weight gradients in a "
+                    "later pass, after that reduction. Use reshard_after_forward=False (or None), or a "
+                    "schedule that does not split backward."
+                )
+            return
+        unused = [
+            f"{name}={getattr(self, name)!r}"
+            for name, default in (
+                ("data_parallel_replicate_size", 1),
+                ("reshard_after_forward", None),
+                ("param_dtype", None),
+            )
+            if getattr(self, name) != default
+        ]
+        if unused:
+            raise ValueError(
+                f"{', '.join(unused)} applies to a fully sharded data axis only: set "
+                "shard_parameters=True too, or leave it out."
+            )
+
+    def resolved_reshard_after_forward(self, pipeline_parallel_size: int) -> bool:
+        """``reshard_after_forward`` with ``None`` decided (see its docstring)."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return (
+            pipeline_parallel_size == 1
+            and self.virtual_stages == 1
+            and not self.schedule_kind.splits_backward
+        )
 
     @property
     def schedule_kind(self) -> ScheduleKind:

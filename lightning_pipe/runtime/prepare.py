@@ -24,6 +24,7 @@ from torch import nn
 from lightning_pipe.construction.materialize import InitFn, materialize, release
 from lightning_pipe.construction.meta import has_meta_tensors
 from lightning_pipe.construction.pretrained import WeightFiles
+from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.faults.naming import CollectiveNaming
@@ -60,6 +61,9 @@ class Preparation:
     summed_over_tensor: tuple[str, ...] = ()
     """Modules kept whole on every tensor rank whose gradients are summed over the tensor group
     (the plan's ``replicated_sum`` entries: each rank's gradient covers its own heads only)."""
+    fully_sharded: FullyShardedStages | None = None
+    """This rank's stages under FSDP2 (``shard_parameters``), once a runtime has sharded them:
+    sharding is not undone, so later runtimes reuse it."""
 
 
 def preparation_of(

@@ -5,11 +5,11 @@ runtime owns everything between "here is a batch" and "the gradients are ready f
 ``optimizer.step()``": the partition into stages, tensor-parallel slicing, tied-weight groups,
 materialisation of a meta-built stage, the split of each batch into micro-batches and their loss
 weights, the check that a replica's ranks hold one batch (and, once, that ``forward`` is the
-chained layers), the schedule, deferred BatchNorm, the data-parallel reducer, the sum of tied
-copies, global-norm clipping and the checkpoint of what this rank holds. It takes its process
-groups from the mesh and imports nothing from Lightning; ``PipeTPStrategy`` adapts Lightning's
-hooks onto it, and a training loop without a Trainer drives it directly
-(``examples/train_engine.py``).
+chained layers), the schedule, deferred BatchNorm, the data-parallel reducer (or FSDP2 over the
+data axis, ``shard_parameters``), the sum of tied copies, global-norm clipping and the checkpoint
+of what this rank holds. It takes its process groups from the mesh and imports nothing from
+Lightning; ``PipeTPStrategy`` adapts Lightning's hooks onto it, and a training loop without a
+Trainer drives it directly (``examples/train_engine.py``).
 
 Its public API, what both call:
 
@@ -54,6 +54,7 @@ from lightning_pipe.checkpoint import rank_state
 from lightning_pipe.checkpoint.optimizer_view import keep_own
 from lightning_pipe.construction.materialize import InitFn
 from lightning_pipe.construction.pretrained import WeightFiles
+from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages, ShardedStateView
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers
@@ -76,9 +77,15 @@ from lightning_pipe.runtime.batch import (
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.holdings import Holdings
 from lightning_pipe.runtime.hooks import ModelHooks
-from lightning_pipe.runtime.notices import BATCH_NORM_NOT_DEFERRED, SHARDING_ONE_REPLICA, batch_norm_mixes
+from lightning_pipe.runtime.notices import (
+    BATCH_NORM_NOT_DEFERRED,
+    PARAMETERS_ONE_REPLICA,
+    SHARDING_ONE_REPLICA,
+    batch_norm_mixes,
+)
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.runtime.prepare import Preparation, Preparer, other_stages_tensors, preparation_of
+from lightning_pipe.runtime.sharding import describe_sharding, refuse_parallelized, shard_parameters
 from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import build_schedule
 
@@ -144,6 +151,7 @@ class ParallelRuntime:
                 "configure_pipeline()."
             )
         if done is None:
+            refuse_parallelized(module)
             times = self._layer_times(bind_layers(layers, self.hooks.layer_calls), sample)
             partition = partition_model(
                 module, layers, layout.pipeline_parallel_size * v, self.options.partition, times
@@ -170,11 +178,39 @@ class ParallelRuntime:
         self._executed = bind_layers(self.layers, self.hooks.layer_calls if self.layers else None)
         """The layers as the executor applies them (with their calls, where the hooks give some)."""
         own = [self.layers[i] for s in self.stage_indices for i in partition.layer_range(s)]
+        if layout.data_parallel_size > 1 and done.fully_sharded is None:
+            c = mesh.coordinates
+            src = layout.rank_of(0, c.pp_rank, c.tp_rank)
+            # Materialised tensors are equal on every replica by construction: not sent again.
+            # (Sharded parameters are not sent at all: each data-parallel rank holds its own shard.)
+            tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
+            with self.naming("making the replicas' weights equal"):
+                broadcast_parameters(
+                    [t for t in tensors if id(t) not in materialized], mesh.group(MeshAxis.DATA), src
+                )
+        self.fully_sharded: FullyShardedStages | None = shard_parameters(
+            done,
+            self.layers,
+            self.stage_indices,
+            module,
+            mesh,
+            self.options,
+            self.naming,
+        )
+        """This rank's stages under FSDP2 (``shard_parameters`` with several data-parallel ranks)."""
+        executed: dict[int, Sequence[nn.Module]] = {
+            s: [self._executed[i] for i in partition.layer_range(s)] for s in self.stage_indices
+        }
+        if self.fully_sharded is not None:
+            # The executor runs each stage's FSDP root, which applies the layers.
+            self.fully_sharded.bind(executed)
+            executed = {s: [self.fully_sharded.roots[s]] for s in self.stage_indices}
         owned = {id(p): p for layer in own for p in layer.parameters() if p.requires_grad}
         self.parameters: list[nn.Parameter] = list(owned.values())
-        """This rank's trainable parameters (its stages' layers, tensor slices included)."""
+        """This rank's trainable parameters (its stages' layers, tensor slices, data-parallel
+        shards under ``shard_parameters``)."""
         self.executor = PipelineExecutor(
-            {s: [self._executed[i] for i in partition.layer_range(s)] for s in self.stage_indices},
+            executed,
             partition.num_stages,
             mesh.pipeline_peers,
             device,
@@ -184,15 +220,6 @@ class ParallelRuntime:
             board=board,
         )
         self._schedules: dict[tuple[int, bool], PipelineSchedule] = {}
-        if layout.data_parallel_size > 1:
-            c = mesh.coordinates
-            src = layout.rank_of(0, c.pp_rank, c.tp_rank)
-            # Materialised tensors are equal on every replica by construction: not sent again.
-            tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
-            with self.naming("making the replicas' weights equal"):
-                broadcast_parameters(
-                    [t for t in tensors if id(t) not in materialized], mesh.group(MeshAxis.DATA), src
-                )
         copies = [
             (module.get_parameter(done.tied_paths.get(name, name)), group, counts)
             for name, group, counts in tied
@@ -204,6 +231,7 @@ class ParallelRuntime:
             self.naming,
             self.options.bucket_cap_mb,
             shard=self.options.shard_optimizer_state,
+            fully_sharded=self.fully_sharded,
             summed_over_tensor=[
                 p
                 for name in done.summed_over_tensor
@@ -214,6 +242,8 @@ class ParallelRuntime:
         """This rank's gradients from the first backward of a window to the optimizer step."""
         if self.options.shard_optimizer_state and layout.data_parallel_size == 1 and self.first_setup:
             self.warnings.append(SHARDING_ONE_REPLICA)
+        if self.options.shard_parameters and layout.data_parallel_size == 1 and self.first_setup:
+            self.warnings.append(PARAMETERS_ONE_REPLICA)
         self.batch_norm: DeferredBatchNorm | None = None
         if batch_norm_layers(self.layers):
             if self.options.deferred_batch_norm:
@@ -276,11 +306,20 @@ class ParallelRuntime:
         self.gradients.shard_optimizer(optimizer)
         return optimizer
 
-    def logical(self, optimizer: torch.optim.Optimizer) -> Any:
-        """``optimizer`` as checkpoints see it (under ``shard_optimizer_state``, a view over the
-        real parameters with the unsharded state: assembling it is collective over the replicas)."""
+    def logical(self, optimizer: torch.optim.Optimizer, *, whole_everywhere: bool = False) -> Any:
+        """``optimizer`` as checkpoints see it: under ``shard_optimizer_state``, a view over the
+        real parameters with the unsharded state (assembling it is collective over the replicas);
+        under ``shard_parameters``, a view whose state is gathered whole (collective over the data
+        axis) on the first replica only, or on every rank with ``whole_everywhere`` (a single-file
+        checkpoint's gather)."""
         sharded = self.gradients.sharded.get(id(optimizer))
-        return optimizer if sharded is None else LogicalOptimizer(sharded)
+        if sharded is not None:
+            return LogicalOptimizer(sharded)
+        if self.fully_sharded is not None:
+            keep = whole_everywhere or self.mesh.coordinates.dp_rank == 0
+            # A single-file gather goes on over the tensor group (on NCCL, device tensors only).
+            return ShardedStateView(optimizer, keep_whole=keep, to_host=not whole_everywhere)
+        return optimizer
 
     def describe(self, num_microbatches: int | None = None) -> str:
         """The start-of-run layout log."""
@@ -297,13 +336,7 @@ class ParallelRuntime:
         )
         if done.slicing:
             text += f"\n{done.slicing}"
-        if self.options.shard_optimizer_state:
-            dp = layout.data_parallel_size
-            text += (
-                f"\n  optimizer state sharded over the {dp} data-parallel replicas (ZeRO-1)"
-                if dp > 1
-                else "\n  shard_optimizer_state=True has no effect: one data-parallel replica holds all state"
-            )
+        text += describe_sharding(self.options, layout.data_parallel_size, self.fully_sharded)
         if done.built_on_meta:
             text += (
                 "\n  built on the meta device: each rank holds only its own stages' tensors (and tensor "
@@ -449,6 +482,8 @@ class ParallelRuntime:
                 deferred.commit(self.mesh.group(MeshAxis.DATA) if dp else None)
         if training and final:
             self.gradients.finish()
+        if not training and self.fully_sharded is not None:
+            self.fully_sharded.end_evaluation()  # no backward frees what the forwards gathered
         payload: dict[str, Any] = {}
         if self.holds_last_stage:
             if training:
@@ -513,7 +548,17 @@ class ParallelRuntime:
         kind = None
         if self.options.check_forward and self.hooks.probe_kind is not None:
             kind = self.hooks.probe_kind(probe)
-        if self.options.check_forward and kind not in self._checked_kinds:
+        run = self.options.check_forward and kind not in self._checked_kinds
+        kinds_vary = self.options.check_forward and self.hooks.probe_kind is not None
+        if kinds_vary and self.fully_sharded is not None:
+            # The check calls the stage's FSDP units, whose gathers are collective over the data
+            # axis; replicas meet a new kind of batch at different steps: when one needs the check,
+            # every data-parallel rank runs it (again, on its own probe), so the gathers pair up.
+            flag = torch.tensor([int(run)], dtype=torch.int32, device=self.device)
+            with self.naming("agreeing over the data-parallel group whether to check the forward"):
+                dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.mesh.group(MeshAxis.DATA))
+            run = bool(flag.item())
+        if run:
             self._checked_kinds.add(kind)
             if self.hooks.check_forward is not None:
                 own = [self.layers[i] for s in self.stage_indices for i in self.partition.layer_range(s)]

@@ -39,6 +39,11 @@ class ScheduleKind(enum.Enum):
         """Accept the enum or its user-facing name, with an error that lists the valid names."""
         return parse_option(cls, value, "pipeline schedule")
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether its backward is split into input- and weight-gradient passes."""
+        return self is ScheduleKind.ZB_H1
+
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
     if not isinstance(num_stages, int) or num_stages < 1:

@@ -87,7 +87,8 @@ def optimizer_state(
     optimizer state on rank 0."""
     # Every rank learns whether any rank's state cannot be saved, before the gather or the write.
     with together(naming, "Saving the optimizer state"):
-        view = runtime.logical(optimizer)  # ZeRO-1: assembled from the replicas
+        # ZeRO-1: assembled from the replicas; shard_parameters: gathered over the data axis.
+        view = runtime.logical(optimizer, whole_everywhere=not distributed)
         if distributed:
             return rank_state.optimizer_state(runtime.part, view)
         check_optimizer_cuttable(view, runtime.module)

@@ -45,6 +45,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -185,6 +186,9 @@ class PipeTPStrategy(ParallelStrategy):
         check_forward: bool = True,
         bucket_cap_mb: float = 25.0,
         shard_optimizer_state: bool = False,
+        shard_parameters: bool = False,
+        data_parallel_replicate_size: int = 1,
+        reshard_after_forward: bool | None = None,
         tensor_parallel_plan: dict[str, str] | None = None,
         timeline: str | None = None,
         timeline_steps: int = 1,
@@ -259,6 +263,9 @@ class PipeTPStrategy(ParallelStrategy):
             virtual_stages=virtual_stages if virtual_stages is not None else (2 if interleaved else 1),
             bucket_cap_mb=bucket_cap_mb,
             shard_optimizer_state=shard_optimizer_state,
+            shard_parameters=shard_parameters,
+            data_parallel_replicate_size=data_parallel_replicate_size,
+            reshard_after_forward=reshard_after_forward,
             check_finite=check_finite,
             deferred_batch_norm=deferred_batch_norm,
             check_forward=check_forward,
@@ -569,8 +576,14 @@ class PipeTPStrategy(ParallelStrategy):
         if first:
             for note in view.notes:
                 rank_zero_info(f"pipe_tp: {note}")
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        bf16 = self.options.shard_parameters and precision == "bf16-mixed"
         options = dataclasses.replace(
-            self.options, tensor_parallel_plan=view.tensor_parallel_plan, timeout=self._timeout
+            self.options,
+            tensor_parallel_plan=view.tensor_parallel_plan,
+            timeout=self._timeout,
+            # bf16-mixed under shard_parameters: parameters gathered (and computed) in bfloat16.
+            param_dtype=torch.bfloat16 if bf16 else None,
         )
         # Lightning's global seed when one was set (seed_everything); the runtime uses rank 0's.
         env = os.environ.get("PL_GLOBAL_SEED")
@@ -596,7 +609,13 @@ class PipeTPStrategy(ParallelStrategy):
         assert self.model is not None
         skip = self.runtime.other_stages_tensors()
         device = self.root_device
-        self.model._apply(lambda t: t if id(t) in skip else t.to(device))
+        # Shards (shard_parameters) are where FSDP put them, the device, unless Lightning's teardown of
+        # an earlier Trainer call moved the model to the host (FSDP re-pads what it moves back).
+        self.model._apply(
+            lambda t: t if id(t) in skip or (isinstance(t, DTensor) and t.device == device) else t.to(device)
+        )
+        if self.runtime.fully_sharded is not None:
+            self.runtime.fully_sharded.restore_attributes()
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -671,6 +690,14 @@ class PipeTPStrategy(ParallelStrategy):
                     f'precision="16-mixed" under pipe_tp agrees the gradient scaler\'s inf check over every '
                     f"stage before stepping, which the fused optimizer(s) {fused} bypass (they unscale "
                     "inside their own step). Use the optimizer without fused=True, or precision='bf16-mixed'."
+                )
+            if fitting and self.runtime.fully_sharded is not None:
+                raise MisconfigurationException(
+                    'precision="16-mixed" with shard_parameters=True is not supported yet: each '
+                    "data-parallel rank holds only its shards of the gradients, and the gradient "
+                    "scaler's inf check would have to be agreed over the data axis too. Use "
+                    'precision="bf16-mixed" (parameters gathered in bfloat16) or "32-true", or '
+                    "shard_parameters=False."
                 )
             if fitting and self.runtime.gradients.shards:
                 raise MisconfigurationException(

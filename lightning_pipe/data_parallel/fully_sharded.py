@@ -1,0 +1,390 @@
+"""A fully sharded data axis: torch's FSDP2 (``fully_shard``) applied to each stage this rank holds.
+
+With ``shard_parameters=True`` every data-parallel rank keeps 1/dp of its stage's parameters, of
+their gradients between steps and of the optimizer state (which follows the parameters: an
+optimizer over DTensor shards keeps DTensor state). The sharding is torch's own FSDP2; this module
+only decides where its units go and when they gather and reduce, which is what a pipeline changes:
+
+* **Units.** Each pipeline layer is one FSDP unit (layers of one stage that share a parameter
+  become one unit: FSDP refuses a parameter in two units), and each stage gets a container,
+  :class:`StageRoot`, that applies its layers and is the root of their units: FSDP's per-step
+  bookkeeping lives in a root, and a stage is what the executor runs. 0-dim parameters, which
+  FSDP2 cannot shard, stay whole on every rank and are averaged by :class:`Gradients
+  <lightning_pipe.runtime.gradients.Gradients>` like an unsharded model's.
+* **When to gather and reduce** (the ``reshard_after_forward`` choice, torchtitan's naming):
+
+  - ``False`` (the default with a pipeline): a stage's parameters are all-gathered at its first
+    forward of the step and kept for every micro-batch, and gradients are reduce-scattered once,
+    after the stage's last backward of the accumulation window (torchtitan keeps pipelined stages
+    unsharded between micro-batches, "to avoid per-microbatch all-gathers"). FSDP's own hooks
+    would reduce at the end of every backward call, and a pipeline makes one per micro-batch (two
+    under zero-bubble schedules, whose weight-gradient pass comes after FSDP's hook has fired), so
+    the reduction is switched off for the window and triggered by hand, as torch's pipelining
+    does (:mod:`.fsdp_internals`). Every gradient is reduced exactly once, whatever the schedule.
+  - ``True`` (the default without a pipeline and with a schedule that does not split backward):
+    FSDP's ordinary behaviour: each unit frees its gathered parameters after its forward and
+    gathers them again for its backward, and each backward reduce-scatters its gradients. The
+    least memory (one unit unsharded at a time), ``num_microbatches`` times the communication.
+
+* **Mixed precision**: FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (parameters
+  gathered in ``param_dtype``, gradients reduced in float32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_pipe.data_parallel import fsdp_internals
+
+ApplyLayers = Callable[[Sequence[nn.Module], Any, int], Any]
+"""How a stage applies its layers: ``apply(layers, x, stage_index)``."""
+
+_COPIED_ATTRIBUTES = ("tensor_parallel_dim",)
+"""Attributes of our parameters (a tensor-parallel slice's dim) that FSDP's new ones must keep."""
+
+
+class StageRoot(nn.Module):
+    """One pipeline stage as one module: the FSDP root of its layers' units.
+
+    Its children are the stage's layers (so that FSDP finds their units below it); what it applies
+    is :attr:`executed`, the layers as the executor runs them (a layer with its own call is wrapped,
+    :class:`~lightning_pipe.execution.layers.BoundLayer`), set for each runtime. It is never a
+    submodule of the model: the model's names and checkpoints do not change.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], stage_index: int, apply: ApplyLayers) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.stage_index = stage_index
+        self._run_layers = apply
+        self.executed: list[nn.Module] = list(layers)
+
+    def forward(self, *args: Any) -> Any:
+        return self._run_layers(self.executed, args[0] if len(args) == 1 else args, self.stage_index)
+
+
+def _units(layers: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """The stage's layers grouped so that layers sharing a parameter are one group (in order)."""
+    groups: list[list[nn.Module]] = []
+    owner: dict[int, int] = {}  # id(param) -> group index
+    for layer in layers:
+        ids = {id(p) for p in layer.parameters()}
+        hit = sorted({owner[i] for i in ids if i in owner})
+        if not hit:
+            groups.append([layer])
+            index = len(groups) - 1
+        else:
+            index = hit[0]
+            groups[index].append(layer)
+            for other in reversed(hit[1:]):  # merge the groups this layer joins
+                groups[index].extend(groups[other])
+                for p_id, g in list(owner.items()):
+                    if g == other:
+                        owner[p_id] = index
+                groups[other] = []
+        for i in ids:
+            owner[i] = index
+    return [g for g in groups if g]
+
+
+_Attributes = list[tuple[nn.Module, str, dict[str, Any]]]
+"""(module, parameter name, attributes): where each attribute must be found again."""
+
+
+def _attributes(modules: Sequence[nn.Module]) -> _Attributes:
+    found = []
+    for module in modules:
+        for sub in module.modules():
+            for name, p in sub.named_parameters(recurse=False):
+                attributes = {a: getattr(p, a) for a in _COPIED_ATTRIBUTES if hasattr(p, a)}
+                if attributes:
+                    found.append((sub, name, attributes))
+    return found
+
+
+class FullyShardedStages:
+    """FSDP2 over the data axis for the stages this rank holds (see the module docstring).
+
+    Args:
+        stages: stage index -> its layers (the modules that hold the parameters).
+        mesh: the data axis: 1-D (shard), or 2-D ``("dp_replicate", "dp_shard")`` for HSDP.
+        apply: how a stage applies its layers.
+        reshard_after_forward: ``False``: gathered once per step, reduced once per window;
+            ``True``: FSDP's ordinary per-backward behaviour.
+        param_dtype: the dtype parameters are gathered and computed in (``None``: their own);
+            gradients are then reduced in float32.
+    """
+
+    def __init__(
+        self,
+        stages: Mapping[int, Sequence[nn.Module]],
+        mesh: DeviceMesh,
+        apply: ApplyLayers,
+        *,
+        reshard_after_forward: bool,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype
+        self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
+        """HSDP's replicas (1: every data-parallel rank holds different shards)."""
+        policy = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
+        )
+        self.roots: dict[int, StageRoot] = {}
+        self.units: list[FSDPModule] = []
+        unsharded: dict[int, nn.Parameter] = {}
+        groups: list[list[nn.Module]] = []
+        self._attributes: _Attributes = []
+        for s in sorted(stages):
+            layers = list(stages[s])
+            scalars = {p for layer in layers for p in layer.parameters() if p.dim() == 0}
+            unsharded.update({id(p): p for p in scalars if p.requires_grad})
+            for group in _units(layers):
+                params = [p for layer in group for p in layer.parameters()]
+                if not any(p.dim() > 0 for p in params):
+                    continue  # nothing to shard (no parameters, or scalars only)
+                self._attributes += _attributes(group)
+                groups.append(group)
+                unit = fully_shard(
+                    group if len(group) > 1 else group[0],
+                    mesh=mesh,
+                    reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy,
+                    ignored_params={p for p in params if p.dim() == 0} or None,
+                )
+                self.restore_attributes()
+                self.units += unit if isinstance(unit, list) else [unit]
+            root = StageRoot(layers, s, apply)
+            fully_shard(
+                root,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=policy,
+                ignored_params=scalars or None,
+            )
+            fsdp_internals.make_root(root)
+            # A parameter without a gradient on some rank (a branch one replica's data skips) would
+            # otherwise be left out of that rank's reduce-scatter buffer, misaligning the others'.
+            root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+            self.roots[s] = root
+        self.unsharded: list[nn.Parameter] = list(unsharded.values())
+        """Trainable parameters FSDP2 cannot shard (0-dim): whole on every rank, averaged like an
+        unsharded model's."""
+        self._tracked: list[nn.Parameter] = []
+        self._used = torch.zeros(0, dtype=torch.int32)
+        self._open = False
+        """Whether a window began and has not reduced yet."""
+        self._track_use(groups)
+
+    def _track_use(self, groups: list[list[nn.Module]]) -> None:
+        """Mark which parameters receive a gradient in a window, for :meth:`drop_unused`.
+
+        FSDP reduce-scatters zeros for a parameter that got no gradient on this rank (it must: a
+        rank that left it out would misalign the others' buffers), so a parameter that no rank
+        used ends the step with a zero gradient, where one device has ``None`` (and an optimizer
+        with weight decay or momentum then moves it). Autograd accumulates into the *unsharded*
+        parameters, which FSDP keeps as the same objects from one gather to the next: a
+        post-accumulate-grad hook on each (the split backward's weight pass goes through
+        ``backward`` too) marks it used. They are reached by gathering each unit once, here.
+        """
+        for group in groups:
+            unit = _fsdp(group[0])
+            unit.unshard()
+            gathered = {id(p): p for m in group for p in m.parameters()}
+            unit.reshard()
+            shards = {id(p): p for m in group for p in m.parameters()}
+            for whole, shard in zip(gathered.values(), shards.values(), strict=True):
+                if shard.requires_grad:
+                    self._hook(whole, shard)
+        for p in self.unsharded:
+            self._hook(p, p)
+        self._used = torch.zeros(len(self._tracked), dtype=torch.int32, device=self._used_device())
+
+    def _used_device(self) -> torch.device:
+        return self._tracked[0].device if self._tracked else torch.device("cpu")
+
+    def _hook(self, whole: nn.Parameter, shard: nn.Parameter) -> None:
+        index = len(self._tracked)
+        self._tracked.append(shard)
+
+        def mark(_: torch.Tensor) -> None:
+            self._used[index] = 1
+
+        whole.register_post_accumulate_grad_hook(mark)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether gradients are reduced once per accumulation window, by :meth:`reduce`."""
+        return not self.reshard_after_forward
+
+    def restore_attributes(self) -> None:
+        """Put our attributes (a tensor-parallel slice's dim) back on the parameters FSDP made:
+        its shards are new parameter objects, and ``nn.Module._apply`` over a unit (moving the model
+        to a device) can replace them again."""
+        for module, name, attributes in self._attributes:
+            param = getattr(module, name)
+            for attribute, value in attributes.items():
+                setattr(param, attribute, value)
+
+    def set_reshard_after_forward(self, value: bool) -> None:
+        """Change when parameters are freed and gradients reduced (a later runtime's choice)."""
+        if value != self.reshard_after_forward:
+            for root in self.roots.values():
+                _fsdp(root).set_reshard_after_forward(value)
+            self.reshard_after_forward = value
+
+    def bind(self, stages: Mapping[int, Sequence[nn.Module]]) -> None:
+        """The layers as this runtime's executor runs them (wrapped with their calls, if any)."""
+        for s, executed in stages.items():
+            self.roots[s].executed = list(executed)
+
+    def begin(self) -> None:
+        """Start an accumulation window: with deferred reduction, gradients accumulate unsharded
+        and the parameters stay gathered until :meth:`reduce`."""
+        if self._open:  # the last window never reached its reduction (an exception cut it short)
+            for root in self.roots.values():
+                fsdp_internals.discard_unreduced(root)
+        self._open = True
+        self._used.zero_()
+        if not self.deferred:
+            return
+        for root in self.roots.values():
+            _reduce_at_backward(root, False)
+
+    def reduce(self) -> None:
+        """After the window's last backward: reduce every stage's gradients (stages in order, the
+        same on every data-parallel rank) and free the gathered parameters."""
+        self._open = False
+        if not self.deferred:
+            return
+        for root in self.roots.values():
+            _reduce_at_backward(root, True)
+            fsdp_internals.reduce_gradients(root)
+
+    def drop_unused(self) -> None:
+        """After the window's gradients are reduced: no gradient (``None``) for a parameter that no
+        data-parallel rank used in the window, as on one device. Collective over the data axis."""
+        if not self._tracked:
+            return
+        used = self._used.clone()
+        for dim in range(self.mesh.ndim):  # HSDP: over the shards, then the replicas
+            dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.mesh.get_group(dim))
+        for param, flag in zip(self._tracked, used.tolist(), strict=True):
+            if not flag:
+                param.grad = None
+
+    def end_evaluation(self) -> None:
+        """After a forward-only batch, which never reaches a backward that would: free every
+        gathered parameter (parameters read between steps are then the shards the optimizer
+        updates) and FSDP's per-forward records (``reset_iter_state``; they would grow with every
+        evaluation batch). Gradients a window is accumulating are kept."""
+        for root in self.roots.values():
+            _fsdp(root).reset_iter_state()
+
+    def shard_group(self) -> Any:
+        """The process group over which each rank holds different shards (HSDP: the shard axis)."""
+        return self.mesh.get_group(self.mesh.ndim - 1)
+
+
+def _reduce_at_backward(root: nn.Module, on: bool) -> None:
+    """FSDP's per-backward behaviour under ``root``, on or off: whether a backward is the window's
+    last, frees the gathered parameters and reduces the gradients."""
+    fsdp = _fsdp(root)
+    fsdp.set_is_last_backward(on)
+    fsdp.set_reshard_after_backward(on)
+    fsdp.set_requires_gradient_sync(on)
+
+
+def _fsdp(root: nn.Module) -> FSDPModule:
+    assert isinstance(root, FSDPModule)
+    return root
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of ``tensor`` (its shard, for a DTensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full(value: Any) -> Any:
+    """``value`` whole: a DTensor gathered (collective over its mesh), anything else as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def shard_like(value: Any, current: Any) -> Any:
+    """A whole ``value`` cut like ``current`` (a DTensor shard: this rank's rows, no
+    communication); anything else as it is."""
+    if isinstance(current, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        if tuple(value.shape) != tuple(current.shape):
+            return value  # not shaped like it (a scalar step count): the caller decides
+        return distribute_tensor(
+            value.to(current.device), current.device_mesh, current.placements, src_data_rank=None
+        )
+    return value
+
+
+class ShardedStateView:
+    """An optimizer over DTensor shards as checkpoints see it: its state whole (every parameter's
+    state gathered from the data-parallel ranks, a collective over them), and loading a whole state
+    cuts each rank's shard. Anything else is the optimizer's own attribute.
+
+    Args:
+        optimizer: the optimizer over this rank's (sharded) parameters.
+        keep_whole: whether this rank keeps the gathered values; a rank that writes nothing takes
+            part in each gather and keeps its shards, so that no rank but the writer ever holds
+            its stage's whole optimizer state.
+        to_host: move each gathered value to the host at once (a checkpoint directory's writer:
+            the stage's whole state never sits on the device).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, keep_whole: bool = True, to_host: bool = False
+    ) -> None:
+        self._optimizer = optimizer
+        self._keep_whole = keep_whole
+        self._to_host = to_host
+        self._saved: dict[str, Any] | None = None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    def _whole(self, value: Any) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        gathered = value.full_tensor()
+        if not self._keep_whole:
+            return value
+        return gathered.cpu() if self._to_host else gathered
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state, gathered once per view (a save reads it more than once)."""
+        if self._saved is None:
+            saved = self._optimizer.state_dict()
+            state = {i: {k: self._whole(v) for k, v in e.items()} for i, e in saved["state"].items()}
+            self._saved = {"state": state, "param_groups": saved["param_groups"]}
+        return self._saved
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        params = [p for group in self.param_groups for p in group["params"]]
+        return {params[i]: entry for i, entry in self.state_dict()["state"].items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved = state_dict["state"]
+        state = {i: {k: shard_like(v, params[i]) for k, v in entry.items()} for i, entry in saved.items()}
+        self._optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+        self._saved = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
