@@ -11,7 +11,7 @@ by itself) and which norms and dropouts sit between (``sequence``) trains two ep
   random stream);
 
 and every weight equals one device's (1e-5), norms and row-parallel biases equal on every tensor
-rank. A block does an all-gather and a reduce-scatter per region each way and no all-reduce. A
+rank. A block does an all-gather and a reduce-scatter per region forward, no all-reduce forward. A
 sequence the tensor ranks cannot split evenly is refused at the first step; plans that do not
 account for the sequence split are refused by name.
 """
@@ -19,6 +19,7 @@ account for the sequence split are refused by name.
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -150,12 +151,16 @@ def test_sequence_parallel_fit_matches_one_device(
     assert counted
     for counts in counted:
         # attention: gather (its module), reduce-scatter (proj); MLP: gather (its first layer),
-        # reduce-scatter (its last); the opposite in backward; no all-reduce anywhere.
+        # reduce-scatter (its last); the opposite in backward.
+        # Inside the gathered attention the column layer keeps ``f`` (whose backward all-reduces the
+        # partial gradients: anything else there, a norm, gets whole gradients too), and the
+        # gather's backward keeps this rank's part.
         assert counts == {
             "sequence_all_gather_forward": 2,
             "sequence_reduce_scatter_forward": 2,
-            "sequence_reduce_scatter_backward": 2,
+            "sequence_reduce_scatter_backward": 1,
             "sequence_all_gather_backward": 2,
+            "all_reduce_backward": 1,
         }, counts
     assert "sequence parallel: between the tensor-parallel regions" in got[0]["layout_log"]
 
@@ -196,3 +201,16 @@ def test_plans_that_do_not_account_for_the_sequence_split_are_refused() -> None:
     # Hugging Face's names: "sequence_parallel" is ours "sequence".
     hf = {**SEQUENCE_PLAN, "layers.*.ln1": "sequence_parallel"}
     assert resolve_plan(model, hf, 2, sequence_parallel=True)["layers.1.ln1"].value == "sequence"
+
+
+def test_plan_entries_that_would_sum_or_split_wrongly_are_refused() -> None:
+    model = SequenceGPT(dropout=0.1)
+    whole_block = {**SEQUENCE_PLAN, "layers.1": "sequence"}
+    with pytest.raises(ValueError, match=re.escape("'layers.1': 'sequence' contains other plan entries")):
+        resolve_plan(model, whole_block, 2, sequence_parallel=True)
+    inside_gather = {**SEQUENCE_PLAN, "layers.*.attn.drop": "sequence"}
+    with pytest.raises(ValueError, match=re.escape("is inside 'layers.1.attn' (sequence_gather)")):
+        resolve_plan(model, inside_gather, 2, sequence_parallel=True)
+    unnamed_dropout = {k: v for k, v in SEQUENCE_PLAN.items() if k != "layers.*.drop"}
+    with pytest.raises(ValueError, match=re.escape("does not account for 'layers.1.drop', 'layers.2.drop'")):
+        resolve_plan(model, unnamed_dropout, 2, sequence_parallel=True)

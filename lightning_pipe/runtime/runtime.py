@@ -88,6 +88,7 @@ from lightning_pipe.runtime.prepare import Preparation, Preparer, other_stages_t
 from lightning_pipe.runtime.sharding import describe_sharding, refuse_parallelized, shard_parameters
 from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import build_schedule
+from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.regions import sequence_parallel_suspended
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
@@ -245,6 +246,11 @@ class ParallelRuntime:
             self.warnings.append(SHARDING_ONE_REPLICA)
         if self.options.shard_parameters and layout.data_parallel_size == 1 and self.first_setup:
             self.warnings.append(PARAMETERS_ONE_REPLICA)
+        if self.options.sequence_parallel and layout.tensor_parallel_size == 1 and self.first_setup:
+            self.warnings.append(
+                "pipe_tp: sequence_parallel=True has no effect with tensor_parallel_size=1: the sequence is "
+                "split over the tensor ranks, and there is one."
+            )
         self.batch_norm: DeferredBatchNorm | None = None
         if batch_norm_layers(self.layers):
             if self.options.deferred_batch_norm:
@@ -734,8 +740,10 @@ def _indivisible_sequence(probe: Any, tp: int) -> str | None:
 
 
 def _parameters_named(module: nn.Module, name: str) -> list[nn.Parameter]:
-    """The parameters of the submodule ``name``, or the parameter ``name`` itself."""
+    """The unsliced parameters of the submodule ``name`` (a tensor-parallel slice's gradient is
+    its own, never summed), or the parameter ``name`` itself."""
     try:
-        return list(module.get_submodule(name).parameters())
+        sub = module.get_submodule(name)
     except AttributeError:
         return [module.get_parameter(name)]
+    return [p for p in sub.parameters() if tensor_parallel_dim(p) is None]

@@ -575,6 +575,17 @@ class PipeTPStrategy(ParallelStrategy):
             module, first, layout.tensor_parallel_size, self.tensor_parallel_plan, self.pretrained_prefix
         )
         self.pipeline_model = view
+        if (
+            self.options.sequence_parallel
+            and view.huggingface is not None
+            and layout.tensor_parallel_size > 1
+        ):
+            raise ConfigurationError(
+                "sequence_parallel=True is not supported for Hugging Face models yet: their plans name no "
+                "point where the sequence is split, and pipe_tp does not derive them yet. Use "
+                "sequence_parallel=False (tensor parallelism keeps working), or a hand-written plan with "
+                "'sequence_scatter', 'sequence_gather' and 'sequence' entries on your own modules."
+            )
         if first:
             for note in view.notes:
                 rank_zero_info(f"pipe_tp: {note}")

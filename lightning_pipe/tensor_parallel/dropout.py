@@ -93,7 +93,8 @@ class SequenceDropout(nn.Module):
         # F.dropout of ones is the kept mask already scaled by 1 / (1 - p): the factor nn.Dropout
         # multiplies the input by, drawn as nn.Dropout draws it on the whole tensor.
         scale = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), self.p, True)
-        return x * scale.narrow(SEQUENCE_DIM, rank * part, part)
+        # A copy of this rank's part: a view would keep the whole mask alive until backward.
+        return x * scale.narrow(SEQUENCE_DIM, rank * part, part).clone()
 
     def extra_repr(self) -> str:
         return f"p={self.p}, this rank's part of the whole sequence's mask"

@@ -77,14 +77,14 @@ class ColumnParallelLinear(nn.Module):
 
     sequence_input: str = "none"
     """Under sequence parallelism: ``"shard"``, the input holds this rank's part of the sequence
-    and is all-gathered here (instead of ``f``); ``"gathered"``, an enclosing module gathered it,
-    whose backward sums the ranks' input gradients; ``"none"``: no sequence parallelism."""
+    and is all-gathered here (instead of ``f``; backward reduce-scatters the partial gradients);
+    ``"gathered"``, an enclosing module gathered it (``f`` as without sequence parallelism);
+    ``"none"``: no sequence parallelism."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mode = self.sequence_input if sequence_active() else "none"
-        if mode == "shard":
+        if self.sequence_input == "shard" and sequence_active():
             x = gather_from_sequence(x, self.group)
-        elif mode == "none":
+        else:  # whole sequence: no sequence parallelism, or inside a gathered module
             x = copy_to_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.group) if self.gather_output else y

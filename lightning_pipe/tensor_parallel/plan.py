@@ -265,11 +265,51 @@ def _check_sequence(
             "'sequence_scatter' entry on the module whose output enters the first block (the embedding "
             "layer); its output is then split along the sequence (dim 1) over the tensor ranks."
         )
+    whole = [
+        n
+        for n, style in resolved.items()
+        if style in (TensorParallelStyle.SEQUENCE_SCATTER, TensorParallelStyle.SEQUENCE_GATHER)
+    ]
+    for name, style in resolved.items():
+        if style not in (TensorParallelStyle.SEQUENCE, TensorParallelStyle.REPLICATED_SUM):
+            continue
+        module, where = modules[name], next((w for w in whole if name.startswith(f"{w}.")), None)
+        problem = None
+        if where is not None:
+            problem = (
+                f"is inside {where!r} ({resolved[where].value}), where every rank sees the whole sequence "
+                "and its gradients are already whole: summing them would multiply them by the tensor "
+                "size. Remove the entry"
+            )
+        elif any(n.startswith(f"{name}.") for n in resolved):
+            problem = "contains other plan entries; give the style to the norms themselves"
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+            problem = (
+                "is a BatchNorm, whose statistics over this rank's part of the sequence differ from "
+                "the whole sequence's; put it inside a 'sequence_gather' module, or use "
+                "sequence_parallel=False"
+            )
+        elif isinstance(module, nn.modules.dropout._DropoutNd) and type(module) is not nn.Dropout:
+            problem = (
+                f"is a {type(module).__name__}; only nn.Dropout draws its part of the whole sequence's mask"
+            )
+        if problem is not None:
+            raise ValueError(f"The tensor-parallel plan entry {name!r}: {style.value!r} {problem}.")
     covering = [n for n, style in resolved.items() if style in _COVERING]
+
+    def computes_per_part(module: nn.Module) -> bool:
+        """Would compute otherwise on a part of the sequence than on the whole (a parameter's
+        gradient, a dropout's draws, a BatchNorm's statistics)."""
+        return (
+            any(p is not None for p in module._parameters.values())
+            or isinstance(module, nn.modules.batchnorm._BatchNorm)
+            or (isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)
+        )
+
     uncovered = [
         name
         for name, module in modules.items()
-        if any(p is not None for p in module._parameters.values())
+        if computes_per_part(module)
         and name not in resolved
         and not any(name.startswith(f"{c}.") for c in covering)
     ]
@@ -278,11 +318,12 @@ def _check_sequence(
         more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
         raise ValueError(
             f"Under sequence_parallel=True each tensor rank holds only its part of the sequence between "
-            f"the tensor-parallel layers, so a module with parameters there would get a partial gradient "
-            f"on each rank; the plan does not account for {shown}{more}. Give such a module (a norm) the "
-            "style 'sequence' (its gradients are summed over the tensor group), or put it inside a "
-            "'sequence_gather' module (it sees the whole sequence) or the 'sequence_scatter' module "
-            "(before the split)."
+            f"the tensor-parallel layers, where a module with parameters would get a partial gradient, a "
+            f"dropout would draw another mask and a BatchNorm other statistics than on the whole "
+            f"sequence; the plan does not account for {shown}{more}. Give a norm or an nn.Dropout there the "
+            "style 'sequence' (a norm's gradients are summed over the tensor group; a dropout applies its "
+            "part of the whole sequence's mask), or put the module inside a 'sequence_gather' module (it "
+            "sees the whole sequence) or the 'sequence_scatter' module (before the split)."
         )
 
 
@@ -464,16 +505,19 @@ def apply_plan(
         if not include(module) or style is TensorParallelStyle.REPLICATED_SUM:
             continue  # a replicated_sum module stays as it is; the runtime sums its gradients
         if style in (TensorParallelStyle.SEQUENCE_SCATTER, TensorParallelStyle.SEQUENCE_GATHER):
-            # Its consumers' gradients are partial sums (tensor-parallel layers inside), or equal.
-            inside = any(n.startswith(f"{name}.") and not s.is_sequence for n, s in resolved.items())
-            _sequence_hooks(module, style, group, partial_grad=inside)
+            # Everything inside a gathered module gets equal gradients (its column layers add ``f``).
+            _sequence_hooks(module, style, group, partial_grad=False)
             replaced.append(name)
             continue
         if style is TensorParallelStyle.SEQUENCE and not isinstance(module, nn.Dropout):
             continue  # kept whole (a norm); the runtime sums its gradients over the tensor group
         sequence = "none"
         if sequence_parallel:
-            sequence = "gathered" if any(name.startswith(f"{g}.") for g in gathering) else "shard"
+            # Inside a gathered module every rank holds the whole sequence: plain tensor
+            # parallelism there (``f`` before each column layer; the gather's backward keeps this
+            # rank's part of the then equal gradient), except the row layers' reduce-scatter.
+            inside = any(name.startswith(f"{g}.") for g in gathering)
+            sequence = "gathered" if inside else "shard"
         build = _builder(style, group, name, stream, sequence)
         new = build(module)
         # A module built on the meta device is sliced on the meta device (no storage); when the
