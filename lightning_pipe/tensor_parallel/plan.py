@@ -451,38 +451,22 @@ def _sequence_hooks(
         module.register_forward_hook(scatter)
         return
 
-    whole: list[int] = []  # the gathered length of the call in progress (a stack: calls may nest)
-
     def gather(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not sequence_active():
             return None
         if args:
-            gathered = gather_from_sequence(args[0], group, partial_grad)
-            whole.append(gathered.shape[1])
-            return (gathered, *args[1:]), kwargs
+            return (gather_from_sequence(args[0], group, partial_grad), *args[1:]), kwargs
         if "hidden_states" in kwargs:
-            gathered = gather_from_sequence(kwargs["hidden_states"], group, partial_grad)
-            whole.append(gathered.shape[1])
-            return args, {**kwargs, "hidden_states": gathered}
+            return args, {
+                **kwargs,
+                "hidden_states": gather_from_sequence(kwargs["hidden_states"], group, partial_grad),
+            }
         raise TypeError(
             "A 'sequence_gather' module was called without a positional input or hidden_states=; "
             "it gathers its first input along the sequence."
         )
 
-    def split_back(_: nn.Module, args: Any, output: Any) -> Any:
-        # A module without a row-parallel layer returns the whole sequence: the tensors after it
-        # must be this rank's part again (its row layers, if any, reduce-scattered already).
-        if not sequence_active() or not whole:
-            return output
-        length = whole.pop()
-        first = output[0] if isinstance(output, tuple) else output
-        if not isinstance(first, torch.Tensor) or first.dim() < 2 or first.shape[1] != length:
-            return output
-        part = scatter_to_sequence(first, group)
-        return (part, *output[1:]) if isinstance(output, tuple) else part
-
     module.register_forward_pre_hook(gather, with_kwargs=True)
-    module.register_forward_hook(split_back)
 
 
 def apply_plan(
