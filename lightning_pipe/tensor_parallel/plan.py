@@ -322,8 +322,9 @@ def _check_sequence(
             f"dropout would draw another mask and a BatchNorm other statistics than on the whole "
             f"sequence; the plan does not account for {shown}{more}. Give a norm or an nn.Dropout there the "
             "style 'sequence' (a norm's gradients are summed over the tensor group; a dropout applies its "
-            "part of the whole sequence's mask), or put the module inside a 'sequence_gather' module (it "
-            "sees the whole sequence) or the 'sequence_scatter' module (before the split)."
+            "part of the whole sequence's mask; a dropout inside a tensor-parallel region, between a "
+            "column and a row layer, takes 'dropout'), or put the module inside a 'sequence_gather' module "
+            "(it sees the whole sequence) or the 'sequence_scatter' module (before the split)."
         )
 
 
