@@ -118,7 +118,7 @@ ALLOWED: dict[str, set[str]] = {
     "partition": {"execution", "arguments"},
     "batches": {"execution", "mesh"},
     "data_parallel": {"collectives"},
-    "tensor_parallel": {"data_parallel", "arguments"},
+    "tensor_parallel": {"data_parallel", "collectives", "arguments"},
     "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh"},
     "construction": {"checkpoint", "tensor_parallel"},
     "consolidate": {"checkpoint", "mesh", "huggingface"},

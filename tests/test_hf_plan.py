@@ -79,7 +79,6 @@ def test_hugging_face_style_names_map_to_ours() -> None:
 @pytest.mark.parametrize(
     ("style", "advice"),
     [
-        ("sequence_parallel", "no sequence parallelism yet"),
         ("local_colwise", "use 'colwise'"),
         ("packed_colwise", "fused projection"),
         ("grouped_gemm", "expert parallelism"),

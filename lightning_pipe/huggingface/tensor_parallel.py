@@ -36,7 +36,11 @@ class DerivedPlan:
 
 
 def _supported(style: str) -> bool:
-    return style.lower() in HF_STYLES or style.lower() in _OURS
+    """A style the derived plan keeps; sequence-parallel entries are not (yet) for Hugging Face
+    models, whose split points pipe_tp would have to derive: their modules stay whole."""
+    name = style.lower()
+    parsed = HF_STYLES.get(name) or (TensorParallelStyle(name) if name in _OURS else None)
+    return parsed is not None and not parsed.is_sequence
 
 
 def _regex(pattern: str) -> re.Pattern[str]:

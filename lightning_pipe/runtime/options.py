@@ -43,6 +43,10 @@ class RuntimeOptions:
     shard_optimizer_state: bool = False
     """ZeRO-1: each data-parallel replica keeps the optimizer state of 1/dp of its stage
     (:mod:`lightning_pipe.data_parallel.sharded_optimizer`)."""
+    sequence_parallel: bool = False
+    """With tensor parallelism, keep the activations between tensor-parallel regions split along
+    the sequence (Megatron's sequence parallelism); the plan says where the split begins
+    (``sequence_scatter``) and which modules see the whole sequence (``sequence_gather``)."""
     shard_parameters: bool = False
     """FSDP2 over the data axis: each data-parallel rank keeps 1/dp of its stage's parameters,
     gradients and optimizer state (:mod:`lightning_pipe.data_parallel.fully_sharded`)."""
@@ -85,7 +89,13 @@ class RuntimeOptions:
             )
         self._check_sharding()
         check_positive("bucket_cap_mb", self.bucket_cap_mb, "megabytes per gradient bucket")
-        for name in ("shard_optimizer_state", "check_finite", "deferred_batch_norm", "check_forward"):
+        for name in (
+            "shard_optimizer_state",
+            "check_finite",
+            "deferred_batch_norm",
+            "check_forward",
+            "sequence_parallel",
+        ):
             check_flag(name, getattr(self, name))
         if self.timeout is not None and (
             not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0

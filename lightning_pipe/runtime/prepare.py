@@ -203,7 +203,8 @@ class Preparer:
                 '{"layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"}) or pass '
                 "PipeTPStrategy(tensor_parallel_plan=...)."
             )
-        resolved = resolve_plan(self.module, tp_plan, tp)
+        sequence = self.options.sequence_parallel
+        resolved = resolve_plan(self.module, tp_plan, tp, sequence_parallel=sequence)
         recompute = self.options.recompute_mode
         if recompute is not RecomputeMode.NEVER and TensorParallelStyle.DROPOUT in resolved.values():
             raise ConfigurationError(
@@ -222,9 +223,26 @@ class Preparer:
                 self.mesh.group(MeshAxis.TENSOR),
                 src=self.mesh.layout.rank_of(c.dp_rank, c.pp_rank, 0),
                 seed=self.seed,
+                sequence_parallel=sequence,
             )
-        summed = tuple(n for n, style in resolved.items() if style is TensorParallelStyle.REPLICATED_SUM)
+        summed = tuple(
+            n
+            for n, style in resolved.items()
+            if style in (TensorParallelStyle.REPLICATED_SUM, TensorParallelStyle.SEQUENCE)
+        )
+        if sequence:  # a row-parallel bias is added to each rank's part of the sequence only
+            rows = (TensorParallelStyle.ROWWISE, TensorParallelStyle.ROWWISE_SPLIT)
+            summed += tuple(
+                f"{n}.bias"
+                for n, style in resolved.items()
+                if style in rows and getattr(self.module.get_submodule(n), "bias", None) is not None
+            )
         text = counts.describe(tp)
+        if sequence:
+            text += (
+                f"\n  sequence parallel: between the tensor-parallel regions each of the {tp} tensor ranks "
+                "holds its part of the sequence"
+            )
         if summed:
             text += f"\n  kept whole, gradients summed over the tensor group: {list(summed)}"
         return text, summed

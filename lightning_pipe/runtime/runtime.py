@@ -88,6 +88,8 @@ from lightning_pipe.runtime.prepare import Preparation, Preparer, other_stages_t
 from lightning_pipe.runtime.sharding import describe_sharding, refuse_parallelized, shard_parameters
 from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import build_schedule
+from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
+from lightning_pipe.tensor_parallel.regions import sequence_parallel_suspended
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
@@ -235,7 +237,7 @@ class ParallelRuntime:
             summed_over_tensor=[
                 p
                 for name in done.summed_over_tensor
-                for p in module.get_submodule(name).parameters()
+                for p in _parameters_named(module, name)
                 if id(p) in owned
             ],
         )
@@ -244,6 +246,11 @@ class ParallelRuntime:
             self.warnings.append(SHARDING_ONE_REPLICA)
         if self.options.shard_parameters and layout.data_parallel_size == 1 and self.first_setup:
             self.warnings.append(PARAMETERS_ONE_REPLICA)
+        if self.options.sequence_parallel and layout.tensor_parallel_size == 1 and self.first_setup:
+            self.warnings.append(
+                "pipe_tp: sequence_parallel=True has no effect with tensor_parallel_size=1: the sequence is "
+                "split over the tensor ranks, and there is one."
+            )
         self.batch_norm: DeferredBatchNorm | None = None
         if batch_norm_layers(self.layers):
             if self.options.deferred_batch_norm:
@@ -560,13 +567,18 @@ class ParallelRuntime:
             run = bool(flag.item())
         if run:
             self._checked_kinds.add(kind)
-            if self.hooks.check_forward is not None:
-                own = [self.layers[i] for s in self.stage_indices for i in self.partition.layer_range(s)]
-                problem, warning = self.hooks.check_forward(probe, own)
-            else:
-                problem, warning = check_forward(self.module.forward, self._executed, self.module, probe)
+            # On the whole probe, without sequence parallelism: what one device computes.
+            with sequence_parallel_suspended():
+                if self.hooks.check_forward is not None:
+                    own = [self.layers[i] for s in self.stage_indices for i in self.partition.layer_range(s)]
+                    problem, warning = self.hooks.check_forward(probe, own)
+                else:
+                    problem, warning = check_forward(self.module.forward, self._executed, self.module, probe)
             if warning is not None:
                 self._warn(warning)
+        tp = self.mesh.layout.tensor_parallel_size
+        if problem is None and self.options.sequence_parallel and tp > 1:
+            problem = _indivisible_sequence(probe, tp)
         self._agree(step, batch, problem)
 
     def _agree(self, step: StepIdentity, batch: Any, problem: str | None = None) -> None:
@@ -711,3 +723,27 @@ class ParallelRuntime:
             for name, stages in partition.tied
             if any(s in held for s in stages)
         ]
+
+
+def _indivisible_sequence(probe: Any, tp: int) -> str | None:
+    """Under sequence parallelism, the problem with a first-layer input whose sequence (dim 1 of
+    its first tensor of two or more dims) the tensor ranks cannot split evenly, if so."""
+    tensors = probe if isinstance(probe, tuple) else (probe,)
+    first = next((t for t in tensors if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if first is None or first.shape[1] % tp == 0:
+        return None
+    return (
+        f"sequence_parallel=True splits the sequence over the {tp} tensor ranks, but this batch's sequence "
+        f"length is {first.shape[1]}, which {tp} does not divide. Pad the sequences to a multiple of {tp} "
+        f"(e.g. pad_to_multiple_of={tp} in the collator), or set sequence_parallel=False."
+    )
+
+
+def _parameters_named(module: nn.Module, name: str) -> list[nn.Parameter]:
+    """The unsliced parameters of the submodule ``name`` (a tensor-parallel slice's gradient is
+    its own, never summed), or the parameter ``name`` itself."""
+    try:
+        sub = module.get_submodule(name)
+    except AttributeError:
+        return [module.get_parameter(name)]
+    return [p for p in sub.parameters() if tensor_parallel_dim(p) is None]

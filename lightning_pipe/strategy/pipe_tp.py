@@ -186,6 +186,7 @@ class PipeTPStrategy(ParallelStrategy):
         check_forward: bool = True,
         bucket_cap_mb: float = 25.0,
         shard_optimizer_state: bool = False,
+        sequence_parallel: bool = False,
         shard_parameters: bool = False,
         data_parallel_replicate_size: int = 1,
         reshard_after_forward: bool | None = None,
@@ -263,6 +264,7 @@ class PipeTPStrategy(ParallelStrategy):
             virtual_stages=virtual_stages if virtual_stages is not None else (2 if interleaved else 1),
             bucket_cap_mb=bucket_cap_mb,
             shard_optimizer_state=shard_optimizer_state,
+            sequence_parallel=sequence_parallel,
             shard_parameters=shard_parameters,
             data_parallel_replicate_size=data_parallel_replicate_size,
             reshard_after_forward=reshard_after_forward,
@@ -573,6 +575,17 @@ class PipeTPStrategy(ParallelStrategy):
             module, first, layout.tensor_parallel_size, self.tensor_parallel_plan, self.pretrained_prefix
         )
         self.pipeline_model = view
+        if (
+            self.options.sequence_parallel
+            and view.huggingface is not None
+            and layout.tensor_parallel_size > 1
+        ):
+            raise ConfigurationError(
+                "sequence_parallel=True is not supported for Hugging Face models yet: their plans name no "
+                "point where the sequence is split, and pipe_tp does not derive them yet. Use "
+                "sequence_parallel=False (tensor parallelism keeps working), or a hand-written plan with "
+                "'sequence_scatter', 'sequence_gather' and 'sequence' entries on your own modules."
+            )
         if first:
             for note in view.notes:
                 rank_zero_info(f"pipe_tp: {note}")

@@ -12,12 +12,23 @@ seeded alike, would give every layer the same masks.
 
 Activation recomputation would replay the default stream but not this one, so the strategy
 refuses ``checkpoint`` together with region dropout.
+
+Under sequence parallelism the activations between regions are this rank's part of the sequence:
+different data per rank again, but masks that must equal one device's. :class:`SequenceDropout`
+draws the mask of the *whole* sequence from the default generator, exactly as ``nn.Dropout``
+would on the whole tensor (same shape, same generator, same draws on every tensor rank), and keeps
+this rank's part: each rank applies a different mask, their concatenation is one device's, and
+recomputation replays it (the default stream is the one torch's checkpoint restores).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+
+from lightning_pipe.tensor_parallel.regions import SEQUENCE_DIM, sequence_active
 
 SEED_OFFSET = 2718
 
@@ -57,3 +68,33 @@ class RegionDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, per-tensor-rank stream"
+
+
+class SequenceDropout(nn.Module):
+    """``nn.Dropout`` on this rank's part of the sequence, with its part of the whole sequence's
+    mask (see the module docstring)."""
+
+    def __init__(self, p: float, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if not sequence_active():  # the whole sequence (a check's probe): nn.Dropout's own draw
+            return F.dropout(x, self.p, True)
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        shape = list(x.shape)
+        part = shape[SEQUENCE_DIM]
+        shape[SEQUENCE_DIM] *= size
+        # F.dropout of ones is the kept mask already scaled by 1 / (1 - p): the factor nn.Dropout
+        # multiplies the input by, drawn as nn.Dropout draws it on the whole tensor.
+        scale = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), self.p, True)
+        # A copy of this rank's part: a view would keep the whole mask alive until backward.
+        return x * scale.narrow(SEQUENCE_DIM, rank * part, part).clone()
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, this rank's part of the whole sequence's mask"

@@ -25,8 +25,11 @@ from torch import nn
 from lightning_pipe.tensor_parallel.regions import (
     copy_to_region,
     gather_from_region,
+    gather_from_sequence,
     reduce_from_region,
+    reduce_scatter_to_sequence,
     scatter_to_region,
+    sequence_active,
 )
 
 
@@ -72,13 +75,24 @@ class ColumnParallelLinear(nn.Module):
             else None
         )
 
+    sequence_input: str = "none"
+    """Under sequence parallelism: ``"shard"``, the input holds this rank's part of the sequence
+    and is all-gathered here (instead of ``f``; backward reduce-scatters the partial gradients);
+    ``"gathered"``, an enclosing module gathered it (``f`` as without sequence parallelism);
+    ``"none"``: no sequence parallelism."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_region(x, self.group), self.weight, self.bias)
+        if self.sequence_input == "shard" and sequence_active():
+            x = gather_from_sequence(x, self.group)
+        else:  # whole sequence: no sequence parallelism, or inside a gathered module
+            x = copy_to_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         local = f"in_features={self.in_features}, out_features={self.out_features} (local)"
-        return f"{local}, gather_output={self.gather_output}"
+        sequence = f", sequence_input={self.sequence_input}" if self.sequence_input != "none" else ""
+        return f"{local}, gather_output={self.gather_output}{sequence}"
 
 
 class RowParallelLinear(nn.Module):
@@ -96,14 +110,25 @@ class RowParallelLinear(nn.Module):
         self.weight = _mark(nn.Parameter(linear.weight.detach()[:, start:end].clone()), 1)
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
 
+    sequence_output: bool = False
+    """Under sequence parallelism: the partial outputs are summed and split along the sequence at
+    once (a reduce-scatter instead of ``g``); the bias, added to each rank's part, then gets a
+    gradient from that part only, which the runtime sums over the group."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
-        y = reduce_from_region(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        y = (
+            reduce_scatter_to_sequence(y, self.group)
+            if self.sequence_output and sequence_active()
+            else reduce_from_region(y, self.group)
+        )
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features} (local), out_features={self.out_features}"
+        sequence = ", sequence_output=True" if self.sequence_output else ""
+        return f"in_features={self.in_features} (local), out_features={self.out_features}{sequence}"
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -46,12 +46,13 @@ from torch import nn
 
 from lightning_pipe.arguments import parse_option
 from lightning_pipe.tensor_parallel.cross_entropy import tag_vocab_parallel
-from lightning_pipe.tensor_parallel.dropout import RegionDropout, RegionStream
+from lightning_pipe.tensor_parallel.dropout import RegionDropout, RegionStream, SequenceDropout
 from lightning_pipe.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from lightning_pipe.tensor_parallel.regions import gather_from_sequence, scatter_to_sequence, sequence_active
 from lightning_pipe.tensor_parallel.sources import record_source
 
 
@@ -64,6 +65,14 @@ class TensorParallelStyle(enum.Enum):
     VOCAB = "vocab"
     DROPOUT = "dropout"
     REPLICATED_SUM = "replicated_sum"
+    SEQUENCE = "sequence"
+    SEQUENCE_SCATTER = "sequence_scatter"
+    SEQUENCE_GATHER = "sequence_gather"
+
+    @property
+    def is_sequence(self) -> bool:
+        """A style that only sequence parallelism gives a meaning to."""
+        return self in _SEQUENCE_STYLES
 
     @classmethod
     def parse(cls, value: str, pattern: str) -> TensorParallelStyle:
@@ -83,21 +92,23 @@ class TensorParallelStyle(enum.Enum):
         return parse_option(cls, value, "tensor-parallel style", context=f" for {pattern!r}", hint=hint)
 
 
+_SEQUENCE_STYLES = frozenset(
+    {TensorParallelStyle.SEQUENCE, TensorParallelStyle.SEQUENCE_SCATTER, TensorParallelStyle.SEQUENCE_GATHER}
+)
+
 # Hugging Face transformers' style names (5.x), as its models' plans write them, mapped to ours;
 # "colwise" and "rowwise" are the same words in both.
 HF_STYLES: dict[str, TensorParallelStyle] = {
     "colwise_gather_output": TensorParallelStyle.COLWISE_GATHER,
+    "colwise_rep": TensorParallelStyle.COLWISE_GATHER,
     "rowwise_split_input": TensorParallelStyle.ROWWISE_SPLIT,
+    "rowwise_rep": TensorParallelStyle.ROWWISE_SPLIT,
     "embedding_rowwise": TensorParallelStyle.VOCAB,
     "replicated_with_grad_allreduce": TensorParallelStyle.REPLICATED_SUM,
+    "sequence_parallel": TensorParallelStyle.SEQUENCE,
 }
 
 _HF_UNSUPPORTED: tuple[tuple[frozenset[str], str], ...] = (
-    (
-        frozenset({"sequence_parallel"}),
-        "pipe_tp has no sequence parallelism yet; remove the entry, and the module stays whole on every "
-        "tensor rank, computing the same values",
-    ),
     (
         frozenset({"replicate"}),
         "remove the entry: every module the plan does not name stays whole (replicated) on every tensor "
@@ -136,6 +147,9 @@ _EXPECTED: dict[TensorParallelStyle, type[nn.Module]] = {
     TensorParallelStyle.VOCAB: nn.Embedding,
     TensorParallelStyle.DROPOUT: nn.Dropout,
     TensorParallelStyle.REPLICATED_SUM: nn.Module,
+    TensorParallelStyle.SEQUENCE: nn.Module,
+    TensorParallelStyle.SEQUENCE_SCATTER: nn.Module,
+    TensorParallelStyle.SEQUENCE_GATHER: nn.Module,
 }
 
 
@@ -157,7 +171,9 @@ class _LogitsHead(ColumnParallelLinear):
         )
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dict[str, TensorParallelStyle]:
+def resolve_plan(
+    model: nn.Module, plan: Mapping[str, str], tp_size: int, sequence_parallel: bool = False
+) -> dict[str, TensorParallelStyle]:
     """Match ``plan`` against ``model``: module name -> style, after checking everything.
 
     A pattern matches a module under *any* name it is reachable by (a Hugging Face model kept as
@@ -211,7 +227,105 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> dic
             _check_heads(name, modules, style, tp_size)
             resolved[name] = style
     _check_tied(modules, resolved)
+    _check_sequence(modules, resolved, sequence_parallel)
     return resolved
+
+
+_COVERING = frozenset(
+    {
+        TensorParallelStyle.REPLICATED_SUM,
+        TensorParallelStyle.SEQUENCE,
+        TensorParallelStyle.SEQUENCE_SCATTER,
+        TensorParallelStyle.SEQUENCE_GATHER,
+    }
+)
+"""Styles whose module's parameters, and its submodules', need no sharding under sequence
+parallelism: summed over the tensor group, or computed on the whole sequence."""
+
+
+def _check_sequence(
+    modules: Mapping[str, nn.Module], resolved: Mapping[str, TensorParallelStyle], sequence_parallel: bool
+) -> None:
+    """Sequence-parallel entries need ``sequence_parallel=True``; with it, the plan must say where
+    the sequence is split, and every module holding parameters must be one the plan accounts for:
+    between the regions each rank sees its part of the sequence only, so a parameter there (a norm
+    the plan forgot) would get a partial gradient and drift apart on the tensor ranks, silently."""
+    named = [n for n, style in resolved.items() if style.is_sequence]
+    if not sequence_parallel:
+        if named:
+            raise ValueError(
+                f"The tensor-parallel plan gives {named[0]!r} the sequence-parallel style "
+                f"{resolved[named[0]].value!r}, which needs sequence_parallel=True; set it, or remove the "
+                "sequence-parallel entries."
+            )
+        return
+    if TensorParallelStyle.SEQUENCE_SCATTER not in resolved.values():
+        raise ValueError(
+            "sequence_parallel=True needs the tensor-parallel plan to say where the sequence is split: a "
+            "'sequence_scatter' entry on the module whose output enters the first block (the embedding "
+            "layer); its output is then split along the sequence (dim 1) over the tensor ranks."
+        )
+    whole = [
+        n
+        for n, style in resolved.items()
+        if style in (TensorParallelStyle.SEQUENCE_SCATTER, TensorParallelStyle.SEQUENCE_GATHER)
+    ]
+    for name, style in resolved.items():
+        if style not in (TensorParallelStyle.SEQUENCE, TensorParallelStyle.REPLICATED_SUM):
+            continue
+        module, where = modules[name], next((w for w in whole if name.startswith(f"{w}.")), None)
+        problem = None
+        if where is not None:
+            problem = (
+                f"is inside {where!r} ({resolved[where].value}), where every rank sees the whole sequence "
+                "and its gradients are already whole: summing them would multiply them by the tensor "
+                "size. Remove the entry"
+            )
+        elif any(n.startswith(f"{name}.") for n in resolved):
+            problem = "contains other plan entries; give the style to the norms themselves"
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+            problem = (
+                "is a BatchNorm, whose statistics over this rank's part of the sequence differ from "
+                "the whole sequence's; put it inside a 'sequence_gather' module, or use "
+                "sequence_parallel=False"
+            )
+        elif isinstance(module, nn.modules.dropout._DropoutNd) and type(module) is not nn.Dropout:
+            problem = (
+                f"is a {type(module).__name__}; only nn.Dropout draws its part of the whole sequence's mask"
+            )
+        if problem is not None:
+            raise ValueError(f"The tensor-parallel plan entry {name!r}: {style.value!r} {problem}.")
+    covering = [n for n, style in resolved.items() if style in _COVERING]
+
+    def computes_per_part(module: nn.Module) -> bool:
+        """Would compute otherwise on a part of the sequence than on the whole (a parameter's
+        gradient, a dropout's draws, a BatchNorm's statistics)."""
+        return (
+            any(p is not None for p in module._parameters.values())
+            or isinstance(module, nn.modules.batchnorm._BatchNorm)
+            or (isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)
+        )
+
+    uncovered = [
+        name
+        for name, module in modules.items()
+        if computes_per_part(module)
+        and name not in resolved
+        and not any(name.startswith(f"{c}.") for c in covering)
+    ]
+    if uncovered:
+        shown = ", ".join(repr(n) for n in uncovered[:5])
+        more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
+        raise ValueError(
+            f"Under sequence_parallel=True each tensor rank holds only its part of the sequence between "
+            f"the tensor-parallel layers, where a module with parameters would get a partial gradient, a "
+            f"dropout would draw another mask and a BatchNorm other statistics than on the whole "
+            f"sequence; the plan does not account for {shown}{more}. Give a norm or an nn.Dropout there the "
+            "style 'sequence' (a norm's gradients are summed over the tensor group; a dropout applies its "
+            "part of the whole sequence's mask; a dropout inside a tensor-parallel region, between a "
+            "column and a row layer, takes 'dropout'), or put the module inside a 'sequence_gather' module "
+            "(it sees the whole sequence) or the 'sequence_scatter' module (before the split)."
+        )
 
 
 # The dim of a module's weight that each style splits.
@@ -290,25 +404,70 @@ def _check_heads(name: str, modules: Mapping[str, nn.Module], style: TensorParal
 
 
 def _builder(
-    style: TensorParallelStyle, group: dist.ProcessGroup, name: str, stream: RegionStream
+    style: TensorParallelStyle, group: dist.ProcessGroup, name: str, stream: RegionStream, sequence: str
 ) -> Callable[[nn.Module], nn.Module]:
-    """The function that turns the full module ``name`` into its tensor-parallel replacement."""
+    """The function that turns the full module ``name`` into its tensor-parallel replacement
+    (``sequence``: ``"none"``, or under sequence parallelism how a column-parallel layer receives
+    the sequence, ``"shard"`` or ``"gathered"``)."""
 
     def build(module: Any) -> nn.Module:
         if style is TensorParallelStyle.VOCAB:
             return VocabParallelEmbedding(module, group, name)
         if style is TensorParallelStyle.DROPOUT:
             return RegionDropout(module.p, stream)
+        if style is TensorParallelStyle.SEQUENCE:  # an nn.Dropout between the regions
+            return SequenceDropout(module.p, group)
+        column: ColumnParallelLinear | None = None
         if style is TensorParallelStyle.COLWISE_LOGITS:
-            return _LogitsHead(module, group, name=name)
-        if style in (TensorParallelStyle.COLWISE, TensorParallelStyle.COLWISE_GATHER):
+            column = _LogitsHead(module, group, name=name)
+        elif style in (TensorParallelStyle.COLWISE, TensorParallelStyle.COLWISE_GATHER):
             gather = style is TensorParallelStyle.COLWISE_GATHER
-            return ColumnParallelLinear(module, group, gather_output=gather, name=name)
-        return RowParallelLinear(
+            column = ColumnParallelLinear(module, group, gather_output=gather, name=name)
+        if column is not None:
+            column.sequence_input = sequence
+            return column
+        row = RowParallelLinear(
             module, group, input_is_parallel=style is TensorParallelStyle.ROWWISE, name=name
         )
+        row.sequence_output = sequence != "none"
+        return row
 
     return build
+
+
+def _sequence_hooks(
+    module: nn.Module, style: TensorParallelStyle, group: dist.ProcessGroup, partial_grad: bool
+) -> None:
+    """A ``sequence_scatter`` module splits its output along the sequence; a ``sequence_gather``
+    module gathers its (first) input, so that what it computes sees the whole sequence."""
+    if style is TensorParallelStyle.SEQUENCE_SCATTER:
+
+        def scatter(_: nn.Module, args: Any, output: Any) -> Any:
+            if not sequence_active():
+                return output
+            if isinstance(output, tuple):
+                return (scatter_to_sequence(output[0], group), *output[1:])
+            return scatter_to_sequence(output, group)
+
+        module.register_forward_hook(scatter)
+        return
+
+    def gather(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not sequence_active():
+            return None
+        if args:
+            return (gather_from_sequence(args[0], group, partial_grad), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {
+                **kwargs,
+                "hidden_states": gather_from_sequence(kwargs["hidden_states"], group, partial_grad),
+            }
+        raise TypeError(
+            "A 'sequence_gather' module was called without a positional input or hidden_states=; "
+            "it gathers its first input along the sequence."
+        )
+
+    module.register_forward_pre_hook(gather, with_kwargs=True)
 
 
 def apply_plan(
@@ -317,6 +476,7 @@ def apply_plan(
     group: dist.ProcessGroup,
     seed: int,
     include: Callable[[nn.Module], bool] = lambda module: True,
+    sequence_parallel: bool = False,
 ) -> list[str]:
     """Replace the resolved modules for which ``include(module)`` holds; return their names.
 
@@ -338,13 +498,28 @@ def apply_plan(
         if path:
             owner, _, attr = path.rpartition(".")
             holders.setdefault(id(sub), []).append((model.get_submodule(owner) if owner else model, attr))
+    gathering = [n for n, style in resolved.items() if style is TensorParallelStyle.SEQUENCE_GATHER]
     for name, style in resolved.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         module: Any = getattr(parent, child)
         if not include(module) or style is TensorParallelStyle.REPLICATED_SUM:
             continue  # a replicated_sum module stays as it is; the runtime sums its gradients
-        build = _builder(style, group, name, stream)
+        if style in (TensorParallelStyle.SEQUENCE_SCATTER, TensorParallelStyle.SEQUENCE_GATHER):
+            # Everything inside a gathered module gets equal gradients (its column layers add ``f``).
+            _sequence_hooks(module, style, group, partial_grad=False)
+            replaced.append(name)
+            continue
+        if style is TensorParallelStyle.SEQUENCE and not isinstance(module, nn.Dropout):
+            continue  # kept whole (a norm); the runtime sums its gradients over the tensor group
+        sequence = "none"
+        if sequence_parallel:
+            # Inside a gathered module every rank holds the whole sequence: plain tensor
+            # parallelism there (``f`` before each column layer; the gather's backward keeps this
+            # rank's part of the then equal gradient), except the row layers' reduce-scatter.
+            inside = any(name.startswith(f"{g}.") for g in gathering)
+            sequence = "gathered" if inside else "shard"
+        build = _builder(style, group, name, stream, sequence)
         new = build(module)
         # A module built on the meta device is sliced on the meta device (no storage); when the
         # rank materialises it, the full module is initialised and cut by this same builder.

@@ -72,8 +72,8 @@ def count_slicing(
     modules, elements = [0] * num_stages, [0] * num_stages
     outside = []
     for name, style in resolved.items():
-        if style is TensorParallelStyle.REPLICATED_SUM:
-            continue  # kept whole (its gradients summed): not sharded
+        if style is TensorParallelStyle.REPLICATED_SUM or style.is_sequence:
+            continue  # kept whole (its gradients summed, or the sequence split around it): not sharded
         module = model.get_submodule(name)
         stages = owner.get(id(module))
         if not stages:
@@ -100,6 +100,7 @@ def slice_stage(
     group: dist.ProcessGroup,
     src: int,
     seed: int,
+    sequence_parallel: bool = False,
 ) -> list[str]:
     """Make ``own_layers`` equal to tensor rank ``src``'s (a global rank), then shard the modules
     of ``resolved`` that lie inside them; returns the names of the sharded modules."""
@@ -107,4 +108,11 @@ def slice_stage(
     tensors = [t for layer in own_layers for t in (*layer.parameters(), *layer.buffers())]
     broadcast_parameters([t for t in tensors if not t.is_meta], group, src)
     own = {id(sub) for layer in own_layers for sub in layer.modules()}
-    return apply_plan(model, resolved, group, seed, include=lambda module: id(module) in own)
+    return apply_plan(
+        model,
+        resolved,
+        group,
+        seed,
+        include=lambda module: id(module) in own,
+        sequence_parallel=sequence_parallel,
+    )
