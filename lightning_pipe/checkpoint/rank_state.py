@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_pipe.checkpoint.metadata import CheckpointError, CheckpointMetadata, part_file_name
 from lightning_pipe.checkpoint.optimizer_view import local_groups, local_to_whole
@@ -42,7 +41,7 @@ from lightning_pipe.checkpoint.state import (
     slice_optimizer_state,
 )
 from lightning_pipe.checkpoint.writer import PartFile, write_checkpoint_directory
-from lightning_pipe.data_parallel.fully_sharded import full, shard_like
+from lightning_pipe.data_parallel.fully_sharded import gather_whole, shard_like
 from lightning_pipe.mesh import ParallelLayout, RankCoordinates
 from lightning_pipe.partition.model import PipelinePartition
 
@@ -76,15 +75,8 @@ def model_state(part: RankPart) -> dict[str, Any]:
     """
     state = model_part(part.module, part.partition, part.stages, part.coordinates.tp_rank)
     keep = part.coordinates.dp_rank == 0
-    return {k: _gathered(v, keep) for k, v in state.items()}
-
-
-def _gathered(value: Any, keep: bool) -> Any:
-    if not isinstance(value, DTensor):
-        return value
-    whole = full(value)
     # On the host at once: the writer never holds its whole stage on the device.
-    return whole.cpu() if keep else value
+    return {k: gather_whole(v, keep, to_host=True) for k, v in state.items()}
 
 
 def optimizer_state(part: RankPart, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -141,7 +141,6 @@ class FullyShardedStages:
             param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
         )
         self.roots: dict[int, StageRoot] = {}
-        self.units: list[FSDPModule] = []
         unsharded: dict[int, nn.Parameter] = {}
         groups: list[list[nn.Module]] = []
         self._attributes: _Attributes = []
@@ -155,15 +154,13 @@ class FullyShardedStages:
                     continue  # nothing to shard (no parameters, or scalars only)
                 self._attributes += _attributes(group)
                 groups.append(group)
-                unit = fully_shard(
+                fully_shard(
                     group if len(group) > 1 else group[0],
                     mesh=mesh,
                     reshard_after_forward=reshard_after_forward,
                     mp_policy=policy,
                     ignored_params={p for p in params if p.dim() == 0} or None,
                 )
-                self.restore_attributes()
-                self.units += unit if isinstance(unit, list) else [unit]
             root = StageRoot(layers, s, apply)
             fully_shard(
                 root,
@@ -177,6 +174,7 @@ class FullyShardedStages:
             # otherwise be left out of that rank's reduce-scatter buffer, misaligning the others'.
             root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
             self.roots[s] = root
+        self.restore_attributes()
         self.unsharded: list[nn.Parameter] = list(unsharded.values())
         """Trainable parameters FSDP2 cannot shard (0-dim): whole on every rank, averaged like an
         unsharded model's."""
@@ -320,6 +318,18 @@ def full(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def gather_whole(value: Any, keep: bool, to_host: bool) -> Any:
+    """``value`` gathered whole where this rank ``keep``s it (moved to the host with ``to_host``),
+    else its own shard back: a collective over a DTensor's mesh either way, so that only a writer
+    ever holds a whole stage. Anything but a DTensor as it is."""
+    if not isinstance(value, DTensor):
+        return value
+    whole = value.full_tensor()
+    if not keep:
+        return value
+    return whole.cpu() if to_host else whole
+
+
 def shard_like(value: Any, current: Any) -> Any:
     """A whole ``value`` cut like ``current`` (a DTensor shard: this rank's rows, no
     communication); anything else as it is."""
@@ -359,12 +369,7 @@ class ShardedStateView:
         return self._optimizer.param_groups
 
     def _whole(self, value: Any) -> Any:
-        if not isinstance(value, DTensor):
-            return value
-        gathered = value.full_tensor()
-        if not self._keep_whole:
-            return value
-        return gathered.cpu() if self._to_host else gathered
+        return gather_whole(value, self._keep_whole, self._to_host)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state, gathered once per view (a save reads it more than once)."""

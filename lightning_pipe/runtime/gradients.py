@@ -139,7 +139,7 @@ class Gradients:
         if self.fully_sharded is not None:
             with self.naming("reduce-scattering gradients over the data-parallel group (FSDP2)"):
                 self.fully_sharded.reduce()
-            unsharded = [p for p in self.fully_sharded.unsharded if any(p is q for q in self.parameters)]
+            unsharded = self.fully_sharded.unsharded  # this rank's trainable 0-dim parameters
             if unsharded:  # 0-dim parameters FSDP2 leaves whole: averaged as without sharding
                 grads = [_grad_of(p) for p in unsharded]
                 flat = torch.stack([g.reshape(()) for g in grads])
