@@ -55,10 +55,18 @@ def _as_tuple(value: Activation) -> tuple[torch.Tensor, ...]:
 
 
 def _stand_in(value: Activation) -> Activation:
-    """Leaves with ``value``'s data and grad-requirement, without its graph."""
+    """Leaves with ``value``'s data, grad-requirement and Python attributes (a tensor-parallel
+    head's vocabulary tag, which the loss reads), without its graph."""
     if isinstance(value, tuple):
-        return tuple(t.detach().requires_grad_(t.requires_grad) for t in value)
-    return value.detach().requires_grad_(value.requires_grad)
+        return tuple(_leaf(t) for t in value)
+    return _leaf(value)
+
+
+def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+    leaf = tensor.detach().requires_grad_(tensor.requires_grad)
+    for name, attribute in vars(tensor).items():
+        setattr(leaf, name, attribute)
+    return leaf
 
 
 def _counting_pack(saved: dict[tuple[int, int], int]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -199,6 +207,7 @@ class PipelineExecutor:
         recorder: ActionRecorder | None = None,
         before_last_backward: Callable[[], None] | None = None,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        layer_seeds: Callable[[int, int], Sequence[int]] | None = None,
     ) -> StepResult:
         """Run ``schedule``'s actions for ``pp_rank``.
 
@@ -215,6 +224,9 @@ class PipelineExecutor:
                 (where a data-parallel reducer arms itself to overlap its all-reduce with it).
             scale_loss: applied to each weighted micro-batch loss before its backward (a gradient
                 scaler's ``scale`` under fp16).
+            layer_seeds: ``layer_seeds(stage_index, microbatch)``: a seed per layer of the stage,
+                from which each layer draws when training (layer-seeded dropout, see
+                :mod:`.seeding`); ``None``: the program's own random streams.
         """
         m = schedule.num_microbatches
         held = schedule.stages_of(pp_rank)
@@ -233,6 +245,7 @@ class PipelineExecutor:
                 raise ValueError(f"{name} has {len(seq)} entries for {m} micro-batches.")
         self._schedule, self._inputs, self._head = schedule, inputs, head
         self._scale_loss = scale_loss
+        self._layer_seeds = layer_seeds
         self._weights = list(weights) if weights is not None else [1.0 / m] * m
         self._signatures = signatures
         self._pp_rank = pp_rank
@@ -314,13 +327,14 @@ class PipelineExecutor:
             else contextlib.nullcontext()
         )
         recomputed = self._recomputed(i)
+        seeds = self._layer_seeds(s, i) if training and self._layer_seeds is not None else None
         if recomputed and self._schedule.splits_backward:
             # Zero-bubble with recomputation: torch's checkpoint recomputes a region once per
             # backward call, and the W pass makes several; so the input-gradient action runs the
             # forward again itself, with this random state, and splits that graph (Replay).
-            self._replay[(s, i)] = Replay.capture(x, self.transport.device)
+            self._replay[(s, i)] = Replay.capture(x, self.transport.device, seeds)
         with torch.set_grad_enabled(training), memory:
-            out = run_recomputed(layers, x, s) if recomputed else apply_layers(layers, x, s)
+            out = run_recomputed(layers, x, s, seeds) if recomputed else apply_layers(layers, x, s, seeds)
         if self.check_finite:
             _check_finite(out, f"the output of pipeline stage {s} for micro-batch {i}")
         if (s, i) in self._replay and s == self.num_stages - 1:

@@ -11,10 +11,13 @@ what the partition, the checkpoints and tensor-parallel slicing see: the call ho
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_pipe.execution.seeding import seeded
 
 Activation = torch.Tensor | tuple[torch.Tensor, ...]
 """What travels between pipeline layers and stages."""
@@ -48,10 +51,17 @@ def bind_layers(layers: Sequence[nn.Module], calls: Sequence[LayerCall | None] |
     ]
 
 
-def apply_layers(layers: Sequence[nn.Module], x: Any, stage_index: int = 0) -> Activation:
-    """Apply ``layers`` in order; a tuple output becomes the next layer's positional arguments."""
+def apply_layers(
+    layers: Sequence[nn.Module], x: Any, stage_index: int = 0, seeds: Sequence[int] | None = None
+) -> Activation:
+    """Apply ``layers`` in order; a tuple output becomes the next layer's positional arguments.
+
+    ``seeds``: one per layer, from which that layer draws its random numbers (layer-seeded
+    dropout, :mod:`~lightning_pipe.execution.seeding`); ``None``: the program's own streams.
+    """
     for position, layer in enumerate(layers):
-        x = layer(*x) if isinstance(x, tuple) else layer(x)
+        with seeded(seeds[position], _device_of(x)) if seeds is not None else nullcontext():
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
         if not (
             isinstance(x, torch.Tensor)
             or (isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x))
@@ -62,3 +72,8 @@ def apply_layers(layers: Sequence[nn.Module], x: Any, stage_index: int = 0) -> A
                 "tensors (wrap other values in tensors, or move them into the batch)."
             )
     return x
+
+
+def _device_of(x: Any) -> torch.device:
+    first = x[0] if isinstance(x, tuple) and x else x
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")

@@ -46,12 +46,17 @@ class RecomputeMode(enum.Enum):
         return self is RecomputeMode.ALWAYS or microbatch < num_microbatches - 1
 
 
-def run_recomputed(layers: Sequence[nn.Module], x: Any, stage_index: int) -> Activation:
-    """``apply_layers(layers, x)`` whose activations are recomputed in backward."""
+def run_recomputed(
+    layers: Sequence[nn.Module], x: Any, stage_index: int, seeds: Sequence[int] | None = None
+) -> Activation:
+    """``apply_layers(layers, x, stage_index, seeds)`` whose activations are recomputed in
+    backward."""
     is_tuple = isinstance(x, tuple)
     args = x if is_tuple else (x,)
     return torch_checkpoint(
-        lambda *a: apply_layers(layers, a if is_tuple else a[0], stage_index), *args, use_reentrant=False
+        lambda *a: apply_layers(layers, a if is_tuple else a[0], stage_index, seeds),
+        *args,
+        use_reentrant=False,
     )
 
 
@@ -63,14 +68,16 @@ class Replay:
     inputs: Any
     cpu_state: torch.Tensor
     cuda: tuple[torch.device, torch.Tensor] | None
+    seeds: Sequence[int] | None = None
+    """The layers' seeds under layer-seeded dropout (the same draws again by construction)."""
     output: Activation | None = None
     """On the last stage: the leaves standing for the first forward's output, which the loss was
     computed from (its gradient at them starts the replayed forward's backward)."""
 
     @classmethod
-    def capture(cls, inputs: Any, device: torch.device) -> Replay:
+    def capture(cls, inputs: Any, device: torch.device, seeds: Sequence[int] | None = None) -> Replay:
         cuda = (device, torch.cuda.get_rng_state(device)) if device.type == "cuda" else None
-        return cls(inputs, torch.get_rng_state(), cuda)
+        return cls(inputs, torch.get_rng_state(), cuda, seeds)
 
     def run(self, layers: Sequence[nn.Module], stage_index: int) -> Activation:
         devices = [self.cuda[0]] if self.cuda is not None else []
@@ -78,4 +85,4 @@ class Replay:
             torch.set_rng_state(self.cpu_state)
             if self.cuda is not None:
                 torch.cuda.set_rng_state(self.cuda[1], self.cuda[0])
-            return apply_layers(layers, self.inputs, stage_index)
+            return apply_layers(layers, self.inputs, stage_index, self.seeds)

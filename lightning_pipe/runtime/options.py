@@ -47,6 +47,13 @@ class RuntimeOptions:
     """With tensor parallelism, keep the activations between tensor-parallel regions split along
     the sequence (Megatron's sequence parallelism); the plan says where the split begins
     (``sequence_scatter``) and which modules see the whole sequence (``sequence_gather``)."""
+    layer_seeded_dropout: bool | None = None
+    """Each layer draws its dropout masks from a seed of (the run's seed, the training batch, the
+    micro-batch, the layer's index): the same masks on any layout, equal to this model under
+    pipe_tp on one process with the same ``num_microbatches``
+    (:mod:`lightning_pipe.execution.seeding`). ``None``: on with ``sequence_parallel``, else off
+    (each rank draws from its own generator: reproducible, but a pipeline's masks are not one
+    device's)."""
     shard_parameters: bool = False
     """FSDP2 over the data axis: each data-parallel rank keeps 1/dp of its stage's parameters,
     gradients and optimizer state (:mod:`lightning_pipe.data_parallel.fully_sharded`)."""
@@ -97,10 +104,19 @@ class RuntimeOptions:
             "sequence_parallel",
         ):
             check_flag(name, getattr(self, name))
+        if self.layer_seeded_dropout is not None:
+            check_flag("layer_seeded_dropout", self.layer_seeded_dropout)
         if self.timeout is not None and (
             not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0
         ):
             raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {self.timeout!r}.")
+
+    @property
+    def seeds_layers(self) -> bool:
+        """Whether layers draw from their own seeds (``layer_seeded_dropout``, resolved)."""
+        if self.layer_seeded_dropout is None:
+            return self.sequence_parallel
+        return self.layer_seeded_dropout
 
     def _check_sharding(self) -> None:
         check_flag("shard_parameters", self.shard_parameters)

@@ -61,6 +61,9 @@ class Preparation:
     summed_over_tensor: tuple[str, ...] = ()
     """Modules kept whole on every tensor rank whose gradients are summed over the tensor group
     (the plan's ``replicated_sum`` entries: each rank's gradient covers its own heads only)."""
+    seed: int = 0
+    """The seed every rank agreed on at setup (initial values, tensor-parallel dropout streams,
+    layer-seeded dropout)."""
     fully_sharded: FullyShardedStages | None = None
     """This rank's stages under FSDP2 (``shard_parameters``), once a runtime has sharded them:
     sharding is not undone, so later runtimes reuse it."""
@@ -112,7 +115,9 @@ class Preparer:
         """Equalise tied copies, shard, materialise by ``partition``; returns what was done and the
         ``id()`` of every tensor materialised here (equal on every replica by construction)."""
         mesh, module = self.mesh, self.module
-        done = Preparation(mesh.layout, self.options.partition, partition, self.options.virtual_stages)
+        done = Preparation(
+            mesh.layout, self.options.partition, partition, self.options.virtual_stages, seed=self.seed
+        )
         self._equalise_tied(done)
         on_meta = has_meta_tensors(module)
         if self.weights is not None and not on_meta:

@@ -61,6 +61,7 @@ from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_lay
 from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.p2p import PipelineCommunicationError
+from lightning_pipe.execution.seeding import layer_seed
 from lightning_pipe.faults.board import FaultBoard, lost_connection
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
@@ -248,8 +249,9 @@ class ParallelRuntime:
             self.warnings.append(PARAMETERS_ONE_REPLICA)
         if self.options.sequence_parallel and layout.tensor_parallel_size == 1 and self.first_setup:
             self.warnings.append(
-                "pipe_tp: sequence_parallel=True has no effect with tensor_parallel_size=1: the sequence is "
-                "split over the tensor ranks, and there is one."
+                "pipe_tp: sequence_parallel=True has no effect with tensor_parallel_size=1 (the sequence is "
+                "split over the tensor ranks, and there is one) but to turn on layer-seeded dropout; for "
+                "that alone, say layer_seeded_dropout=True."
             )
         self.batch_norm: DeferredBatchNorm | None = None
         if batch_norm_layers(self.layers):
@@ -268,6 +270,9 @@ class ParallelRuntime:
         it) whose forward has been checked."""
         self._warned_small_batch = False
         self._batches = 0
+        self.training_batches = 0
+        """Training batches run so far: the batch key of layer-seeded dropout when ``train_batch``
+        is given none (the Lightning adapter gives the loop's count, which a resumed run restores)."""
 
     # ------------------------------------------------------------------ what this rank holds
     @property
@@ -374,6 +379,7 @@ class ParallelRuntime:
         step: StepIdentity | None = None,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
         recorder: ActionRecorder | None = None,
+        training_batch: int | None = None,
     ) -> BatchResult:
         """Forward and backward of ``batch`` over the pipeline; its gradients accumulate.
 
@@ -390,8 +396,15 @@ class ParallelRuntime:
                 scaler's ``scale``; unscale with
                 :class:`~lightning_pipe.runtime.grad_scaler.AgreedGradScaler`).
             recorder: the timeline's hook for this batch's actions.
+            training_batch: the batch's index in training (over epochs): with layer-seeded
+                dropout, its masks follow from it (default: :attr:`training_batches`).
         """
-        return self._run_batch(batch, head, True, final, loss_weight, step, scale_loss, recorder)
+        if training_batch is not None:
+            self.training_batches = training_batch
+        try:
+            return self._run_batch(batch, head, True, final, loss_weight, step, scale_loss, recorder)
+        finally:
+            self.training_batches += 1
 
     def eval_batch(
         self,
@@ -404,6 +417,16 @@ class ParallelRuntime:
         """Forward of ``batch`` over the pipeline; ``head(output, microbatch)`` runs on the last
         stage (its returns are the result's ``outputs`` there)."""
         return self._run_batch(batch, head, False, False, 1.0, step, None, recorder)
+
+    def _layer_seeds(self) -> Callable[[int, int], list[int]]:
+        """This training batch's seeds for each layer of a stage on a micro-batch (by the layers'
+        global indices: equal for a layer whichever stage and rank hold it)."""
+        seed, batch, partition = self.preparation.seed, self.training_batches, self.partition
+
+        def seeds(stage_index: int, microbatch: int) -> list[int]:
+            return [layer_seed(seed, batch, microbatch, k) for k in partition.layer_range(stage_index)]
+
+        return seeds
 
     def agree_end(self, what: str) -> None:
         """Where a loop ends (``"end of validation"``): every rank of the replica agrees, so that a
@@ -472,6 +495,7 @@ class ParallelRuntime:
                 recorder=recorder,
                 before_last_backward=self.gradients.arm if training and final else None,
                 scale_loss=scale_loss if training else None,
+                layer_seeds=self._layer_seeds() if training and self.options.seeds_layers else None,
             )
         except PipelineCommunicationError as err:
             if deferred is not None:

@@ -138,6 +138,23 @@ class PipeTPStrategy(ParallelStrategy):
             optimizers only (SGD, Adam, AdamW, ...); after the backward, parameters' ``.grad`` are
             ``None`` (the averaged gradient exists only as slices). Checkpoints stay unsharded by
             parameter name.
+        sequence_parallel: with ``tensor_parallel_size > 1``, keep the activations between the
+            tensor-parallel regions (norms, dropout, the residual stream, what stages exchange)
+            split along the sequence over the tensor ranks (Megatron's sequence parallelism); the
+            plan says where the split begins (``sequence_scatter``) and which modules see the
+            whole sequence (``sequence_gather``). Turns on ``layer_seeded_dropout``.
+        layer_seeded_dropout: each layer draws its dropout masks from a seed of (the run's seed,
+            the training batch, the micro-batch, the layer's index), so any layout draws the same
+            masks: a run equals this model under pipe_tp on one process with the same
+            ``num_microbatches``. ``None``: on with ``sequence_parallel``, else off (each rank
+            draws from its own generator).
+        shard_parameters: FSDP2 over the data axis: each data-parallel rank keeps 1/dp of its
+            stage's parameters, gradients and optimizer state.
+        data_parallel_replicate_size: HSDP under ``shard_parameters``: the data axis as this many
+            replicas of ``data_parallel_size / this`` shards each.
+        reshard_after_forward: under ``shard_parameters``, ``False`` gathers a stage once per step
+            and reduces once per accumulation window, ``True`` frees after each forward and
+            reduces every backward; ``None``: ``True`` without a pipeline, else ``False``.
         timeline: record the executed schedule of training steps (from step 1: step 0 pays for
             first-time allocations) on every rank and write it, at the end of ``fit``, to this path:
             ``.png`` for a plot (needs matplotlib), anything else for a Chrome trace (open in
@@ -187,6 +204,7 @@ class PipeTPStrategy(ParallelStrategy):
         bucket_cap_mb: float = 25.0,
         shard_optimizer_state: bool = False,
         sequence_parallel: bool = False,
+        layer_seeded_dropout: bool | None = None,
         shard_parameters: bool = False,
         data_parallel_replicate_size: int = 1,
         reshard_after_forward: bool | None = None,
@@ -265,6 +283,7 @@ class PipeTPStrategy(ParallelStrategy):
             bucket_cap_mb=bucket_cap_mb,
             shard_optimizer_state=shard_optimizer_state,
             sequence_parallel=sequence_parallel,
+            layer_seeded_dropout=layer_seeded_dropout,
             shard_parameters=shard_parameters,
             data_parallel_replicate_size=data_parallel_replicate_size,
             reshard_after_forward=reshard_after_forward,

@@ -123,7 +123,7 @@ def run_step(
         if training:
             result = runtime.train_batch(
                 batch, head, final=final, loss_weight=loss_weight, step=step, scale_loss=scale_loss,
-                recorder=recorder,
+                recorder=recorder, training_batch=trainer.fit_loop.total_batch_idx,
             )  # fmt: skip
         else:
             result = runtime.eval_batch(batch, head, step=step, recorder=recorder)

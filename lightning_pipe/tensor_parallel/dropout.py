@@ -18,10 +18,15 @@ different data per rank again, but masks that must equal one device's. :class:`S
 draws the mask of the *whole* sequence from the default generator, exactly as ``nn.Dropout``
 would on the whole tensor (same shape, same generator, same draws on every tensor rank), and keeps
 this rank's part: each rank applies a different mask, their concatenation is one device's, and
-recomputation replays it (the default stream is the one torch's checkpoint restores).
+recomputation replays it (the default stream is the one torch's checkpoint restores). Under
+layer-seeded dropout (:mod:`lightning_pipe.execution.seeding`, on with sequence parallelism) that
+default stream starts from the layer's own seed, so the masks are also the same whatever the
+pipeline split.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +75,23 @@ class RegionDropout(nn.Module):
         return f"p={self.p}, per-tensor-rank stream"
 
 
+class _Masked(torch.autograd.Function):
+    """``x * scale`` for a dropout's scaled mask (``0`` or ``factor``), saving the mask as booleans
+    for backward, as ``nn.Dropout`` does (a float copy would be 4 times the bytes), and computing
+    the gradient as it does: ``grad * mask * factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        ctx.save_for_backward(scale.ne(0))  # a new tensor: the whole mask is not kept alive
+        return x * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (kept,) = ctx.saved_tensors
+        return grad * kept * ctx.factor, None, None
+
+
 class SequenceDropout(nn.Module):
     """``nn.Dropout`` on this rank's part of the sequence, with its part of the whole sequence's
     mask (see the module docstring)."""
@@ -93,8 +115,10 @@ class SequenceDropout(nn.Module):
         # F.dropout of ones is the kept mask already scaled by 1 / (1 - p): the factor nn.Dropout
         # multiplies the input by, drawn as nn.Dropout draws it on the whole tensor.
         scale = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), self.p, True)
-        # A copy of this rank's part: a view would keep the whole mask alive until backward.
-        return x * scale.narrow(SEQUENCE_DIM, rank * part, part).clone()
+        # The factor as the mask holds it: 1 / (1 - p) rounded to the activations' dtype (what
+        # nn.Dropout's backward multiplies by too).
+        factor = torch.ones((), dtype=x.dtype).div_(1.0 - self.p).item()
+        return _Masked.apply(x, scale.narrow(SEQUENCE_DIM, rank * part, part), factor)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, this rank's part of the whole sequence's mask"

@@ -25,12 +25,12 @@ from torch import nn
 from lightning_pipe.tensor_parallel.regions import (
     copy_to_region,
     gather_from_region,
-    gather_from_sequence,
     reduce_from_region,
     reduce_scatter_to_sequence,
     scatter_to_region,
     sequence_active,
 )
+from lightning_pipe.tensor_parallel.sequence_linear import sequence_parallel_linear
 
 
 def slice_range(size: int, group: dist.ProcessGroup, what: str) -> tuple[int, int]:
@@ -78,15 +78,17 @@ class ColumnParallelLinear(nn.Module):
     sequence_input: str = "none"
     """Under sequence parallelism: ``"shard"``, the input holds this rank's part of the sequence
     and is all-gathered here (instead of ``f``; backward reduce-scatters the partial gradients);
-    ``"gathered"``, an enclosing module gathered it (``f`` as without sequence parallelism);
+    ``"gathered"``, an enclosing ``sequence_gather`` module gathered it; either way only this rank's
+    part is saved for backward (:mod:`~lightning_pipe.tensor_parallel.sequence_linear`).
     ``"none"``: no sequence parallelism."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_input == "shard" and sequence_active():
-            x = gather_from_sequence(x, self.group)
-        else:  # whole sequence: no sequence parallelism, or inside a gathered module
-            x = copy_to_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        if self.sequence_input != "none" and sequence_active():
+            y = sequence_parallel_linear(
+                x, self.weight, self.bias, self.group, gathered=self.sequence_input == "gathered"
+            )
+        else:  # the whole sequence on every rank: no sequence parallelism, or a check's probe
+            y = F.linear(copy_to_region(x, self.group), self.weight, self.bias)
         return gather_from_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -52,7 +52,13 @@ from lightning_pipe.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from lightning_pipe.tensor_parallel.regions import gather_from_sequence, scatter_to_sequence, sequence_active
+from lightning_pipe.tensor_parallel.regions import (
+    GatheredGradient,
+    gather_from_sequence,
+    scatter_to_sequence,
+    sequence_active,
+)
+from lightning_pipe.tensor_parallel.sequence_linear import gather_for_module
 from lightning_pipe.tensor_parallel.sources import record_source
 
 
@@ -68,6 +74,16 @@ class TensorParallelStyle(enum.Enum):
     SEQUENCE = "sequence"
     SEQUENCE_SCATTER = "sequence_scatter"
     SEQUENCE_GATHER = "sequence_gather"
+
+    @property
+    def is_column(self) -> bool:
+        """A column-parallel layer (it multiplies a whole input; under sequence parallelism it
+        gathers the sequence or is inside a module that does)."""
+        return self in (
+            TensorParallelStyle.COLWISE,
+            TensorParallelStyle.COLWISE_GATHER,
+            TensorParallelStyle.COLWISE_LOGITS,
+        )
 
     @property
     def is_sequence(self) -> bool:
@@ -436,10 +452,13 @@ def _builder(
 
 
 def _sequence_hooks(
-    module: nn.Module, style: TensorParallelStyle, group: dist.ProcessGroup, partial_grad: bool
+    module: nn.Module, style: TensorParallelStyle, group: dist.ProcessGroup, has_columns: bool
 ) -> None:
     """A ``sequence_scatter`` module splits its output along the sequence; a ``sequence_gather``
-    module gathers its (first) input, so that what it computes sees the whole sequence."""
+    module gathers its (first) input, so that what it computes sees the whole sequence: for its
+    column-parallel layers, which save only this rank's part, and whose partial gradients the
+    gather's backward reduce-scatters (``has_columns``), or for layers computed whole only (a head:
+    the gradient is equal on every rank, and its backward keeps this rank's part)."""
     if style is TensorParallelStyle.SEQUENCE_SCATTER:
 
         def scatter(_: nn.Module, args: Any, output: Any) -> Any:
@@ -452,16 +471,18 @@ def _sequence_hooks(
         module.register_forward_hook(scatter)
         return
 
+    def gathered(x: torch.Tensor) -> torch.Tensor:
+        if has_columns:
+            return gather_for_module(x, group)
+        return gather_from_sequence(x, group, GatheredGradient.EQUAL)
+
     def gather(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not sequence_active():
             return None
         if args:
-            return (gather_from_sequence(args[0], group, partial_grad), *args[1:]), kwargs
+            return (gathered(args[0]), *args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {
-                **kwargs,
-                "hidden_states": gather_from_sequence(kwargs["hidden_states"], group, partial_grad),
-            }
+            return args, {**kwargs, "hidden_states": gathered(kwargs["hidden_states"])}
         raise TypeError(
             "A 'sequence_gather' module was called without a positional input or hidden_states=; "
             "it gathers its first input along the sequence."
@@ -491,6 +512,9 @@ def apply_plan(
     # Parameters shared by several replaced modules (a tied embedding and head on one stage) must
     # stay shared after slicing: old parameter id -> its new shard.
     shards: dict[int, nn.Parameter] = {}
+    # The old parameters stay alive until the end: a replaced module's would otherwise be freed,
+    # and a new shard allocated at its address would share its id and be taken for its shard.
+    replaced_parameters: list[nn.Parameter] = []
     # Every attribute that holds a module (``self.head = self.layers[-1]`` holds one twice) must
     # hold its sharded replacement, or the second name keeps the stale full module.
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -506,17 +530,16 @@ def apply_plan(
         if not include(module) or style is TensorParallelStyle.REPLICATED_SUM:
             continue  # a replicated_sum module stays as it is; the runtime sums its gradients
         if style in (TensorParallelStyle.SEQUENCE_SCATTER, TensorParallelStyle.SEQUENCE_GATHER):
-            # Everything inside a gathered module gets equal gradients (its column layers add ``f``).
-            _sequence_hooks(module, style, group, partial_grad=False)
+            columns = any(n.startswith(f"{name}.") and other.is_column for n, other in resolved.items())
+            _sequence_hooks(module, style, group, has_columns=columns)
             replaced.append(name)
             continue
         if style is TensorParallelStyle.SEQUENCE and not isinstance(module, nn.Dropout):
             continue  # kept whole (a norm); the runtime sums its gradients over the tensor group
         sequence = "none"
         if sequence_parallel:
-            # Inside a gathered module every rank holds the whole sequence: plain tensor
-            # parallelism there (``f`` before each column layer; the gather's backward keeps this
-            # rank's part of the then equal gradient), except the row layers' reduce-scatter.
+            # Inside a gathered module every rank holds the whole sequence, which its column
+            # layers multiply without ``f`` (the module's gather reduce-scatters in backward).
             inside = any(name.startswith(f"{g}.") for g in gathering)
             sequence = "gathered" if inside else "shard"
         build = _builder(style, group, name, stream, sequence)
@@ -528,6 +551,7 @@ def apply_plan(
         for attr in ("weight", "bias"):
             old, fresh = getattr(module, attr, None), getattr(new, attr, None)
             if isinstance(old, nn.Parameter) and isinstance(fresh, nn.Parameter):
+                replaced_parameters.append(old)
                 shared = shards.setdefault(id(old), fresh)
                 if shared is not fresh and shared.shape == fresh.shape:
                     setattr(new, attr, shared)

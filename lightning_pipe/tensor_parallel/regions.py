@@ -15,9 +15,11 @@ Transformer Models") activations between regions are split along the sequence, d
 
 * ``scatter_to_sequence``: keep this rank's part of the sequence; all-gather in backward (where
   the sequence-parallel region begins, after an embedding computed whole);
-* ``gather_from_sequence``: all-gather the sequence, in place of ``f``; backward reduce-scatters
-  the gradient when the consumers are tensor-parallel (each rank's gradient is a partial sum over
-  its heads), or keeps this rank's part when they computed whole (equal on every rank);
+* ``gather_from_sequence``: all-gather the sequence, in place of ``f``; what its backward does
+  depends on who consumed the whole sequence (:class:`GatheredGradient`): tensor-parallel layers,
+  whose gradients are partial sums over the ranks' heads (reduce-scatter), layers computed whole,
+  whose gradients are equal on every rank (keep this rank's part), or both (see
+  :mod:`~lightning_pipe.tensor_parallel.sequence_linear`);
 * ``reduce_scatter_to_sequence``: in place of ``g``, the row-parallel partial outputs summed and
   split along the sequence at once; all-gather in backward.
 
@@ -31,8 +33,9 @@ exactly two all-reduces in forward and two in backward.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import Enum
 from typing import Any
 
 import torch
@@ -190,31 +193,64 @@ def _split_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return mine.clone(memory_format=torch.contiguous_format)
 
 
-def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    """The ranks' parts of the sequence, whole (no autograd; counted as ``kind``)."""
+    return start_all_gather_sequence(x, group, kind)()
+
+
+def start_all_gather_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup, kind: str
+) -> Callable[[], torch.Tensor]:
+    """Start :func:`all_gather_sequence` without waiting; the returned call waits and gives the
+    whole sequence (so that computation can run while it travels)."""
     size = dist.get_world_size(group)
     if size == 1:
-        return x
+        return lambda: x
     _note(kind)
     # The ranks' parts, one after the other (dim 0 of the flat buffer), then the sequence put back
     # in dim 1: one copy, none when the batch is 1.
     flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_flat(flat, x.contiguous(), group=group)
-    parts = flat.view(size, *x.shape)
-    return parts.movedim(0, SEQUENCE_DIM).flatten(SEQUENCE_DIM, SEQUENCE_DIM + 1)
+    work = all_gather_flat(flat, x.contiguous(), group=group, async_op=True)
+    done: list[torch.Tensor] = []
+
+    def wait() -> torch.Tensor:  # the same tensor however often it is asked for
+        if not done:
+            work.wait()
+            parts = flat.view(size, *x.shape)
+            done.append(parts.movedim(0, SEQUENCE_DIM).flatten(SEQUENCE_DIM, SEQUENCE_DIM + 1))
+        return done[0]
+
+    return wait
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    """This rank's part of the sequence of ``x`` summed over the ranks (no autograd; counted as
+    ``kind``)."""
+    return start_reduce_scatter_sequence(x, group, kind)()
+
+
+def start_reduce_scatter_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup, kind: str
+) -> Callable[[], torch.Tensor]:
+    """Start :func:`reduce_scatter_sequence` without waiting; the returned call waits and gives
+    this rank's summed part."""
     size = dist.get_world_size(group)
     if size == 1:
-        return x
+        return lambda: x
     _note(kind)
     part = _sequence_part(x.shape[SEQUENCE_DIM], size)
     shape = (*x.shape[:SEQUENCE_DIM], size, part, *x.shape[SEQUENCE_DIM + 1 :])
     # Each rank's part of the sequence first (dim 0), so that rank r receives part r, summed.
     parts = x.reshape(shape).movedim(SEQUENCE_DIM, 0).contiguous()
     out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
-    reduce_scatter_flat(out, parts.flatten(0, 1), group=group)  # the parts one after the other
-    return out
+    # The parts one after the other.
+    work = reduce_scatter_flat(out, parts.flatten(0, 1), group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out
+
+    return wait
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -225,31 +261,52 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_sequence(grad, ctx.group, "sequence_all_gather_backward"), None
+        return all_gather_sequence(grad, ctx.group, "sequence_all_gather_backward"), None
+
+
+class GatheredGradient(Enum):
+    """What the consumers of an all-gathered sequence send back, which decides how the gather's
+    backward turns their gradient into this rank's part's (Megatron's ``tensor_parallel_output_grad``
+    is the first two)."""
+
+    PARTIAL = "partial"
+    """Tensor-parallel layers only: each rank's gradient is its heads' partial sum; reduce-scatter."""
+    EQUAL = "equal"
+    """Layers computed whole only (a head): the gradient is equal on every rank; keep this rank's
+    part, no communication."""
+    MIXED = "mixed"
+    """Both: column-parallel layers send ``size`` times their partial gradient, layers computed
+    whole their equal one; the sum over the ranks, divided by ``size``, is the whole gradient
+    (a reduce-scatter, where ``f`` before each column layer would all-reduce)."""
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, partial_grad: bool) -> torch.Tensor:
-        ctx.group, ctx.partial_grad = group, partial_grad
-        return _gather_sequence(x, group, "sequence_all_gather_forward")
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, gradient: GatheredGradient
+    ) -> torch.Tensor:
+        ctx.group, ctx.gradient = group, gradient
+        return all_gather_sequence(x, group, "sequence_all_gather_forward")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        if ctx.partial_grad:
-            return _reduce_scatter_sequence(grad, ctx.group, "sequence_reduce_scatter_backward"), None, None
-        return _split_sequence(grad, ctx.group), None, None
+        if ctx.gradient is GatheredGradient.EQUAL:
+            return _split_sequence(grad, ctx.group), None, None
+        part = reduce_scatter_sequence(grad, ctx.group, "sequence_reduce_scatter_backward")
+        if ctx.gradient is GatheredGradient.MIXED:
+            part = part / dist.get_world_size(ctx.group)
+        return part, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _reduce_scatter_sequence(x, group, "sequence_reduce_scatter_forward")
+        return reduce_scatter_sequence(x, group, "sequence_reduce_scatter_forward")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_sequence(grad, ctx.group, "sequence_all_gather_backward"), None
+        return all_gather_sequence(grad, ctx.group, "sequence_all_gather_backward"), None
 
 
 def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -258,11 +315,11 @@ def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 
 
 def gather_from_sequence(
-    x: torch.Tensor, group: dist.ProcessGroup, partial_grad: bool = True
+    x: torch.Tensor, group: dist.ProcessGroup, gradient: GatheredGradient = GatheredGradient.PARTIAL
 ) -> torch.Tensor:
-    """All-gather the sequence forward; backward, reduce-scatter the gradient (``partial_grad``:
-    tensor-parallel consumers) or keep this rank's part (consumers computed whole)."""
-    return _GatherFromSequence.apply(x, group, partial_grad)
+    """All-gather the sequence forward; backward, this rank's part of the whole gradient, from what
+    the consumers send back (``gradient``)."""
+    return _GatherFromSequence.apply(x, group, gradient)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
