@@ -67,9 +67,11 @@ def _head(output: torch.Tensor, microbatch: Microbatch) -> torch.Tensor:
 def _train(
     family: str, kind: str, layout: ParallelLayout, mesh: Any, shard: bool = False, sequence: bool = False
 ) -> dict[str, Any]:
+    family, _, variant = family.partition("+")
     float64 = FAMILIES[family].float64
     dtype = torch.float64 if float64 else torch.float32
     model = build(family, dtype)
+    model._tp_plan = VARIANTS[variant](dict(model.tp_plan)) if variant else model.tp_plan
     pipeline = CausalLMPipeline(model)
     plan = (
         pipeline.tensor_parallel_plan(layout.tensor_parallel_size, sequence_parallel=sequence)
@@ -154,12 +156,32 @@ LAYOUTS = {
 SHARDED_FAMILIES = ["llama", "gemma3_text", "mixtral"]
 """Under ``shard_parameters``: tied embedding and head (llama), sliding and global layers with
 several rotary tables (gemma3), experts (mixtral)."""
-SEQUENCE_FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "gpt_neox"]
+VARIANTS = {
+    # Embedding and head left whole: split by the embedding's plan entry, gathered before the head.
+    "whole_head": lambda plan: {k: v for k, v in plan.items() if "embed" not in k and "lm_head" not in k},
+    # The model's own plan names norms with Hugging Face's style: the same as derived.
+    "sp_entries": lambda plan: {
+        **plan,
+        "model.layers.*.input_layernorm": "sequence_parallel",
+        "model.norm": "sequence_parallel",
+    },
+}
+"""``family+variant``: the family with its ``tp_plan`` changed so."""
+SEQUENCE_FAMILIES = [
+    "llama",
+    "qwen3",
+    "gemma3_text",
+    "phi3",
+    "gpt_neox",
+    "llama+whole_head",
+    "qwen3+sp_entries",
+]
 """Under ``sequence_parallel``: the sequence split after a vocab-parallel tied embedding, gathered
 by a column-parallel head (llama); per-head q/k norms inside the gathered attention, summed
 (qwen3, gemma3 with four norms per layer and several rotary tables); gathered projections and
 residual dropouts (phi3); a whole embedding split by its plan entry, an embedding dropout and
-parallel residual blocks with biased row layers (gpt_neox)."""
+parallel residual blocks with biased row layers (gpt_neox); a whole tied embedding and head
+(llama+whole_head); norms the model's plan names 'sequence_parallel' (qwen3+sp_entries)."""
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
