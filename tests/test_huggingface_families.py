@@ -165,6 +165,8 @@ VARIANTS = {
         "model.layers.*.input_layernorm": "sequence_parallel",
         "model.norm": "sequence_parallel",
     },
+    # Experts left whole, computing each token alone (the model's plan says so).
+    "moe_sp": lambda plan: {**plan, "model.layers.*.mlp": "sequence_parallel"},
 }
 """``family+variant``: the family with its ``tp_plan`` changed so."""
 SEQUENCE_FAMILIES = [
@@ -175,13 +177,16 @@ SEQUENCE_FAMILIES = [
     "gpt_neox",
     "llama+whole_head",
     "qwen3+sp_entries",
+    "mixtral+moe_sp",
 ]
 """Under ``sequence_parallel``: the sequence split after a vocab-parallel tied embedding, gathered
 by a column-parallel head (llama); per-head q/k norms inside the gathered attention, summed
 (qwen3, gemma3 with four norms per layer and several rotary tables); gathered projections and
 residual dropouts (phi3); a whole embedding split by its plan entry, an embedding dropout and
 parallel residual blocks with biased row layers (gpt_neox); a whole tied embedding and head
-(llama+whole_head); norms the model's plan names 'sequence_parallel' (qwen3+sp_entries)."""
+(llama+whole_head); norms the model's plan names 'sequence_parallel' (qwen3+sp_entries); a
+mixture of experts kept whole on each rank's part, which the model's plan vouches for
+(mixtral+moe_sp)."""
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

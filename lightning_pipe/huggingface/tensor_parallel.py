@@ -336,6 +336,7 @@ def _add_sequence_entries(
         if hidden_size is not None and all(p.dim() == 1 and p.shape[0] == hidden_size for p in params):
             return TensorParallelStyle.SEQUENCE  # a per-token norm: its gradients summed over the ranks
         styles = dropped_styles(full)
+        pattern = re.sub(r"\.\d+\.", ".*.", full)
         why = (
             f"the tensor-parallel plan leaves it whole (its entries use the styles {styles}, which pipe_tp "
             "does not split), so it would compute on this rank's part of the sequence only, which differs "
@@ -349,7 +350,8 @@ def _add_sequence_entries(
             f"{where}: under sequence_parallel=True, {full} ({type(child).__name__}) holds parameters and "
             f"{why}. Use sequence_parallel=False for this model (tensor parallelism keeps working); if the "
             "module computes each token on its own, name it with the style 'sequence_parallel' in the "
-            "model's tensor-parallel plan (config.base_model_tp_plan)."
+            f"model's tensor-parallel plan (model.tp_plan = {{**model.tp_plan, {pattern!r}: "
+            "'sequence_parallel'}})."
         )
 
     base, layers_name = parts.base_name, parts.layers_name
