@@ -28,8 +28,9 @@ from lightning_pipe.huggingface import CausalLMPipeline
 from lightning_pipe.huggingface.outputs import causal_lm_loss
 from lightning_pipe.mesh import MeshAxis
 from lightning_pipe.runtime.batch import Microbatch
+from lightning_pipe.tensor_parallel.regions import sequence_active
 from tests.distributed import run_distributed
-from tests.hf_families import FAMILIES, batches, build, train_reference
+from tests.hf_families import FAMILIES, SEQ, batches, build, train_reference
 
 pytestmark = pytest.mark.distributed
 
@@ -63,22 +64,36 @@ def _head(output: torch.Tensor, microbatch: Microbatch) -> torch.Tensor:
     return causal_lm_loss(output, microbatch.data["labels"])
 
 
-def _train(family: str, kind: str, layout: ParallelLayout, mesh: Any, shard: bool = False) -> dict[str, Any]:
+def _train(
+    family: str, kind: str, layout: ParallelLayout, mesh: Any, shard: bool = False, sequence: bool = False
+) -> dict[str, Any]:
+    family, _, variant = family.partition("+")
     float64 = FAMILIES[family].float64
     dtype = torch.float64 if float64 else torch.float32
     model = build(family, dtype)
+    model._tp_plan = VARIANTS[variant](dict(model.tp_plan)) if variant else model.tp_plan
     pipeline = CausalLMPipeline(model)
     plan = (
-        pipeline.tensor_parallel_plan(layout.tensor_parallel_size)
+        pipeline.tensor_parallel_plan(layout.tensor_parallel_size, sequence_parallel=sequence)
         if layout.tensor_parallel_size > 1
         else None
     )
+    if sequence:  # the derived plan must be a sequence-parallel one, not tensor parallelism alone
+        assert plan is not None and "sequence_gather" in plan.plan.values(), plan
     options = RuntimeOptions(
         num_microbatches=4 // layout.data_parallel_size,
         tensor_parallel_plan=plan.plan if plan is not None else None,
         timeout=timedelta(seconds=60),
         shard_parameters=shard,
+        sequence_parallel=sequence,
     )
+    # The sequence lengths this rank's decoder layers receive in training (not in the setup
+    # check's whole probes): under sequence parallelism, each tensor rank's part.
+    lengths: set[int] = set()
+    for layer in getattr(pipeline.parts.base, pipeline.parts.layers_name):
+        layer.register_forward_pre_hook(
+            lambda _, args: lengths.add(args[0].shape[1]) if sequence_active() else None
+        )
     runtime = ParallelRuntime(
         model, pipeline.layers(), mesh, torch.device("cpu"), options, seed=0, hooks=pipeline.hooks()
     )
@@ -113,24 +128,65 @@ def _train(family: str, kind: str, layout: ParallelLayout, mesh: Any, shard: boo
             (last[k] - v).abs().max().item() for k, v in expected["last"].items() if v.is_floating_point()
         ),
     }
-    return {"gaps": gaps, "tol": tol, "dtype": str(dtype), "notes": plan.notes if plan is not None else []}
+    notes = plan.notes if plan is not None else []
+    return {"gaps": gaps, "tol": tol, "dtype": str(dtype), "notes": notes, "lengths": sorted(lengths)}
 
 
-def family_worker(sizes: tuple[int, int, int], families: list[str], shard: bool = False) -> dict[str, Any]:
+def family_worker(
+    sizes: tuple[int, int, int], families: list[str], shard: bool = False, sequence: bool = False
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     layout = ParallelLayout(*sizes)
     mesh = init_mesh(layout, "cpu")
     return {
-        f"{family}/{kind}": _train(family, kind, layout, mesh, shard)
+        f"{family}/{kind}": _train(family, kind, layout, mesh, shard, sequence)
         for family in families
         for kind in ("padded", "packed")
     }
 
 
-LAYOUTS = {"pp2": (1, 2, 1), "pp2_tp2": (1, 2, 2), "dp2_pp2": (2, 2, 1), "dp2_pp2_fsdp": (2, 2, 1)}
+LAYOUTS = {
+    "pp2": (1, 2, 1),
+    "pp2_tp2": (1, 2, 2),
+    "dp2_pp2": (2, 2, 1),
+    "dp2_pp2_fsdp": (2, 2, 1),
+    "tp2_sp": (1, 1, 2),
+    "pp2_tp2_sp": (1, 2, 2),
+}
 SHARDED_FAMILIES = ["llama", "gemma3_text", "mixtral"]
 """Under ``shard_parameters``: tied embedding and head (llama), sliding and global layers with
 several rotary tables (gemma3), experts (mixtral)."""
+VARIANTS = {
+    # Embedding and head left whole: split by the embedding's plan entry, gathered before the head.
+    "whole_head": lambda plan: {k: v for k, v in plan.items() if "embed" not in k and "lm_head" not in k},
+    # The model's own plan names norms with Hugging Face's style: the same as derived.
+    "sp_entries": lambda plan: {
+        **plan,
+        "model.layers.*.input_layernorm": "sequence_parallel",
+        "model.norm": "sequence_parallel",
+    },
+    # Experts left whole, computing each token alone (the model's plan says so).
+    "moe_sp": lambda plan: {**plan, "model.layers.*.mlp": "sequence_parallel"},
+}
+"""``family+variant``: the family with its ``tp_plan`` changed so."""
+SEQUENCE_FAMILIES = [
+    "llama",
+    "qwen3",
+    "gemma3_text",
+    "phi3",
+    "gpt_neox",
+    "llama+whole_head",
+    "qwen3+sp_entries",
+    "mixtral+moe_sp",
+]
+"""Under ``sequence_parallel``: the sequence split after a vocab-parallel tied embedding, gathered
+by a column-parallel head (llama); per-head q/k norms inside the gathered attention, summed
+(qwen3, gemma3 with four norms per layer and several rotary tables); gathered projections and
+residual dropouts (phi3); a whole embedding split by its plan entry, an embedding dropout and
+parallel residual blocks with biased row layers (gpt_neox); a whole tied embedding and head
+(llama+whole_head); norms the model's plan names 'sequence_parallel' (qwen3+sp_entries); a
+mixture of experts kept whole on each rank's part, which the model's plan vouches for
+(mixtral+moe_sp)."""
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -138,8 +194,11 @@ def test_families_train_like_their_own_forward(layout: str) -> None:
     sizes = LAYOUTS[layout]
     world = sizes[0] * sizes[1] * sizes[2]
     shard = layout.endswith("_fsdp")
-    families = SHARDED_FAMILIES if shard else list(FAMILIES)
-    got = run_distributed(family_worker, world, sizes, families, shard, timeout=600, pg_timeout=120)[0]
+    sequence = layout.endswith("_sp")
+    families = SHARDED_FAMILIES if shard else SEQUENCE_FAMILIES if sequence else list(FAMILIES)
+    got = run_distributed(
+        family_worker, world, sizes, families, shard, sequence, timeout=600, pg_timeout=120
+    )[0]
     assert sorted(got) == sorted(f"{f}/{k}" for f in families for k in ("padded", "packed"))
     failures = [
         f"{case} ({result['dtype']}): {what} differ by {gap:.2e} > {result['tol']:.0e}"
@@ -148,6 +207,9 @@ def test_families_train_like_their_own_forward(layout: str) -> None:
         if not gap <= result["tol"]
     ]
     assert failures == [], "\n".join(failures)
+    # Rank 0's decoder layers saw its part of the sequence under sequence parallelism, else all.
+    length = SEQ // sizes[2] if sequence else SEQ
+    assert {case: result["lengths"] for case, result in got.items()} == {case: [length] for case in got}
 
 
 def _no_targets_on_replica_one(steps: int) -> list[dict[str, torch.Tensor]]:

@@ -109,27 +109,30 @@ def _run(family: str, strategy: Any, devices: int, habit: str = "huggingface") -
     }
 
 
-def worker(family: str, pp: int, tp: int, habit: str) -> dict[str, Any]:
+def worker(family: str, pp: int, tp: int, habit: str, sequence: bool = False) -> dict[str, Any]:
     strategy = PipeTPStrategy(
         pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
         num_microbatches=4,
         timeout=timedelta(seconds=60),
+        sequence_parallel=sequence,
     )
     return _run(family, strategy, pp * tp, habit)
 
 
 CASES = {
-    "llama-pp2": ("llama", 2, 1, "huggingface"),
-    "qwen3-pp2_tp2": ("qwen3", 2, 2, "huggingface"),
-    "mistral-pp2-lightning_way": ("mistral", 2, 1, "lightning"),
+    "llama-pp2": ("llama", 2, 1, "huggingface", False),
+    "qwen3-pp2_tp2": ("qwen3", 2, 2, "huggingface", False),
+    "mistral-pp2-lightning_way": ("mistral", 2, 1, "lightning", False),
+    # The plan's sequence-parallel entries derived by the strategy from the model.
+    "qwen3-pp2_tp2_sp": ("qwen3", 2, 2, "huggingface", True),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_huggingface_model_fits_validates_and_predicts_like_one_device(case: str) -> None:
-    family, pp, tp, habit = CASES[case]
-    got = run_distributed(worker, pp * tp, family, pp, tp, habit, timeout=300, init_group=False)
+    family, pp, tp, habit, sequence = CASES[case]
+    got = run_distributed(worker, pp * tp, family, pp, tp, habit, sequence, timeout=300, init_group=False)
     expected = _run(family, "auto", 1, habit)
     assert len(expected["losses"]) == STEPS
     for rank, result in enumerate(got):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.huggingface.context import mask_or_none
+from lightning_pipe.tensor_parallel.regions import sequence_parallel_suspended
 
 if TYPE_CHECKING:
     from lightning_pipe.huggingface.pipeline import CausalLMPipeline
@@ -84,7 +85,18 @@ def check_pipeline(
     pipeline: CausalLMPipeline, probe: Any, own_layers: Sequence[nn.Module] = ()
 ) -> tuple[str | None, str | None]:
     """``(error, None)``: the derived pipeline differs from the model (the error says where);
-    ``(None, None)``: it does not (see the module docstring)."""
+    ``(None, None)``: it does not (see the module docstring).
+
+    It runs on whole probes, so sequence parallelism is suspended here (the runtime suspends it
+    around every forward check too): the embedding call's split, the ``sequence_scatter`` and
+    ``sequence_gather`` hooks and the column layers' gathers must not fire on the stubs."""
+    with sequence_parallel_suspended():
+        return _check_pipeline(pipeline, probe, own_layers)
+
+
+def _check_pipeline(
+    pipeline: CausalLMPipeline, probe: Any, own_layers: Sequence[nn.Module]
+) -> tuple[str | None, str | None]:
     parts, model = pipeline.parts, pipeline.model
     base = parts.base
     input_ids, mask, positions = probe

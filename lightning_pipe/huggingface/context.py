@@ -51,6 +51,21 @@ def default_positions(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s).contiguous()
 
 
+def whole_sequence(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``hidden`` as the mask builders and rotary modules read it: for the whole sequence.
+
+    Under sequence parallelism a decoder layer receives this rank's part of the sequence
+    (``[b, s/t, h]``) while its attention computes on the whole, gathered sequence; transformers'
+    mask functions take the query length from ``inputs_embeds.shape[1]`` and would build masks for
+    ``s/t`` queries. The positions are always whole (``[b, s]``), so a zero-copy stand-in of the
+    whole sequence's shape (one row expanded; only its shape, dtype and device are read) is given
+    instead."""
+    b, s = positions.shape[0], positions.shape[-1]
+    if hidden.shape[1] == s:
+        return hidden
+    return hidden[:, :1].expand(b, s, *hidden.shape[2:])
+
+
 class LayerContext:
     """The keyword arguments of decoder layer ``i``, rebuilt from the hidden states, the padding
     mask and the position ids (see the module docstring)."""
@@ -80,6 +95,7 @@ class LayerContext:
     def masks(self, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> Any:
         from transformers.masking_utils import create_masks_for_generate
 
+        hidden = whole_sequence(hidden, positions)
         key = (mask, positions, hidden.shape, hidden.dtype, hidden.device)
         cached = self._masks
         if cached is not None and _same_key(cached[0], key):
@@ -99,6 +115,7 @@ class LayerContext:
         if rotary is None:
             return None
         kind = layer_type if self._rotary_by_type else None
+        hidden = whole_sequence(hidden, positions)
         key = (positions, hidden.dtype, hidden.device)
         cached = self._tables.get(kind)
         if cached is not None and _same_key(cached[0], key):

@@ -38,6 +38,8 @@ from lightning_pipe.huggingface.parts import CausalLMParts, causal_lm_parts
 from lightning_pipe.huggingface.tensor_parallel import DerivedPlan, derive_plan
 from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.tensor_parallel.cross_entropy import copy_vocab_parallel_tag
+from lightning_pipe.tensor_parallel.layers import VocabParallelEmbedding
+from lightning_pipe.tensor_parallel.regions import scatter_to_sequence, sequence_active
 
 """Hugging Face's label for a token the loss ignores (padding, a prompt)."""
 
@@ -59,6 +61,9 @@ class CausalLMPipeline:
         self.context = LayerContext(self.parts)
         self.prologue = Prologue.of(self.parts)
         self.epilogue = Epilogue.of(self.parts)
+        self.scatter_after_embedding = False
+        """Set by :meth:`tensor_parallel_plan` under sequence parallelism when the embedding is
+        vocab-parallel: the embedding call then splits the hidden states along the sequence."""
 
     @property
     def family(self) -> str:
@@ -87,7 +92,14 @@ class CausalLMPipeline:
 
     def _embed(self, layer: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         input_ids, mask, positions = args
-        return self.prologue(layer(input_ids)), mask, positions
+        hidden = self.prologue(layer(input_ids))
+        # Under sequence parallelism after a vocab-parallel embedding (summed over the tensor
+        # ranks, so whole on each): keep this rank's part of the sequence. The mask and positions
+        # stay whole: every layer's attention sees the whole sequence. (Before the layer is
+        # sliced, e.g. when timing layers for the partition, nothing is split yet.)
+        if self.scatter_after_embedding and isinstance(layer, VocabParallelEmbedding) and sequence_active():
+            hidden = scatter_to_sequence(hidden, layer.group)
+        return hidden, mask, positions
 
     def _decoder(self, index: int) -> LayerCall:
         context = self.context
@@ -138,10 +150,14 @@ class CausalLMPipeline:
         return (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)
 
     # ------------------------------------------------------------------ the rest
-    def tensor_parallel_plan(self, tensor_parallel_size: int) -> DerivedPlan:
+    def tensor_parallel_plan(self, tensor_parallel_size: int, sequence_parallel: bool = False) -> DerivedPlan:
         """The model's own plan, as names inside the module trained, and what it leaves whole
-        (see :mod:`lightning_pipe.huggingface.tensor_parallel`)."""
-        return derive_plan(self.parts, self.prefix, tensor_parallel_size)
+        (see :mod:`lightning_pipe.huggingface.tensor_parallel`); with ``sequence_parallel``, also
+        where the sequence is split and gathered. Call it before :meth:`hooks`: whether the
+        embedding call splits the sequence is decided here."""
+        derived = derive_plan(self.parts, self.prefix, tensor_parallel_size, sequence_parallel)
+        self.scatter_after_embedding = derived.scatter_after_embedding
+        return derived
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise ``module``'s own tensors the way the model's ``post_init`` would (a
@@ -171,6 +187,7 @@ class CausalLMPipeline:
             check_forward=self.check,
             probe_kind=self.probe_kind,
             loss_items=self.loss_items,
+            splits_sequence=self.scatter_after_embedding,
         )
 
 

@@ -49,3 +49,7 @@ class ModelHooks:
     over the data-parallel replicas by the items of the whole global batch, so that the gradient
     is that of the whole batch's mean (not a mean of per-micro-batch means). ``None`` for a batch:
     by samples."""
+    splits_sequence: bool = False
+    """Under sequence parallelism, the layer calls split the sequence themselves (a Hugging Face
+    pipeline, after its vocab-parallel embedding and the family's prologue, which the plan cannot
+    give a second style): the tensor-parallel plan then needs no ``sequence_scatter`` entry."""

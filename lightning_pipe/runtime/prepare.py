@@ -106,6 +106,9 @@ class Preparer:
 
     stages: tuple[int, ...]
     """The stages this rank holds (``PipelinePartition.stages_of_rank``)."""
+    splits_sequence: bool = False
+    """The layer calls split the sequence (``ModelHooks.splits_sequence``): the plan needs no
+    ``sequence_scatter`` entry."""
     warnings: list[str] = field(default_factory=list)
     """Once-per-run warnings found while preparing (keys of the pretrained files nothing reads)."""
 
@@ -209,7 +212,9 @@ class Preparer:
                 "PipeTPStrategy(tensor_parallel_plan=...)."
             )
         sequence = self.options.sequence_parallel
-        resolved = resolve_plan(self.module, tp_plan, tp, sequence_parallel=sequence)
+        resolved = resolve_plan(
+            self.module, tp_plan, tp, sequence_parallel=sequence, split_elsewhere=self.splits_sequence
+        )
         recompute = self.options.recompute_mode
         if recompute is not RecomputeMode.NEVER and TensorParallelStyle.DROPOUT in resolved.values():
             raise ConfigurationError(

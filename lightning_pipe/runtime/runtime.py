@@ -170,7 +170,17 @@ class ParallelRuntime:
         if done is None:
             seed = self._agreed_seed(seed)
             preparer = Preparer(
-                module, mesh, device, self.options, seed, init, weights, self.naming, tied, self.stage_indices
+                module,
+                mesh,
+                device,
+                self.options,
+                seed,
+                init,
+                weights,
+                self.naming,
+                tied,
+                self.stage_indices,
+                splits_sequence=self.hooks.splits_sequence,
             )
             done, materialized = preparer.run(partition, layers)
             self.warnings += preparer.warnings

@@ -591,20 +591,14 @@ class PipeTPStrategy(ParallelStrategy):
         layout = self.mesh.layout
         first = preparation_of(module, layout, self.partition, self.virtual_stages) is None
         view = read_module(
-            module, first, layout.tensor_parallel_size, self.tensor_parallel_plan, self.pretrained_prefix
+            module,
+            first,
+            layout.tensor_parallel_size,
+            self.tensor_parallel_plan,
+            self.pretrained_prefix,
+            sequence_parallel=self.options.sequence_parallel,
         )
         self.pipeline_model = view
-        if (
-            self.options.sequence_parallel
-            and view.huggingface is not None
-            and layout.tensor_parallel_size > 1
-        ):
-            raise ConfigurationError(
-                "sequence_parallel=True is not supported for Hugging Face models yet: their plans name no "
-                "point where the sequence is split, and pipe_tp does not derive them yet. Use "
-                "sequence_parallel=False (tensor parallelism keeps working), or a hand-written plan with "
-                "'sequence_scatter', 'sequence_gather' and 'sequence' entries on your own modules."
-            )
         if first:
             for note in view.notes:
                 rank_zero_info(f"pipe_tp: {note}")

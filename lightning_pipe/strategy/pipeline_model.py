@@ -86,9 +86,11 @@ def read_module(
     tensor_parallel_size: int,
     plan_option: dict[str, str] | None,
     prefix_option: str | None,
+    sequence_parallel: bool = False,
 ) -> PipelineModel:
     """The module's pipeline (``first``: its first setup, when the layers are split; later calls
-    reuse the split, so no layers are given then)."""
+    reuse the split, so no layers are given then). ``sequence_parallel``: a derived Hugging Face
+    plan also says where the sequence is split and gathered."""
     user_input = _method(module, "pipeline_input")
     user_init = _method(module, "init_module_weights")
     user_items = _method(module, "loss_items")
@@ -125,7 +127,7 @@ def read_module(
     notes: list[str] = []
     if wants_plan and plan_hook is None:
         try:
-            derived = pipeline.tensor_parallel_plan(tensor_parallel_size)
+            derived = pipeline.tensor_parallel_plan(tensor_parallel_size, sequence_parallel)
         except UnsupportedModelError as err:
             raise MisconfigurationException(str(err)) from err
         plan, notes = derived.plan, derived.notes

@@ -188,7 +188,11 @@ class _LogitsHead(ColumnParallelLinear):
 
 
 def resolve_plan(
-    model: nn.Module, plan: Mapping[str, str], tp_size: int, sequence_parallel: bool = False
+    model: nn.Module,
+    plan: Mapping[str, str],
+    tp_size: int,
+    sequence_parallel: bool = False,
+    split_elsewhere: bool = False,
 ) -> dict[str, TensorParallelStyle]:
     """Match ``plan`` against ``model``: module name -> style, after checking everything.
 
@@ -200,6 +204,10 @@ def resolve_plan(
     Raises ``ValueError``/``TypeError`` naming the pattern or module for: an unknown style, a pattern
     that matches nothing, a style on the wrong module type, two styles for one module, a dimension
     ``tp_size`` does not divide, and an attention module with fewer heads than tensor ranks.
+
+    ``split_elsewhere``: under ``sequence_parallel``, the model's layer calls split the sequence
+    (a Hugging Face pipeline after its vocab-parallel embedding), so the plan needs no
+    ``sequence_scatter`` entry.
     """
     canonical: dict[int, str] = {}
     every_name: list[tuple[str, nn.Module]] = []
@@ -243,7 +251,7 @@ def resolve_plan(
             _check_heads(name, modules, style, tp_size)
             resolved[name] = style
     _check_tied(modules, resolved)
-    _check_sequence(modules, resolved, sequence_parallel)
+    _check_sequence(modules, resolved, sequence_parallel, split_elsewhere)
     return resolved
 
 
@@ -260,7 +268,10 @@ parallelism: summed over the tensor group, or computed on the whole sequence."""
 
 
 def _check_sequence(
-    modules: Mapping[str, nn.Module], resolved: Mapping[str, TensorParallelStyle], sequence_parallel: bool
+    modules: Mapping[str, nn.Module],
+    resolved: Mapping[str, TensorParallelStyle],
+    sequence_parallel: bool,
+    split_elsewhere: bool = False,
 ) -> None:
     """Sequence-parallel entries need ``sequence_parallel=True``; with it, the plan must say where
     the sequence is split, and every module holding parameters must be one the plan accounts for:
@@ -275,7 +286,7 @@ def _check_sequence(
                 "sequence-parallel entries."
             )
         return
-    if TensorParallelStyle.SEQUENCE_SCATTER not in resolved.values():
+    if TensorParallelStyle.SEQUENCE_SCATTER not in resolved.values() and not split_elsewhere:
         raise ValueError(
             "sequence_parallel=True needs the tensor-parallel plan to say where the sequence is split: a "
             "'sequence_scatter' entry on the module whose output enters the first block (the embedding "
@@ -291,7 +302,11 @@ def _check_sequence(
             continue
         module, where = modules[name], next((w for w in whole if name.startswith(f"{w}.")), None)
         problem = None
-        if where is not None:
+        # A 'replicated_sum' module inside a gathered one is a per-head norm after a column split
+        # (Qwen3's q_norm): it sees the whole sequence but only this rank's heads, so its gradient
+        # is partial over the heads and is summed there as without sequence parallelism.
+        inside_gather = where is not None and resolved[where] is TensorParallelStyle.SEQUENCE_GATHER
+        if where is not None and (style is TensorParallelStyle.SEQUENCE or not inside_gather):
             problem = (
                 f"is inside {where!r} ({resolved[where].value}), where every rank sees the whole sequence "
                 "and its gradients are already whole: summing them would multiply them by the tensor "
