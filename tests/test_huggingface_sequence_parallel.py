@@ -265,3 +265,57 @@ def test_replicated_sum_is_accepted_inside_a_gathered_module_only() -> None:
         ValueError, match=re.escape("'0.norm': 'replicated_sum' is inside '0' (sequence_scatter)")
     ):
         resolve_plan(model, plan, 2, sequence_parallel=True)
+
+
+def token_mixing_worker(mix: bool) -> str:
+    """llama at tp=2 under sequence parallelism, its decoder layers (``mix``) adding a running sum
+    over the sequence in their own forward, outside any module: the first step's answer."""
+    from datetime import timedelta
+
+    from lightning_pipe import ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
+    from lightning_pipe.huggingface.outputs import causal_lm_loss
+    from tests.hf_families import padded_batch
+
+    model = build("llama", torch.float64)
+    if mix:
+        for layer in model.model.layers:
+            original = layer.forward
+
+            def forward(hidden: torch.Tensor, *args: Any, original: Any = original, **kwargs: Any) -> Any:
+                out = original(hidden, *args, **kwargs)
+                first = out[0] if isinstance(out, tuple) else out
+                mixed = first + 0.1 * first.cumsum(dim=1)  # every token sees the ones before it
+                return (mixed, *out[1:]) if isinstance(out, tuple) else mixed
+
+            layer.forward = forward
+    pipeline = CausalLMPipeline(model)
+    plan = pipeline.tensor_parallel_plan(2, sequence_parallel=True)
+    options = RuntimeOptions(
+        num_microbatches=2,
+        tensor_parallel_plan=plan.plan,
+        sequence_parallel=True,
+        timeout=timedelta(seconds=60),
+    )
+    mesh = init_mesh(ParallelLayout(1, 1, 2), "cpu")
+    runtime = ParallelRuntime(
+        model, pipeline.layers(), mesh, torch.device("cpu"), options, seed=0, hooks=pipeline.hooks()
+    )
+    try:
+        runtime.train_batch(padded_batch(4, 0), lambda out, mb: causal_lm_loss(out, mb.data["labels"]))
+    except Exception as err:
+        return str(err)
+    finally:
+        runtime.close()
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_decoder_layer_that_mixes_tokens_outside_its_modules_is_refused_at_the_first_step() -> None:
+    """What the derived plan cannot see (a layer's own forward) is checked on the first batch: each
+    decoder layer on its part of the sequence, gathered, against the whole sequence."""
+    from tests.distributed import run_distributed
+
+    for message in run_distributed(token_mixing_worker, 2, True, timeout=120):
+        assert "decoder layer 0 of llama (LlamaDecoderLayer) computes on each tensor rank's part" in message
+        assert "Use sequence_parallel=False for this model" in message
+    assert run_distributed(token_mixing_worker, 2, False, timeout=120) == ["no error", "no error"]

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.execution.layers import LayerCall
@@ -85,7 +86,7 @@ class CausalLMPipeline:
         calls: list[LayerCall] = []
         for position in range(len(parts.before)):
             calls.append(self._embed if position == 0 else _hidden_only)
-        calls += [self._decoder(i) for i in range(parts.num_layers)]
+        calls += [self.decoder_call(i) for i in range(parts.num_layers)]
         calls += [_hidden_only] * len(parts.after)
         calls.append(self._head)
         return calls
@@ -101,7 +102,9 @@ class CausalLMPipeline:
             hidden = scatter_to_sequence(hidden, layer.group)
         return hidden, mask, positions
 
-    def _decoder(self, index: int) -> LayerCall:
+    def decoder_call(self, index: int) -> LayerCall:
+        """How decoder layer ``index`` is called: its hidden states, and the masks, position ids
+        and rotary table rebuilt for it (:class:`LayerContext`)."""
         context = self.context
 
         def call(layer: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
@@ -171,6 +174,15 @@ class CausalLMPipeline:
 
         return check_pipeline(self, probe, own_layers)
 
+    def check_sequence(
+        self, probe: Any, own_layers: Sequence[nn.Module], group: dist.ProcessGroup
+    ) -> str | None:
+        """Whether this rank's decoder layers compute under sequence parallelism what they compute
+        without it (see :mod:`lightning_pipe.huggingface.sequence_check`)."""
+        from lightning_pipe.huggingface.sequence_check import check_sequence_split
+
+        return check_sequence_split(self, probe, own_layers, group)
+
     def probe_kind(self, probe: Any) -> tuple[bool, bool]:
         """Whether a first-layer input masks padding and whether it packs sequences: the setup
         check runs again for each kind first seen (some families treat packed rows otherwise)."""
@@ -185,6 +197,7 @@ class CausalLMPipeline:
             pipeline_input=self.pipeline_input,
             layer_calls=self.calls(),
             check_forward=self.check,
+            check_sequence=self.check_sequence,
             probe_kind=self.probe_kind,
             loss_items=self.loss_items,
             splits_sequence=self.scatter_after_embedding,

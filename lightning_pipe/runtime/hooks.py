@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.execution.layers import LayerCall
@@ -24,6 +25,10 @@ ForwardCheck = Callable[[Any, Sequence[nn.Module]], tuple[str | None, str | None
 """``check(probe, own_layers)`` on the first batch's first micro-batch input, with the pipeline
 layers this rank holds: ``(error, warning)``; an error stops every rank of the replica with that
 message, a warning is shown once."""
+
+SequenceCheck = Callable[[Any, Sequence[nn.Module], dist.ProcessGroup], str | None]
+"""``check(probe, own_layers, tensor_group)``: an error that stops every rank of the replica, or
+``None``."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,10 @@ class ModelHooks:
     :mod:`lightning_pipe.execution.layers`."""
     check_forward: ForwardCheck | None = None
     """Replaces the default check that the module's ``forward`` is the chained layers."""
+    check_sequence: SequenceCheck | None = None
+    """Under sequence parallelism, on the first batch of each kind: whether this rank's layers
+    compute on their parts of the sequence what they compute on the whole (an error message, or
+    ``None``); a collective over the tensor group."""
     probe_kind: Callable[[Any], Hashable] | None = None
     """A first micro-batch input -> its kind for ``check_forward`` (e.g. padded, packed, plain):
     the check runs again on the first batch of each kind not seen yet, since a model may treat the

@@ -614,6 +614,13 @@ class ParallelRuntime:
         if problem is None and self.options.sequence_parallel and tp > 1:
             problem = _indivisible_sequence(probe, tp)
         self._agree(step, batch, problem)
+        if run and self.options.sequence_parallel and tp > 1 and self.hooks.check_sequence is not None:
+            # After the agreement: every tensor rank holds this batch, so the check's gathers pair up;
+            # its finding is agreed on like the others, so that every rank stops with it.
+            own = [self.layers[i] for s in self.stage_indices for i in self.partition.layer_range(s)]
+            with self.naming("checking the layers under sequence parallelism (tensor group)"):
+                found = self.hooks.check_sequence(probe, own, self.mesh.group(MeshAxis.TENSOR))
+            self._agree(step, batch, found)
 
     def _agree(self, step: StepIdentity, batch: Any, problem: str | None = None) -> None:
         group = self.mesh.model_group
