@@ -3,20 +3,19 @@ of the sequence, and training still ends where one device ends.
 
 A tiny GPT whose plan marks where the sequence is split (its embedding layer, ``sequence_scatter``),
 which modules see the whole sequence (attention, ``sequence_gather``; the MLP's first layer gathers
-by itself) and which norms and dropouts sit between (``sequence``) trains two epochs with clipping:
-
-* tp=2 and tp=4 with dropout 0.1 on the residual stream (each rank applies its part of the mask one
-  device draws for the whole sequence), also with ``recompute="always"``;
-* pp=2 x tp=2 (stages exchange sequence parts), without dropout (each stage's rank has its own
-  random stream);
-
-and every weight equals one device's (1e-5), norms and row-parallel biases equal on every tensor
-rank. A block does an all-gather and a reduce-scatter per region forward and backward (plus the
+by itself) and which norms and dropouts sit between (``sequence``) trains two epochs with clipping
+and dropout 0.1 on the residual stream, at tp=2 (also recomputing), tp=4 and pp=2 x tp=2 (1F1B,
+ZB-H1 recomputing, interleaved recomputing, GPipe on batches of two lengths): every step's loss
+and every weight equal one device's (1e-5; pipe_tp on one process with the same micro-batches and
+layer-seeded dropout, or at tp=2 with the default stream Lightning's own loop), norms and
+row-parallel biases equal on every tensor rank, stages exchange this rank's part of the sequence,
+and a block makes an all-gather and a reduce-scatter per region forward and backward (plus the
 column layers' second all-gather of the part they saved), no all-reduce. Layer level, at tp=2 and
 tp=4, fp32 and bf16: every way the whole sequence reaches a layer (a module gathered for its column
 layers with a norm inside, a column layer gathering for itself, a head gathered to compute whole)
-equals the unsplit network. A sequence the tensor ranks cannot split evenly is refused at the first
-step; plans that do not account for the sequence split are refused by name.
+equals the unsplit network. Checkpoints move between runs with and without it. A sequence the
+tensor ranks cannot split evenly is refused at the first step; plans that do not account for the
+sequence split are refused by name.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import re
 from datetime import timedelta
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -76,6 +76,32 @@ def _loader(data: TensorDataset, reference: bool) -> DataLoader:
     return DataLoader(data, batch_size=8, sampler=sampler)
 
 
+def _varying() -> DataLoader:
+    """Two batches of 8 tokens, then two of 4, in this order (the pipeline's exchanges change
+    shape between steps; no distributed sampler reorders them)."""
+    ids, targets = DATA.tensors
+    samples = [(ids[i], targets[i]) if i < 16 else (ids[i, :4], targets[i, :4]) for i in range(32)]
+    return DataLoader(samples, batch_size=8)  # type: ignore[arg-type]
+
+
+def _data(options: dict[str, Any]) -> tuple[DataLoader, dict[str, Any]]:
+    """The loader a case trains on (``options["data"]``: ``"varying"`` or, by default, DATA) and
+    the Trainer settings it needs."""
+    if options.get("data") == "varying":
+        return _varying(), {"use_distributed_sampler": False}
+    return _loader(DATA, False), {}
+
+
+class Losses(L.Callback):
+    """Every training step's loss, as the step returned it."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, i: int) -> None:
+        self.values.append(float(outputs["loss"]))
+
+
 def sequence_worker(pp: int, tp: int, dropout: float, options: dict[str, Any]) -> dict[str, Any]:
     # A seed an earlier test set with seed_everything (inherited through the environment) would
     # re-seed the default generator at setup (Lightning's reset_seed), and the masks would differ
@@ -83,9 +109,10 @@ def sequence_worker(pp: int, tp: int, dropout: float, options: dict[str, Any]) -
     os.environ.pop("PL_GLOBAL_SEED", None)
     torch.manual_seed(0)
     model = SequenceGPT(dropout=dropout)
+    loader, settings = _data(options)
     strategy = PipeTPStrategy(
         pipeline_parallel_size=pp, tensor_parallel_size=tp, sequence_parallel=True,
-        timeout=timedelta(seconds=90), **options,
+        timeout=timedelta(seconds=90), **{k: v for k, v in options.items() if k != "data"},
     )  # fmt: skip
     lengths: dict[int, set[int]] = {}  # layer -> the sequence lengths of its training inputs
     for k, layer in enumerate(model.layers):
@@ -96,7 +123,8 @@ def sequence_worker(pp: int, tp: int, dropout: float, options: dict[str, Any]) -
                 else None
             )
         )
-    fit(model, strategy, pp * tp, _loader(DATA, False), max_epochs=2, gradient_clip_val=0.5)
+    losses = Losses()
+    fit(model, strategy, pp * tp, loader, max_epochs=2, gradient_clip_val=0.5, callbacks=[losses], **settings)
     runtime = strategy.runtime
     # What each stage but the first receives: the input of its first layer.
     received = {
@@ -123,24 +151,28 @@ def sequence_worker(pp: int, tp: int, dropout: float, options: dict[str, Any]) -
         "counts": counts,
         "layout_log": runtime.describe(),
         "received": received,
+        "losses": losses.values,
     }
 
 
-def reference_worker(dropout: float, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+def reference_worker(dropout: float, options: dict[str, Any] | None) -> dict[str, Any]:
     """One device: pipe_tp on one process with the run's micro-batches and layer-seeded dropout
-    (``options``), or Lightning's own loop (``None``)."""
+    (``options``), or Lightning's own loop (``None``); its weights and losses."""
     os.environ.pop("PL_GLOBAL_SEED", None)
     torch.manual_seed(0)
     model = SequenceGPT(dropout=dropout)
+    losses = Losses()
     if options is None:
-        fit(model, "auto", 1, _loader(DATA, True), max_epochs=2, gradient_clip_val=0.5)
+        fit(model, "auto", 1, _loader(DATA, True), max_epochs=2, gradient_clip_val=0.5, callbacks=[losses])
     else:
-        strategy = PipeTPStrategy(pipeline_parallel_size=1, **options)
-        fit(model, strategy, 1, _loader(DATA, False), max_epochs=2, gradient_clip_val=0.5)
-    return model.state_dict()
+        loader, settings = _data(options)
+        engine = {k: v for k, v in options.items() if k != "data"}
+        strategy = PipeTPStrategy(pipeline_parallel_size=1, **engine)
+        fit(model, strategy, 1, loader, max_epochs=2, gradient_clip_val=0.5, callbacks=[losses], **settings)
+    return {"state": model.state_dict(), "losses": losses.values}
 
 
-def _reference(dropout: float, options: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+def _reference(dropout: float, options: dict[str, Any] | None) -> dict[str, Any]:
     """One device, in a fresh process like the ranks (the random stream of dropout must not
     depend on what earlier tests left in the test process)."""
     return run_distributed(reference_worker, 1, dropout, options, timeout=120, init_group=False)[0]
@@ -153,7 +185,8 @@ def _one_device(options: dict[str, Any]) -> dict[str, Any] | None:
     follows)."""
     if options.get("layer_seeded_dropout") is False:
         return None
-    return {"num_microbatches": options["num_microbatches"], "layer_seeded_dropout": True}
+    shared = {k: options[k] for k in ("num_microbatches", "data") if k in options}
+    return {**shared, "layer_seeded_dropout": True}
 
 
 CASES = [
@@ -163,6 +196,7 @@ CASES = [
     (2, 2, 0.1, {"num_microbatches": 2}),
     (2, 2, 0.1, {"num_microbatches": 4, "schedule": "zb_h1", "recompute": "always"}),
     (2, 2, 0.1, {"num_microbatches": 4, "schedule": "interleaved_1f1b", "recompute": "except_last"}),
+    (2, 2, 0.1, {"num_microbatches": 2, "schedule": "gpipe", "data": "varying"}),
     (1, 2, 0.1, {"num_microbatches": 1, "layer_seeded_dropout": False}),
 ]
 
@@ -178,6 +212,7 @@ CASES = [
         "pp2xtp2-1f1b",
         "pp2xtp2-zbh1-recompute",
         "pp2xtp2-interleaved-recompute",
+        "pp2xtp2-gpipe-varying-lengths",
         "tp2-default-stream-vs-lightning",
     ],
 )
@@ -187,9 +222,12 @@ def test_sequence_parallel_fit_matches_one_device(
     got = run_distributed(sequence_worker, pp * tp, pp, tp, dropout, options, timeout=300, init_group=False)
     expected = _reference(dropout, _one_device(options))
     state = got[0]["state"]
-    assert state.keys() == expected.keys()
-    for key, value in expected.items():
+    assert state.keys() == expected["state"].keys()
+    for key, value in expected["state"].items():
         torch.testing.assert_close(state[key], value, atol=TOL, rtol=0, msg=key)
+    assert len(expected["losses"]) == 8
+    for r in got:  # every step's loss, on every rank
+        torch.testing.assert_close(r["losses"], expected["losses"], atol=TOL, rtol=0)
     by_stage: dict[int, list[dict[str, torch.Tensor]]] = {}
     for r in got:  # norms and row-parallel biases: equal on every tensor rank (their gradients summed)
         by_stage.setdefault(r["coords"].pp_rank, []).append(r["replicated"])
@@ -202,7 +240,8 @@ def test_sequence_parallel_fit_matches_one_device(
     received = [lengths for r in got for lengths in r["received"].values()]
     if pp > 1:
         assert all(r["received"] for r in got if r["coords"].pp_rank == pp - 1), received
-    assert all(lengths == {SEQ // tp} for lengths in received), received
+    parts = {SEQ // tp, 4 // tp} if options.get("data") == "varying" else {SEQ // tp}
+    assert all(lengths == parts for lengths in received), received
     counted = [r["counts"] for r in got if r["counts"]]
     assert counted
     for counts in counted:
@@ -421,7 +460,7 @@ def test_checkpoints_move_between_runs_with_and_without_sequence_parallelism(
     got = run_distributed(
         checkpoint_worker, 2, str(tmp_path / "b"), not first, str(saved), timeout=200, init_group=False
     )[0]
-    expected = _reference(0.0, None)
+    expected = _reference(0.0, None)["state"]
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, atol=TOL, rtol=0, msg=key)
