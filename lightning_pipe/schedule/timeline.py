@@ -126,6 +126,9 @@ class TimelineRecorder:
         self.rank = rank
         self.t0 = time.perf_counter() if t0 is None else t0
         self.events: list[TimelineEvent] = []
+        self.origin_error = 0.0
+        """How far this rank's origin may be from the group's first rank's, at most, in seconds
+        (half the shortest round trip of :meth:`start`'s estimate; 0 on that rank)."""
 
     def __call__(self, action: Action, start: float, end: float) -> None:
         """The executor's hook: record ``action`` run from ``start`` to ``end`` (perf_counter s)."""
@@ -142,9 +145,9 @@ class TimelineRecorder:
         """
         self.events.clear()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-            self.t0 = time.perf_counter()
+            self.t0, self.origin_error = time.perf_counter(), 0.0
             return
-        self.t0 = _common_origin(group)
+        self.t0, self.origin_error = _common_origin(group)
 
     def add_span(self, name: str, start: float, end: float) -> None:
         """Record a named span (``perf_counter`` seconds) that is not a schedule action."""
@@ -160,8 +163,10 @@ class TimelineRecorder:
             self.add_span(name, start, time.perf_counter())
 
 
-def _common_origin(group: dist.ProcessGroup | None, samples: int = 8) -> float:
-    """Group rank 0's ``perf_counter()`` now, expressed in this rank's clock (see ``start``)."""
+def _common_origin(group: dist.ProcessGroup | None, samples: int = 8) -> tuple[float, float]:
+    """Group rank 0's ``perf_counter()`` now, expressed in this rank's clock (see ``start``), and
+    the estimate's error bound: rank 0 read its clock between this rank's send and receive, so
+    the offset is off by at most half the round trip kept."""
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -169,7 +174,7 @@ def _common_origin(group: dist.ProcessGroup | None, samples: int = 8) -> float:
     me = dist.get_rank(group)
     buf = torch.zeros(1, dtype=torch.float64, device=device)
     dist.barrier(group=group)
-    offset = 0.0  # this rank's clock minus the root's
+    offset, error = 0.0, 0.0  # this rank's clock minus the root's, and how far off it may be
     if me == 0:
         for peer in range(1, dist.get_world_size(group)):
             peer_rank = dist.get_global_rank(group, peer) if group is not None else peer
@@ -186,9 +191,10 @@ def _common_origin(group: dist.ProcessGroup | None, samples: int = 8) -> float:
             back = time.perf_counter()
             if back - sent < best:
                 best, offset = back - sent, (sent + back) / 2 - float(buf.item())
+        error = best / 2
     origin = torch.tensor([time.perf_counter() if me == 0 else 0.0], dtype=torch.float64, device=device)
     dist.broadcast(origin, root, group=group)
-    return float(origin.item()) + offset
+    return float(origin.item()) + offset, error
 
 
 def gather_timeline(
