@@ -319,3 +319,14 @@ def test_a_decoder_layer_that_mixes_tokens_outside_its_modules_is_refused_at_the
         assert "decoder layer 0 of llama (LlamaDecoderLayer) computes on each tensor rank's part" in message
         assert "Use sequence_parallel=False for this model" in message
     assert run_distributed(token_mixing_worker, 2, False, timeout=120) == ["no error", "no error"]
+
+
+def test_the_whole_sequence_stand_in_keeps_the_batch_of_the_hidden_states() -> None:
+    """Position ids given once for every sample (``[1, s]``, which Hugging Face accepts) must not
+    shrink the stand-in's batch: the masks built from it would cover sample 0's padding only."""
+    from lightning_pipe.huggingface.context import whole_sequence
+
+    hidden = torch.randn(4, 3, 8)  # this rank's part of a 6-token sequence
+    stand_in = whole_sequence(hidden, torch.arange(6).unsqueeze(0))
+    assert stand_in.shape == (4, 6, 8)
+    assert whole_sequence(torch.randn(4, 6, 8), torch.arange(6).unsqueeze(0)).shape == (4, 6, 8)

@@ -60,10 +60,11 @@ def whole_sequence(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     ``s/t`` queries. The positions are always whole (``[b, s]``), so a zero-copy stand-in of the
     whole sequence's shape (one row expanded; only its shape, dtype and device are read) is given
     instead."""
-    b, s = positions.shape[0], positions.shape[-1]
+    s = positions.shape[-1]
     if hidden.shape[1] == s:
         return hidden
-    return hidden[:, :1].expand(b, s, *hidden.shape[2:])
+    # The batch of the hidden states: position ids may be one row for every sample ([1, s]).
+    return hidden[:, :1].expand(hidden.shape[0], s, *hidden.shape[2:])
 
 
 class LayerContext:

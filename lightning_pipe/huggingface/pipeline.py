@@ -40,7 +40,6 @@ from lightning_pipe.huggingface.tensor_parallel import DerivedPlan, derive_plan
 from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.tensor_parallel.cross_entropy import copy_vocab_parallel_tag
 from lightning_pipe.tensor_parallel.layers import VocabParallelEmbedding
-from lightning_pipe.tensor_parallel.regions import scatter_to_sequence, sequence_active
 
 """Hugging Face's label for a token the loss ignores (padding, a prompt)."""
 
@@ -93,14 +92,14 @@ class CausalLMPipeline:
 
     def _embed(self, layer: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         input_ids, mask, positions = args
-        hidden = self.prologue(layer(input_ids))
-        # Under sequence parallelism after a vocab-parallel embedding (summed over the tensor
-        # ranks, so whole on each): keep this rank's part of the sequence. The mask and positions
-        # stay whole: every layer's attention sees the whole sequence. (Before the layer is
-        # sliced, e.g. when timing layers for the partition, nothing is split yet.)
-        if self.scatter_after_embedding and isinstance(layer, VocabParallelEmbedding) and sequence_active():
-            hidden = scatter_to_sequence(hidden, layer.group)
-        return hidden, mask, positions
+        # Under sequence parallelism after a vocab-parallel embedding: the embedding sums the
+        # ranks' rows and keeps this rank's part of the sequence at once (a reduce-scatter, not an
+        # all-reduce and a split); the family's prologue, a multiplier, applies to the part as to
+        # the whole. The mask and positions stay whole: every layer's attention sees the whole
+        # sequence. (Before the layer is sliced, e.g. when timing layers, nothing is split.)
+        if self.scatter_after_embedding and isinstance(layer, VocabParallelEmbedding):
+            layer.sequence_output = True
+        return self.prologue(layer(input_ids)), mask, positions
 
     def decoder_call(self, index: int) -> LayerCall:
         """How decoder layer ``index`` is called: its hidden states, and the masks, position ids

@@ -49,11 +49,13 @@ class RuntimeOptions:
     (``sequence_scatter``) and which modules see the whole sequence (``sequence_gather``)."""
     layer_seeded_dropout: bool | None = None
     """Each layer draws its dropout masks from a seed of (the run's seed, the training batch, the
-    micro-batch, the layer's index): the same masks on any layout, equal to this model under
-    pipe_tp on one process with the same ``num_microbatches``
-    (:mod:`lightning_pipe.execution.seeding`). ``None``: on with ``sequence_parallel``, else off
-    (each rank draws from its own generator: reproducible, but a pipeline's masks are not one
-    device's)."""
+    micro-batch, the layer's index): the same masks whatever the pipeline and tensor split, equal to
+    this model under pipe_tp on one process with the same ``num_microbatches``
+    (:mod:`lightning_pipe.execution.seeding`). Two exceptions: data-parallel replicas draw equal
+    masks for their different samples (one process would draw one mask for the whole batch), and
+    ``"dropout"`` plan entries keep their per-tensor-rank streams. ``None``: on with
+    ``sequence_parallel``, else off (each rank draws from its own generator: reproducible, but a
+    pipeline's masks are not one device's)."""
     shard_parameters: bool = False
     """FSDP2 over the data axis: each data-parallel rank keeps 1/dp of its stage's parameters,
     gradients and optimizer state (:mod:`lightning_pipe.data_parallel.fully_sharded`)."""

@@ -144,10 +144,11 @@ class PipeTPStrategy(ParallelStrategy):
             plan says where the split begins (``sequence_scatter``) and which modules see the
             whole sequence (``sequence_gather``). Turns on ``layer_seeded_dropout``.
         layer_seeded_dropout: each layer draws its dropout masks from a seed of (the run's seed,
-            the training batch, the micro-batch, the layer's index), so any layout draws the same
-            masks: a run equals this model under pipe_tp on one process with the same
-            ``num_microbatches``. ``None``: on with ``sequence_parallel``, else off (each rank
-            draws from its own generator).
+            the training batch, the micro-batch, the layer's index), so any pipeline and tensor
+            split draws the same masks: a run equals this model under pipe_tp on one process with
+            the same ``num_microbatches`` (not across data-parallel sizes: replicas draw equal
+            masks; ``"dropout"`` plan entries keep their per-tensor-rank streams). ``None``: on
+            with ``sequence_parallel``, else off (each rank draws from its own generator).
         shard_parameters: FSDP2 over the data axis: each data-parallel rank keeps 1/dp of its
             stage's parameters, gradients and optimizer state.
         data_parallel_replicate_size: HSDP under ``shard_parameters``: the data axis as this many

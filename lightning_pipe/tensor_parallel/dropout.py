@@ -115,8 +115,9 @@ class SequenceDropout(nn.Module):
         # F.dropout of ones is the kept mask already scaled by 1 / (1 - p): the factor nn.Dropout
         # multiplies the input by, drawn as nn.Dropout draws it on the whole tensor.
         scale = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), self.p, True)
-        # The factor as the mask holds it: 1 / (1 - p) rounded to the activations' dtype (what
-        # nn.Dropout's backward multiplies by too).
+        # The factor as the mask holds it: 1 / (1 - p) rounded to the activations' dtype (on the
+        # CPU nn.Dropout's backward multiplies by it too; CUDA's fused kernel uses the float
+        # factor, a difference within bfloat16's rounding).
         factor = torch.ones((), dtype=x.dtype).div_(1.0 - self.p).item()
         return _Masked.apply(x, scale.narrow(SEQUENCE_DIM, rank * part, part), factor)
 

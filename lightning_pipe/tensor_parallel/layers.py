@@ -79,8 +79,9 @@ class ColumnParallelLinear(nn.Module):
     """Under sequence parallelism: ``"shard"``, the input holds this rank's part of the sequence
     and is all-gathered here (instead of ``f``; backward reduce-scatters the partial gradients);
     ``"gathered"``, an enclosing ``sequence_gather`` module gathered it; either way only this rank's
-    part is saved for backward (:mod:`~lightning_pipe.tensor_parallel.sequence_linear`).
-    ``"none"``: no sequence parallelism."""
+    part is saved for backward (:mod:`~lightning_pipe.tensor_parallel.sequence_linear`), except
+    for an input made from the gathered sequence inside the module (a cast, a norm), which is
+    saved whole and gets ``f``. ``"none"``: no sequence parallelism."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_input != "none" and sequence_active():
@@ -177,10 +178,18 @@ class VocabParallelEmbedding(nn.Module):
         local_pad = pad - self.start if pad is not None and self.start <= pad < self.end else None
         rows = F.embedding(local, self.weight, padding_idx=local_pad)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
-        rows = reduce_from_region(rows, self.group)
+        if self.sequence_output and sequence_active():
+            rows = reduce_scatter_to_sequence(rows, self.group)
+        else:
+            rows = reduce_from_region(rows, self.group)
         if self.embed_scale is not None:
             rows = rows * self.embed_scale.to(device=rows.device, dtype=self.weight.dtype)
         return rows
+
+    sequence_output: bool = False
+    """Under sequence parallelism, where the sequence is split right after this embedding: the
+    ranks' rows are summed and split along the sequence at once (a reduce-scatter instead of ``g``,
+    Megatron's ``reduce_scatter_embeddings``)."""
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""

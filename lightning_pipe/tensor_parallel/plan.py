@@ -527,9 +527,6 @@ def apply_plan(
     # Parameters shared by several replaced modules (a tied embedding and head on one stage) must
     # stay shared after slicing: old parameter id -> its new shard.
     shards: dict[int, nn.Parameter] = {}
-    # The old parameters stay alive until the end: a replaced module's would otherwise be freed,
-    # and a new shard allocated at its address would share its id and be taken for its shard.
-    replaced_parameters: list[nn.Parameter] = []
     # Every attribute that holds a module (``self.head = self.layers[-1]`` holds one twice) must
     # hold its sharded replacement, or the second name keeps the stale full module.
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -566,7 +563,6 @@ def apply_plan(
         for attr in ("weight", "bias"):
             old, fresh = getattr(module, attr, None), getattr(new, attr, None)
             if isinstance(old, nn.Parameter) and isinstance(fresh, nn.Parameter):
-                replaced_parameters.append(old)
                 shared = shards.setdefault(id(old), fresh)
                 if shared is not fresh and shared.shape == fresh.shape:
                     setattr(new, attr, shared)
@@ -578,8 +574,12 @@ def apply_plan(
     # it now holds the shard as well, so that its state-dict key (an alias the stage saves and
     # loads) is this rank's current slice, not a stale whole copy.
     # (A meta shard gets the same treatment once it has values: see ``materialize``.)
+    # A shard is never taken for an old parameter: a replaced module's old parameter is freed
+    # once the module is, and a shard allocated later at its address has its id.
+    new_shards = {id(shard) for shard in shards.values()}
     for sub in model.modules():
         for attr, param in list(sub._parameters.items()):
-            if param is not None and id(param) in shards and not param.is_meta:
+            stale = param is not None and id(param) in shards and id(param) not in new_shards
+            if stale and param is not None and not param.is_meta:
                 sub._parameters[attr] = shards[id(param)]
     return replaced

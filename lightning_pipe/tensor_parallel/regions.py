@@ -210,14 +210,19 @@ def start_all_gather_sequence(
     # The ranks' parts, one after the other (dim 0 of the flat buffer), then the sequence put back
     # in dim 1: one copy, none when the batch is 1.
     flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = all_gather_flat(flat, x.contiguous(), group=group, async_op=True)
+    pending: list[Any] = [all_gather_flat(flat, x.contiguous(), group=group, async_op=True), flat]
     done: list[torch.Tensor] = []
+    shape = x.shape
 
     def wait() -> torch.Tensor:  # the same tensor however often it is asked for
         if not done:
+            work, buffer = pending
             work.wait()
-            parts = flat.view(size, *x.shape)
+            parts = buffer.view(size, *shape)
             done.append(parts.movedim(0, SEQUENCE_DIM).flatten(SEQUENCE_DIM, SEQUENCE_DIM + 1))
+            # The flat buffer (and the work that holds it) is let go: with a batch above 1 the
+            # sequence-major result is a copy, and two whole sequences would stay alive.
+            pending.clear()
         return done[0]
 
     return wait

@@ -48,20 +48,16 @@ _PART = "_lightning_pipe_sequence_part"
 """The attribute of a gathered whole sequence that holds its :class:`SequencePart`."""
 
 
-class SequencePart:
-    """This rank's part of a sequence that a module gathered, kept with the whole sequence so that
-    the column layers consuming the whole can save the part instead, and share its re-gather."""
+class SharedRegather:
+    """The second gather of one gathered sequence, shared by the column layers that consumed it:
+    the first whose backward needs it starts it, the last lets it go. It holds no activation of
+    its own (the part comes from each layer's saved tensors), so that what autograd keeps, and
+    what recomputation frees, is decided by the saved tensors alone."""
 
-    def __init__(self, part: torch.Tensor, whole: torch.Tensor, group: dist.ProcessGroup) -> None:
-        self.part, self.group = part, group
-        # Changed in place after the gather, the two would no longer agree: then not used.
-        self._versions = (part._version, whole._version)
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
         self._users = 0
         self._whole: Callable[[], torch.Tensor] | None = None
-
-    def matches(self, whole: torch.Tensor) -> bool:
-        """Whether ``whole`` is still the gather of the part (neither changed in place)."""
-        return (self.part._version, whole._version) == self._versions
 
     def use(self) -> None:
         """One more layer will need the whole sequence again in its backward."""
@@ -81,6 +77,22 @@ class SequencePart:
         self._users -= 1
         if self._users <= 0:
             self._whole = None
+
+
+class SequencePart:
+    """This rank's part of a sequence that a module gathered, kept on the whole sequence (for the
+    forward only: it dies with the whole) so that the column layers consuming the whole can save
+    the part instead, and share its re-gather."""
+
+    def __init__(self, part: torch.Tensor, whole: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.part = part
+        self.shared = SharedRegather(group)
+        # Changed in place after the gather, the two would no longer agree: then not used.
+        self._versions = (part._version, whole._version)
+
+    def matches(self, whole: torch.Tensor) -> bool:
+        """Whether ``whole`` is still the gather of the part (neither changed in place)."""
+        return (self.part._version, whole._version) == self._versions
 
 
 def gather_for_module(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -107,7 +119,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
     """``F.linear`` over the whole sequence that saves this rank's part of it (the module docstring).
 
     Inputs: the whole sequence when a module gathered it (``None``: gather ``part`` here), this
-    rank's part, the weight, the bias, the group, the part's tag (or ``None``).
+    rank's part, the weight, the bias, the group, the re-gather it shares with its siblings (or
+    ``None``).
     """
 
     @staticmethod
@@ -118,16 +131,16 @@ class _SequenceParallelLinear(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         group: dist.ProcessGroup,
-        tag: SequencePart | None,
+        shared: SharedRegather | None,
     ) -> torch.Tensor:
-        ctx.group, ctx.tag, ctx.gathered, ctx.has_bias = group, tag, whole is not None, bias is not None
+        ctx.group, ctx.shared, ctx.gathered, ctx.has_bias = group, shared, whole is not None, bias is not None
         # The backward runs under the forward's autocast, as torch.amp.custom_bwd would: the
         # re-gathered input and the weight are cast as they were for the forward's product.
         ctx.autocast = _autocast_state(part.device.type)
         if whole is None:
             whole = all_gather_sequence(part, group, "sequence_all_gather_forward")
-        if tag is not None:
-            tag.use()
+        if shared is not None:
+            shared.use()
         ctx.save_for_backward(part, weight)
         return F.linear(whole, weight, bias)
 
@@ -142,12 +155,12 @@ class _SequenceParallelLinear(torch.autograd.Function):
         # the input gradient's reduce-scatter while the weight gradient is.
         if ctx.needs_input_grad[2]:
             whole = (
-                ctx.tag.regathered(part)
-                if ctx.tag is not None
+                ctx.shared.regathered(part)
+                if ctx.shared is not None
                 else start_all_gather_sequence(part, ctx.group, "sequence_all_gather_recompute")
             )
-        elif ctx.tag is not None:
-            ctx.tag.release()  # this layer's use is over
+        elif ctx.shared is not None:
+            ctx.shared.release()  # this layer's use is over
         reduced: Callable[[], torch.Tensor] | None = None
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
             if needs_input:
@@ -185,4 +198,4 @@ def sequence_parallel_linear(
         # plain tensor parallelism, whose ``f`` makes the gradient equal on every rank, which the
         # module's gather sums right too; the whole input is saved and an all-reduce paid.
         return F.linear(copy_to_region(x, group), weight, bias)
-    return _SequenceParallelLinear.apply(x, tag.part, weight, bias, group, tag)
+    return _SequenceParallelLinear.apply(x, tag.part, weight, bias, group, tag.shared)
