@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.execution.layers import apply_layers
+from lightning_pipe.execution.layers import apply_layers, evaluating
 
 _RTOL, _ATOL = 1e-4, 1e-5
 _Call = tuple[int, tuple[Any, ...], dict[str, Any], Any]
@@ -167,11 +167,10 @@ def check_forward(
     """
     # Eval mode throughout: it is what a served model runs, and training-mode side effects (a
     # BatchNorm accumulating statistics, dropout drawing numbers) must not see the probe.
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
     try:
-        structural = _structural(forward, layers, probe)
-        numeric = None if structural is None else _numeric(forward, layers, model, probe)
+        with evaluating(model):
+            structural = _structural(forward, layers, probe)
+            numeric = None if structural is None else _numeric(forward, layers, model, probe)
     except NotImplementedError:
         return None, None
     except _UncheckedError as why:
@@ -181,9 +180,6 @@ def check_forward(
             "checked it (on one device, say), PipeTPStrategy(check_forward=False) skips the check and this "
             "warning."
         )
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
     if numeric is None:
         return None, None
     return (

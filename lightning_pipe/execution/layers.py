@@ -10,8 +10,8 @@ what the partition, the checkpoints and tensor-parallel slicing see: the call ho
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -77,3 +77,17 @@ def apply_layers(
 def _device_of(x: Any) -> torch.device:
     first = x[0] if isinstance(x, tuple) and x else x
     return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside the block (what a served model runs: dropout draws nothing, a
+    BatchNorm accumulates nothing; the checks that run layers on a probe use it), every module's
+    own mode back after it."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode

@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_pipe.execution.layers import evaluating
 from lightning_pipe.huggingface.context import mask_or_none
 from lightning_pipe.tensor_parallel.regions import sequence_parallel_suspended
 
 if TYPE_CHECKING:
+    from lightning_pipe.huggingface.parts import CausalLMParts
     from lightning_pipe.huggingface.pipeline import CausalLMPipeline
 
 _IGNORED = {"use_cache", "past_key_values", "layer_past", "cache_position", "output_attentions"}
@@ -81,6 +83,16 @@ def _meaningful(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k not in _IGNORED and v is not None}
 
 
+def random_hidden(parts: CausalLMParts, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A hidden state for the probe ``input_ids`` (``[b, s, hidden_size]``), the same on every rank
+    (drawn from its own seeded generator on the host, then moved): what the checks feed the
+    layers instead of the embedding's output, which only the first stage can compute."""
+    b, s = input_ids.shape[0], input_ids.shape[1]
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(b, s, parts.config.hidden_size, generator=generator)
+    return hidden.to(dtype=dtype, device=input_ids.device)
+
+
 def check_pipeline(
     pipeline: CausalLMPipeline, probe: Any, own_layers: Sequence[nn.Module] = ()
 ) -> tuple[str | None, str | None]:
@@ -105,48 +117,32 @@ def _check_pipeline(
     after = [base.get_submodule(n) for n in parts.after]
     weight = getattr(embed, "weight", None)
     dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.get_default_dtype()
-    b, s = input_ids.shape[0], input_ids.shape[1]
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(b, s, parts.config.hidden_size, generator=generator).to(
-        dtype=dtype, device=input_ids.device
-    )
+    hidden = random_hidden(parts, input_ids, dtype)
     where = f"{parts.family} ({type(model).__name__})"
-    modes = {m: m.training for m in model.modules()}
-    model.eval()  # what a served model runs; dropout draws nothing
-    try:
-        with torch.no_grad():
-            theirs: Recorded = []
-            with _stubbed([embed, *layers, *after], [hidden] + [None] * (len(layers) + len(after)), theirs):
-                base(
-                    input_ids=input_ids,
-                    attention_mask=mask_or_none(mask),
-                    position_ids=positions,
-                    use_cache=False,
-                )
-            ours: Recorded = []
-            pipeline.context.forget()
-            before = [base.get_submodule(n) for n in parts.before]  # the embedding, then e.g. a dropout
-            with _stubbed([embed, *layers], [hidden] + [None] * len(layers), ours):
-                x: Any = (input_ids, mask, positions)
-                calls = pipeline.calls()
-                for layer, call in zip([*before, *layers], calls, strict=False):
-                    x = call(layer, x)
-            pipeline.context.forget()
-            problem = _compare(theirs[1 : 1 + len(layers)], ours[1:], where)
-            if (
-                problem is None
-                and len(theirs) > 1 + len(layers)
-                and not _same(theirs[1 + len(layers)][0], x[0])
-            ):
-                problem = (
-                    f"{where}: the input of the final norm differs from what the model's forward gives it."
-                )
-            head = model.get_submodule(parts.head_name)
-            if problem is None and any(layer is head for layer in own_layers):
-                problem = _compare_head(pipeline, probe, hidden, head, where)
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
+    with evaluating(model), torch.no_grad():
+        theirs: Recorded = []
+        with _stubbed([embed, *layers, *after], [hidden] + [None] * (len(layers) + len(after)), theirs):
+            base(
+                input_ids=input_ids,
+                attention_mask=mask_or_none(mask),
+                position_ids=positions,
+                use_cache=False,
+            )
+        ours: Recorded = []
+        pipeline.context.forget()
+        before = [base.get_submodule(n) for n in parts.before]  # the embedding, then e.g. a dropout
+        with _stubbed([embed, *layers], [hidden] + [None] * len(layers), ours):
+            x: Any = (input_ids, mask, positions)
+            calls = pipeline.calls()
+            for layer, call in zip([*before, *layers], calls, strict=False):
+                x = call(layer, x)
+        pipeline.context.forget()
+        problem = _compare(theirs[1 : 1 + len(layers)], ours[1:], where)
+        if problem is None and len(theirs) > 1 + len(layers) and not _same(theirs[1 + len(layers)][0], x[0]):
+            problem = f"{where}: the input of the final norm differs from what the model's forward gives it."
+        head = model.get_submodule(parts.head_name)
+        if problem is None and any(layer is head for layer in own_layers):
+            problem = _compare_head(pipeline, probe, hidden, head, where)
     if problem is None:
         return None, None
     return (

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.execution.layers import evaluating
+from lightning_pipe.huggingface.check import random_hidden
 from lightning_pipe.tensor_parallel.regions import (
     SEQUENCE_DIM,
     all_gather_sequence,
@@ -48,8 +50,7 @@ def check_sequence_split(
     own = [(i, layer) for i, layer in enumerate(layers) if any(layer is o for o in own_layers)]
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     input_ids, mask, positions = probe
-    b, s = input_ids.shape[0], input_ids.shape[1]
-    if not own or size == 1 or s % size != 0:
+    if not own or size == 1 or input_ids.shape[1] % size != 0:
         return None
     weight = next((p for _, layer in own for p in layer.parameters()), None)
     dtype = weight.dtype if weight is not None else torch.get_default_dtype()
@@ -57,36 +58,28 @@ def check_sequence_split(
     # Under autocast (bf16-mixed, with or without FSDP's param_dtype) the layers compute in the
     # autocast dtype, whatever the parameters' dtype: its rounding sets the tolerance.
     compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
-    # The same random hidden state on every tensor rank (a generator on the host, then moved).
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(b, s, parts.config.hidden_size, generator=generator).to(input_ids.device, dtype)
+    hidden = random_hidden(parts, input_ids, dtype)  # the same on every tensor rank
     mine = hidden.chunk(size, dim=SEQUENCE_DIM)[rank].contiguous()
     rtol, atol = _TOLERANCE.get(compute, (2e-2, 2e-2))
-    modes = {m: m.training for m in pipeline.model.modules()}
-    pipeline.model.eval()  # no dropout: both runs must draw nothing
     problem = None
-    try:
-        with torch.no_grad():
-            for index, layer in own:
-                call = pipeline.decoder_call(index)
-                with sequence_parallel_suspended():
-                    whole = call(layer, (hidden, mask, positions))[0]
-                pipeline.context.forget()
-                part = call(layer, (mine, mask, positions))[0]
-                pipeline.context.forget()
-                # Every rank gathers for every layer, whatever it found, so that the gathers pair up.
-                gathered = all_gather_sequence(part.contiguous(), group, "sequence_check")
-                if problem is None and not torch.allclose(gathered, whole, rtol=rtol, atol=atol):
-                    gap = (gathered - whole).abs().max().item()
-                    problem = (
-                        f"Under sequence_parallel=True decoder layer {index} of {parts.family} "
-                        f"({type(layer).__name__}) computes on each tensor rank's part of the sequence "
-                        f"something other than on the whole sequence (up to {gap:.3g} apart on a random "
-                        "hidden state): it mixes tokens outside the modules pipe_tp gathers (in its own "
-                        "forward, or in a module without parameters). Use sequence_parallel=False for "
-                        "this model."
-                    )
-    finally:
-        for module, training in modes.items():
-            module.training = training
+    with evaluating(pipeline.model), torch.no_grad():  # no dropout: both runs must draw nothing
+        for index, layer in own:
+            call = pipeline.decoder_call(index)
+            with sequence_parallel_suspended():
+                whole = call(layer, (hidden, mask, positions))[0]
+            pipeline.context.forget()
+            part = call(layer, (mine, mask, positions))[0]
+            pipeline.context.forget()
+            # Every rank gathers for every layer, whatever it found, so that the gathers pair up.
+            gathered = all_gather_sequence(part.contiguous(), group, "sequence_check")
+            if problem is None and not torch.allclose(gathered, whole, rtol=rtol, atol=atol):
+                gap = (gathered - whole).abs().max().item()
+                problem = (
+                    f"Under sequence_parallel=True decoder layer {index} of {parts.family} "
+                    f"({type(layer).__name__}) computes on each tensor rank's part of the sequence "
+                    f"something other than on the whole sequence (up to {gap:.3g} apart on a random "
+                    "hidden state): it mixes tokens outside the modules pipe_tp gathers (in its own "
+                    "forward, or in a module without parameters). Use sequence_parallel=False for "
+                    "this model."
+                )
     return problem

@@ -60,5 +60,6 @@ class ModelHooks:
     by samples."""
     splits_sequence: bool = False
     """Under sequence parallelism, the layer calls split the sequence themselves (a Hugging Face
-    pipeline, after its vocab-parallel embedding and the family's prologue, which the plan cannot
-    give a second style): the tensor-parallel plan then needs no ``sequence_scatter`` entry."""
+    pipeline's embedding call has its vocab-parallel embedding reduce-scatter, a module the plan
+    cannot give a second style): the tensor-parallel plan then needs no ``sequence_scatter``
+    entry."""

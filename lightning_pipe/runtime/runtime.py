@@ -190,7 +190,7 @@ class ParallelRuntime:
         """The pipeline layers (tensor-parallel slices where sliced), as the partition names them."""
         self._executed = bind_layers(self.layers, self.hooks.layer_calls if self.layers else None)
         """The layers as the executor applies them (with their calls, where the hooks give some)."""
-        own = [self.layers[i] for s in self.stage_indices for i in partition.layer_range(s)]
+        own = self.own_layers
         if layout.data_parallel_size > 1 and done.fully_sharded is None:
             c = mesh.coordinates
             src = layout.rank_of(0, c.pp_rank, c.tp_rank)
@@ -285,6 +285,11 @@ class ParallelRuntime:
         is given none (the Lightning adapter gives the loop's count, which a resumed run restores)."""
 
     # ------------------------------------------------------------------ what this rank holds
+    @property
+    def own_layers(self) -> list[nn.Module]:
+        """The pipeline layers of the stages this rank holds, in order."""
+        return [self.layers[i] for s in self.stage_indices for i in self.partition.layer_range(s)]
+
     @property
     def holdings(self) -> Holdings:
         """Whole and per-rank parameter elements of every stage."""
@@ -604,8 +609,7 @@ class ParallelRuntime:
             # On the whole probe, without sequence parallelism: what one device computes.
             with sequence_parallel_suspended():
                 if self.hooks.check_forward is not None:
-                    own = [self.layers[i] for s in self.stage_indices for i in self.partition.layer_range(s)]
-                    problem, warning = self.hooks.check_forward(probe, own)
+                    problem, warning = self.hooks.check_forward(probe, self.own_layers)
                 else:
                     problem, warning = check_forward(self.module.forward, self._executed, self.module, probe)
             if warning is not None:
@@ -617,9 +621,8 @@ class ParallelRuntime:
         if run and self.options.sequence_parallel and tp > 1 and self.hooks.check_sequence is not None:
             # After the agreement: every tensor rank holds this batch, so the check's gathers pair up;
             # its finding is agreed on like the others, so that every rank stops with it.
-            own = [self.layers[i] for s in self.stage_indices for i in self.partition.layer_range(s)]
             with self.naming("checking the layers under sequence parallelism (tensor group)"):
-                found = self.hooks.check_sequence(probe, own, self.mesh.group(MeshAxis.TENSOR))
+                found = self.hooks.check_sequence(probe, self.own_layers, self.mesh.group(MeshAxis.TENSOR))
             self._agree(step, batch, found)
 
     def _agree(self, step: StepIdentity, batch: Any, problem: str | None = None) -> None:

@@ -102,6 +102,15 @@ class SequenceDropout(nn.Module):
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
         self.group = group
+        self._factors: dict[torch.dtype, float] = {}
+
+    def _factor(self, dtype: torch.dtype) -> float:
+        """1 / (1 - p) as the mask holds it, rounded to ``dtype`` (on the CPU nn.Dropout's backward
+        multiplies by it too; CUDA's fused kernel uses the float factor, a difference within
+        bfloat16's rounding); worked out once per dtype, not per call."""
+        if dtype not in self._factors:
+            self._factors[dtype] = torch.ones((), dtype=dtype).div_(1.0 - self.p).item()
+        return self._factors[dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
@@ -115,11 +124,7 @@ class SequenceDropout(nn.Module):
         # F.dropout of ones is the kept mask already scaled by 1 / (1 - p): the factor nn.Dropout
         # multiplies the input by, drawn as nn.Dropout draws it on the whole tensor.
         scale = F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), self.p, True)
-        # The factor as the mask holds it: 1 / (1 - p) rounded to the activations' dtype (on the
-        # CPU nn.Dropout's backward multiplies by it too; CUDA's fused kernel uses the float
-        # factor, a difference within bfloat16's rounding).
-        factor = torch.ones((), dtype=x.dtype).div_(1.0 - self.p).item()
-        return _Masked.apply(x, scale.narrow(SEQUENCE_DIM, rank * part, part), factor)
+        return _Masked.apply(x, scale.narrow(SEQUENCE_DIM, rank * part, part), self._factor(x.dtype))
 
     def extra_repr(self) -> str:
         return f"p={self.p}, this rank's part of the whole sequence's mask"
