@@ -156,3 +156,61 @@ def test_collectives_only_in_the_last_backward_and_overlapped() -> None:
         last_of_third_backward = readies[3 * 12 - 1]
         assert all(i > last_of_third_backward for i in launches), "issued in the last backward only"
         assert [kind for kind, _ in r["after"]].count("all_reduce") == buckets - len(launches)
+
+
+def bucket_view_worker() -> list[dict[str, Any]]:
+    """Windows of 1 and 3 backwards after ``zero_grad(set_to_none=True)`` and ``False``, a layer
+    only rank 0 uses: each window's averaged gradients, where they live, and the reference (every
+    rank's plain summed gradients, averaged)."""
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(4)])
+    params = list(layers.parameters())
+    reducer = GradientReducer(params, dist.group.WORLD, bucket_cap_mb=0.0002)
+    windows = []
+    for window, (set_to_none, backwards) in enumerate([(True, 1), (True, 3), (False, 1), (False, 3)]):
+        for p in params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        reducer.attach()
+        local = [torch.zeros_like(p) for p in params]
+        for k in range(backwards):
+            if k == backwards - 1:
+                reducer.arm()
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(100 * window + 10 * k + rank))
+            y = layers[0](x)
+            y = layers[1](y) if rank == 0 else y  # layer 1: rank 0's only
+            loss = layers[3](layers[2](y)).pow(2).mean()
+            grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+            for acc, g in zip(local, grads, strict=True):
+                if g is not None:
+                    acc += g
+            loss.backward()
+        reducer.finish()
+        summed = [torch.stack(parts).mean(0) for parts in zip(*_all_gathered(local), strict=True)]
+        buffers = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.buffer.nbytes) for b in reducer._buckets]
+        inside = all(
+            any(lo <= p.grad.data_ptr() < hi for lo, hi in buffers) for p in params if p.grad is not None
+        )
+        windows.append({"grads": [p.grad.clone() for p in params], "expected": summed, "inside": inside})
+    return windows
+
+
+def _all_gathered(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, tensors)
+    return parts
+
+
+def test_gradients_live_in_their_buckets_and_are_averaged() -> None:
+    """DDP's ``gradient_as_bucket_view``: after each window every ``.grad`` is its bucket slice and
+    holds the average of the replicas' summed gradients, whether ``zero_grad`` set it to ``None``
+    (the new gradient moved in, divided on the way) or zeroed it, over one backward or three, a
+    parameter one replica did not use included."""
+    for windows in run_distributed(bucket_view_worker, 2, timeout=120):
+        for w in windows:
+            assert w["inside"], "a gradient outside its bucket"
+            for got, want in zip(w["grads"], w["expected"], strict=True):
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -78,6 +78,9 @@ class _Bucket:
     pending: int = 0
     work: dist.Work | None = None
     launched: bool = False
+    divided: list[bool] = field(default_factory=list)
+    """Per parameter: its slice already holds its gradient divided by the group size (moved in,
+    divided on the way, by the window's last backward)."""
 
 
 @dataclass
@@ -174,18 +177,23 @@ class GradientReducer:
         return [len(b.params) for b in self._buckets]
 
     def attach(self) -> None:
-        """Start an accumulation window: make every ``.grad`` its bucket slice, keeping its value.
+        """Start an accumulation window. Call it right after the optimizer's ``zero_grad``.
 
-        Call it right after the optimizer's ``zero_grad`` (which usually sets grads to ``None``).
+        A gradient that ``zero_grad`` set to ``None`` stays ``None``: autograd then hands the first
+        backward's gradient over without adding it to anything, and the hook moves it into its
+        slice (divided by the group size on the way when that backward is the window's last,
+        DDP's ``gradient_as_bucket_view``). Zeroing every slice here and letting autograd add into
+        it would cost a pass over all gradients to write zeros and another to read them back. A
+        gradient that is not ``None`` (``zero_grad(set_to_none=False)``, or one set by hand) is
+        kept: moved into its slice.
         """
         for bucket in self._buckets:
             for param, view in zip(bucket.params, bucket.views, strict=True):
                 grad = param.grad
-                if grad is None:
-                    view.zero_()
-                elif grad.data_ptr() != view.data_ptr():
+                if grad is not None and grad.data_ptr() != view.data_ptr():
                     view.copy_(grad)
-                param.grad = view
+                    param.grad = view
+            bucket.divided = [False] * len(bucket.params)
         self._used.zero_()
 
     def arm(self) -> None:
@@ -200,10 +208,16 @@ class GradientReducer:
             self._used[position] = 1
             index, slot = self._where[id(param)]
             bucket = self._buckets[index]
-            if param.grad is not None and param.grad.data_ptr() != bucket.views[slot].data_ptr():
-                # Autograd replaced the gradient (it was None): move it into the bucket.
-                bucket.views[slot].copy_(param.grad)
-                param.grad = bucket.views[slot]
+            view, grad = bucket.views[slot], param.grad
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                # Autograd handed a new gradient over (it was None): move it into the bucket, divided
+                # on the way if nothing will be added to it before the all-reduce (one pass).
+                if self._armed and not bucket.late and not bucket.launched:
+                    torch.mul(grad, 1.0 / self.size, out=view)
+                    bucket.divided[slot] = True
+                else:
+                    view.copy_(grad)
+                param.grad = view
             if not self._armed or bucket.late:
                 return
             bucket.pending -= 1
@@ -212,10 +226,25 @@ class GradientReducer:
         return on_grad_ready
 
     def _launch(self, bucket: _Bucket) -> None:
+        for param, view in zip(bucket.params, bucket.views, strict=True):
+            grad = param.grad
+            if grad is None:  # no gradient on this rank in this window: its slice holds old data
+                view.zero_()
+                param.grad = view
+            elif grad.data_ptr() != view.data_ptr():  # set after the backward (a tied copy's sum)
+                view.copy_(grad)
+                param.grad = view
         if bucket.index == len(self._buckets) - 1 and not self.shard:
             # Launched last, once every earlier bucket is complete: the used flags are final.
             bucket.buffer[-len(self.params) :].copy_(self._used)
-        bucket.buffer.div_(self.size)  # average = sum of pre-divided parts (DDP's order)
+        # Average = sum of pre-divided parts (DDP's order); slices divided on their way in are not
+        # divided again (the used flags need no division: they are only compared with 0).
+        if not any(bucket.divided):
+            bucket.buffer.div_(self.size)
+        elif not all(bucket.divided):
+            for view, divided in zip(bucket.views, bucket.divided, strict=True):
+                if not divided:
+                    view.div_(self.size)
         if self.shard and self._scatter:
             bucket.work = reduce_scatter_flat(
                 self.shards[bucket.index],
