@@ -52,7 +52,8 @@ _ROOT = object()
 class _WeightPass:
     outputs: list[torch.Tensor | GradientEdge]
     grads: list[torch.Tensor | None]
-    weights: list[torch.Tensor]
+    weights: list[torch.Tensor] | None
+    """The weights this pass computes (``None``: everything the outputs lead to)."""
     owner: Node | None = None
     """The input-path node re-run from ``grads`` (``None``: the stage output itself)."""
     recorded: tuple[torch.Tensor | None, ...] = ()
@@ -142,6 +143,11 @@ def backward_input(
     grads: list[torch.Tensor | None] = (
         list(grad_outputs) if grad_outputs is not None else [None] * len(tensors)
     )
+    if not inputs and defer_weights:
+        # No input wants a gradient (the first stage): nothing is on the input path, so the whole
+        # backward is the W pass, one ordinary backward; walking the graph to learn that would
+        # cost more than the pass itself on small stages (issue 31).
+        return WeightGradients([_WeightPass(list[torch.Tensor | GradientEdge](tensors), grads, weights=None)])
     roots = [get_gradient_edge(t).node for t in tensors]
     input_nodes = {get_gradient_edge(x).node for x in inputs}
     order, children = _post_order(roots)
