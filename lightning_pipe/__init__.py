@@ -32,6 +32,7 @@ from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
 from lightning_pipe.schedule.render import render_schedule
 from lightning_pipe.schedule.simulate import SimulationResult, simulate
 from lightning_pipe.schedule.validate import validate_schedule
+from lightning_pipe.skip import Pop, SkipError, SkipRoute, Stash, pop, skip_scope, skippable, stash
 from lightning_pipe.tensor_parallel.cross_entropy import cross_entropy, gather_vocab
 from lightning_pipe.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -93,6 +94,7 @@ __all__ = [
     "PipeTPStrategy",
     "PipelineExecutor",
     "PipelineSchedule",
+    "Pop",
     "RankCoordinates",
     "RecomputeMode",
     "RowParallelLinear",
@@ -100,6 +102,9 @@ __all__ = [
     "ScheduleError",
     "ScheduleKind",
     "SimulationResult",
+    "SkipError",
+    "SkipRoute",
+    "Stash",
     "StepCheckError",
     "StepResult",
     "TensorParallelStyle",
@@ -114,10 +119,14 @@ __all__ = [
     "init_mesh",
     "is_checkpoint_directory",
     "load_from_checkpoint",
+    "pop",
     "render_schedule",
     "signature",
     "simulate",
+    "skip_scope",
+    "skippable",
     "split_layers",
     "split_microbatches",
+    "stash",
     "validate_schedule",
 ]

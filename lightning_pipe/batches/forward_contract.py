@@ -11,8 +11,9 @@ another model. That difference is silent, so it is checked once, on one probe mi
    order, each with exactly the previous stub's output (the first with the probe itself), and
    return exactly the last stub's output.
 2. *Numerically*, when (1) does not hold, for forwards that reach the same modules another way
-   (``self.hf_model(ids).logits`` beside wrappers of its blocks): ``forward(probe)`` and the chained
-   layers are run without gradients and compared.
+   (``self.hf_model(ids).logits`` beside wrappers of its blocks, a U-Net's ``forward`` handing its
+   skips to the up blocks): ``forward(probe)`` and the chained layers (their skips stashed and
+   popped in one scope, as the pipeline passes them) are run without gradients and compared.
 
 Both run in eval mode, what a served model runs. This needs every tensor of the model
    on the probe's device; where that is not so, the check can only warn.
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.execution.layers import apply_layers, evaluating
+from lightning_pipe.skip.scope import skip_scope
 
 _RTOL, _ATOL = 1e-4, 1e-5
 _Call = tuple[int, tuple[Any, ...], dict[str, Any], Any]
@@ -130,12 +132,14 @@ def _numeric(
         raise _UncheckedError(f"the model's tensors are on several devices ({sorted(map(str, devices))})")
     with torch.no_grad():
         try:
-            expected = _call(forward, probe)
+            with skip_scope():  # a forward calling layers that stash and pop
+                expected = _call(forward, probe)
         except NotImplementedError:
             raise
         except Exception as err:
             raise _UncheckedError(f"forward raised {type(err).__name__}: {err}") from err
-        chained = apply_layers(layers, probe)
+        with skip_scope():  # the chain's skips, as the pipeline passes them
+            chained = apply_layers(layers, probe)
     return _difference(expected, chained)
 
 

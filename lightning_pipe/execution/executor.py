@@ -8,6 +8,11 @@ actions is posted as one batch through :class:`~lightning_pipe.execution.p2p.P2P
 Gradients accumulate in ``.grad`` across micro-batches; the last stage scales each micro-batch's
 loss by its weight (by default ``1 / num_microbatches``, or its share of the samples), so the
 accumulated gradient equals the whole batch's on one device.
+
+Skip connections (:mod:`lightning_pipe.skip`) ride along: each stage's forward runs in a
+:class:`~lightning_pipe.skip.scope.SkipScope` that holds what it may pop (received like an input,
+a leaf whose gradient goes back) and collects what it stashes (sent like an output, an extra root
+of the stage's backward, whose gradient comes back from each consumer).
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.execution.batchnorm import running_backward
-from lightning_pipe.execution.layers import Activation, apply_layers
+from lightning_pipe.execution.layers import Activation
 from lightning_pipe.execution.p2p import ActivationMeta, P2PTransport, RecvRequest, SendRequest
-from lightning_pipe.execution.recompute import RecomputeMode, Replay, run_recomputed
+from lightning_pipe.execution.recompute import RecomputeMode, Replay, run_in, run_recomputed
 from lightning_pipe.execution.split_backward import WeightGradients, backward_input
 from lightning_pipe.faults.board import FaultBoard
 from lightning_pipe.schedule.actions import Action, ActionType, PipelineSchedule, comm_batches
+from lightning_pipe.skip.layers import SkipDeclaration
+from lightning_pipe.skip.plan import SkipRoute
+from lightning_pipe.skip.scope import SkipError, SkipScope
 
 
 @dataclass
@@ -43,6 +51,11 @@ class StepResult:
     peak_activation_bytes: int = 0
     """Most bytes of tensors autograd saved for backward, over the micro-batches alive at once
     (measured only with ``PipelineExecutor.measure_activation_memory``)."""
+    peak_held_bytes: int = 0
+    """Most bytes of tensors held for backward over the micro-batches alive at once: what autograd
+    saved, and also the stage inputs, outputs and popped skip tensors the step keeps until the
+    backward, which a layer that only passes a tensor on never saves (also measured only with
+    ``measure_activation_memory``)."""
 
 
 ActionRecorder = Callable[[Action, float, float], None]
@@ -94,12 +107,27 @@ _WHAT = {
     ActionType.RECV_F: "receiving the activation of",
     ActionType.SEND_B: "sending the input gradient of",
     ActionType.RECV_B: "receiving the output gradient of",
+    ActionType.SEND_SKIP: "sending the skip connections stashed by",
+    ActionType.RECV_SKIP: "receiving the skip connections popped by",
+    ActionType.SEND_SKIP_GRAD: "sending the skip connections' gradients of",
+    ActionType.RECV_SKIP_GRAD: "receiving the skip connections' gradients of",
 }
 
 
 def _describe(action: Action) -> str:
     """``action`` in words, for error messages: what, which stage, which micro-batch."""
-    return f"{_WHAT[action.kind]} stage {action.stage_index}, micro-batch {action.microbatch} ({action})"
+    other = "" if action.peer_stage is None else f" (other end: stage {action.peer_stage})"
+    return (
+        f"{_WHAT[action.kind]} stage {action.stage_index}, micro-batch {action.microbatch}{other} ({action})"
+    )
+
+
+def _carries(tensor: torch.Tensor) -> bool:
+    """Whether a gradient travels back for a skip's tensor (as ``TensorMeta.carries_grad``)."""
+    return tensor.requires_grad and (tensor.is_floating_point() or tensor.is_complex())
+
+
+_RECEIVES = (ActionType.RECV_F, ActionType.RECV_B, ActionType.RECV_SKIP, ActionType.RECV_SKIP_GRAD)
 
 
 def _add_note(err: BaseException, note: str) -> None:
@@ -145,6 +173,10 @@ class PipelineExecutor:
         check_finite: raise as soon as a stage output or a loss holds NaN or Inf, naming the
             stage and micro-batch where it first appeared (costs a reduction per output).
         board: names the peer that stopped (vanished, raised) when an exchange loses it.
+        skips: the skip connections' routes between stages (every route of the pipeline, also
+            those between other ranks' stages; they must be the schedule's ``skips``).
+        skip_declarations: stage index -> what its layers declare they stash and pop (a stash or
+            pop of another name is refused); stages left out declare nothing.
     """
 
     def __init__(
@@ -158,8 +190,15 @@ class PipelineExecutor:
         timeout: timedelta | None = None,
         check_finite: bool = False,
         board: FaultBoard | None = None,
+        skips: Sequence[SkipRoute] = (),
+        skip_declarations: dict[int, SkipDeclaration] | None = None,
     ) -> None:
         self.stages = {s: list(layers) for s, layers in stages.items()}
+        self.skips = tuple(skips)
+        self._skip_pairs = tuple(sorted((r.producer, r.consumer) for r in self.skips))
+        self._skips_from = {s: [r for r in self.skips if r.producer == s] for s in self.stages}
+        self._skips_into = {s: [r for r in self.skips if r.consumer == s] for s in self.stages}
+        self._declared = {s: (skip_declarations or {}).get(s, SkipDeclaration()) for s in self.stages}
         self.num_stages = num_stages
         self.peers = list(peers)
         self.recompute = RecomputeMode.parse(recompute)
@@ -191,8 +230,21 @@ class PipelineExecutor:
         self._input_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], Activation]] = {}
         self._stash_bytes: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+        self._held_bytes: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
         self._replay: dict[tuple[int, int], Replay] = {}
         self._weight_work: dict[tuple[int, int], list[WeightGradients]] = {}
+        # Skip connections, keyed (producer, consumer, micro-batch): tensors handed to a consumer
+        # on this rank, tensors to send, what was sent (for the gradient's receive), gradients
+        # handed back on this rank or received; per (stage, micro-batch): the consumer's leaves and
+        # the producer's stashed tensors and routes, which its backward starts from.
+        self._skip_local: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self._skip_out: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self._skip_meta: dict[tuple[int, int, int], ActivationMeta] = {}
+        self._skip_grads: dict[tuple[int, int, int], list[torch.Tensor] | RecvRequest] = {}
+        self._skip_grads_out: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self._skip_leaves: dict[tuple[int, int], list[tuple[int, list[torch.Tensor]]]] = {}
+        self._skip_stashed: dict[tuple[int, int], SkipScope] = {}
+        self._received_skips: dict[tuple[int, int, int], RecvRequest] = {}
         self._result = StepResult()
 
     def run(
@@ -240,6 +292,12 @@ class PipelineExecutor:
             raise ValueError(f"The first stage needs {m} micro-batch inputs, got {given}.")
         if self.num_stages - 1 in self.stages and head is None:
             raise ValueError("The last stage needs a head (loss or output function) to call.")
+        if schedule.skips != self._skip_pairs:
+            raise ValueError(
+                f"The schedule has skip connections between stages {list(schedule.skips)}, the executor "
+                f"{list(self._skip_pairs)}: build the schedule with the executor's routes "
+                "(build_schedule(..., skips=[(r.producer, r.consumer) for r in routes]))."
+            )
         for name, seq in (("weights", weights), ("signatures", signatures)):
             if seq is not None and len(seq) != m:
                 raise ValueError(f"{name} has {len(seq)} entries for {m} micro-batches.")
@@ -299,6 +357,7 @@ class PipelineExecutor:
                     work.run()
             self._stash.pop((s, i))
             self._stash_bytes.pop((s, i), None)
+            self._held_bytes.pop((s, i), None)
 
     def _recomputed(self, microbatch: int) -> bool:
         return self._schedule.training and self.recompute.applies(microbatch, self._schedule.num_microbatches)
@@ -320,6 +379,7 @@ class PipelineExecutor:
                     leaves.append(tensor)
             x = tuple(request.result) if meta.is_tuple else request.result[0]
         layers = self.stages[s]
+        scope = self._skip_scope(s, i, training)
         saved: dict[tuple[int, int], int] = {}
         memory = (
             torch.autograd.graph.saved_tensors_hooks(_counting_pack(saved), _identity)
@@ -332,9 +392,14 @@ class PipelineExecutor:
             # Zero-bubble with recomputation: torch's checkpoint recomputes a region once per
             # backward call, and the W pass makes several; so the input-gradient action runs the
             # forward again itself, with this random state, and splits that graph (Replay).
-            self._replay[(s, i)] = Replay.capture(x, self.transport.device, seeds)
+            self._replay[(s, i)] = Replay.capture(x, self.transport.device, seeds, scope)
         with torch.set_grad_enabled(training), memory:
-            out = run_recomputed(layers, x, s, seeds) if recomputed else apply_layers(layers, x, s, seeds)
+            out = (
+                run_recomputed(layers, x, s, seeds, scope)
+                if recomputed
+                else run_in(scope, layers, x, s, seeds)
+            )
+        self._hand_on_skips(s, i, scope, training)
         if self.check_finite:
             _check_finite(out, f"the output of pipeline stage {s} for micro-batch {i}")
         if (s, i) in self._replay and s == self.num_stages - 1:
@@ -380,10 +445,16 @@ class PipelineExecutor:
                     (t.data_ptr(), t.nbytes): t.nbytes for t in _as_tuple(x) if isinstance(t, torch.Tensor)
                 }
             self._stash_bytes[(s, i)] = saved
+            kept = [*leaves, *_as_tuple(out), *(t for _, ts in self._skip_leaves.get((s, i), []) for t in ts)]
+            self._held_bytes[(s, i)] = {**saved, **{(t.data_ptr(), t.nbytes): t.nbytes for t in kept}}
             # A tensor saved by several live micro-batches (a weight kept for the input gradient)
             # exists once: count distinct tensors over all of them.
-            live = sum({k: v for d in self._stash_bytes.values() for k, v in d.items()}.values())
-            self._result.peak_activation_bytes = max(self._result.peak_activation_bytes, live)
+            for counted, field_name in (
+                (self._stash_bytes, "peak_activation_bytes"),
+                (self._held_bytes, "peak_held_bytes"),
+            ):
+                live = sum({k: v for d in counted.values() for k, v in d.items()}.values())
+                setattr(self._result, field_name, max(getattr(self._result, field_name), live))
 
     def _backward(self, s: int, i: int, split: bool = False) -> None:
         """The backward of micro-batch ``i`` on stage ``s``, or with ``split`` (zero-bubble) its
@@ -391,6 +462,7 @@ class PipelineExecutor:
         leaves, out = self._stash[(s, i)] if split else self._stash.pop((s, i))
         if not split:  # a split micro-batch keeps its graph, and counts, until its W
             self._stash_bytes.pop((s, i), None)
+            self._held_bytes.pop((s, i), None)
         last = s == self.num_stages - 1
         carries: list[bool]
         if last:
@@ -410,9 +482,13 @@ class PipelineExecutor:
             grads = self.transport.complete(self._received.pop((s, i)))
             carries = [tm.carries_grad for tm in meta.tensors]
             roots = [t for t, c in zip(_as_tuple(out), carries, strict=True) if c]
+        skip_leaves = [t for _, ts in self._skip_leaves.get((s, i), []) for t in ts]
+        stashed = self._skip_stashed.pop((s, i), None)
         # Forwards recomputed inside backward must not count twice in BatchNorm statistics.
         with running_backward():
             if not split:
+                if stashed is not None:
+                    roots, grads = self._with_skip_roots(s, i, roots, grads, stashed)
                 if roots:
                     torch.autograd.backward(roots, grads)
             else:
@@ -429,16 +505,104 @@ class PipelineExecutor:
                         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in stand_in]
                     again = _as_tuple(replay.run(self.stages[s], s))
                     roots = [t for t, c in zip(again, carries, strict=True) if c]
+                if stashed is not None:  # the replay stashed again into the same scope
+                    roots, grads = self._with_skip_roots(s, i, roots, grads, stashed)
                 if roots:
-                    work.append(backward_input(roots, grads, leaves))
+                    work.append(backward_input(roots, grads, leaves + skip_leaves))
                 self._weight_work[(s, i)] = work
         if s > 0:
             self._input_grads[(s, i)] = [
                 leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves
             ]
+        self._hand_back_skip_grads(s, i)
+
+    # ------------------------------------------------------------------ skip connections
+    def _local(self, stage: int) -> bool:
+        return self._schedule.stage_to_rank[stage] == self._pp_rank
+
+    def _skip_scope(self, s: int, i: int, training: bool) -> SkipScope:
+        """Stage ``s``'s scope for micro-batch ``i``: what it pops (received, or handed on by a
+        stage of this rank), as leaves whose gradients go back to the producer."""
+        popped: dict[str, torch.Tensor] = {}
+        for route in self._skips_into[s]:
+            a = route.producer
+            if self._local(a):
+                tensors: Sequence[torch.Tensor] = self._skip_local.pop((a, s, i))
+            else:
+                request = self._received_skips.pop((a, s, i))
+                tensors = self.transport.complete(request)
+                meta = request.meta
+                if meta is None:  # exchange() always sets it; kept for the type checker
+                    raise RuntimeError(f"No metadata arrived for the skips of stage {a} to stage {s}.")
+                for tensor, tensor_meta in zip(tensors, meta.tensors, strict=True):
+                    if training and tensor_meta.carries_grad:
+                        tensor.requires_grad_(True)
+            popped.update(zip(route.names, tensors, strict=True))
+            if training:
+                self._skip_leaves.setdefault((s, i), []).append((a, [t for t in tensors if _carries(t)]))
+        declared = self._declared[s]
+        return SkipScope(popped, declared.stash, declared.pop, where=f"pipeline stage {s} (micro-batch {i})")
+
+    def _hand_on_skips(self, s: int, i: int, scope: SkipScope, training: bool) -> None:
+        """After stage ``s``'s forward: what it stashed for later stages, to send or to hand to a
+        stage of this rank (as leaves: their graph stays this stage's, whose backward the
+        consumer's gradient joins)."""
+        routes = self._skips_from[s]
+        for route in routes:
+            missing = [name for name in route.names if name not in scope.stashed]
+            if missing:
+                raise SkipError(
+                    f"The layers of pipeline stage {s} declare that they stash {missing}, which stage "
+                    f"{route.consumer} pops, but their forward of micro-batch {i} did not stash it: call "
+                    "stash(name, tensor) in every forward (a layer that stashes only sometimes cannot be "
+                    "split across stages)."
+                )
+            tensors = tuple(scope.stashed[name] for name in route.names)
+            if self._local(route.consumer):
+                self._skip_local[(s, route.consumer, i)] = tuple(_leaf(t) for t in tensors)
+            else:
+                self._skip_out[(s, route.consumer, i)] = tensors
+        if training and routes:
+            self._skip_stashed[(s, i)] = scope
+
+    def _with_skip_roots(
+        self,
+        s: int,
+        i: int,
+        roots: list[torch.Tensor],
+        grads: list[torch.Tensor] | None,
+        scope: SkipScope,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """``roots`` and ``grads`` with stage ``s``'s stashed tensors and the gradients their
+        consumers sent back; a tensor reached several ways (two consumers, or also the stage's
+        output) is one root with its gradients summed."""
+        if grads is None:  # the last stage stashes nothing for later stages
+            raise RuntimeError(f"Stage {s} stashes skips but has no output gradient.")
+        total: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for root, grad in zip(roots, grads, strict=True):
+            known = total.get(id(root))
+            total[id(root)] = (root, grad if known is None else known[1] + grad)
+        for route in self._skips_from[s]:
+            arrived = self._skip_grads.pop((s, i, route.consumer))
+            received = arrived if isinstance(arrived, list) else self.transport.complete(arrived)
+            carrying = [t for t in (scope.stashed[name] for name in route.names) if _carries(t)]
+            for root, grad in zip(carrying, received, strict=True):
+                known = total.get(id(root))
+                total[id(root)] = (root, grad if known is None else known[1] + grad)
+        return [r for r, _ in total.values()], [g for _, g in total.values()]
+
+    def _hand_back_skip_grads(self, s: int, i: int) -> None:
+        """After stage ``s``'s (input-gradient) backward: its popped tensors' gradients, to send
+        to their producers or to hand back to a stage of this rank."""
+        for a, leaves in self._skip_leaves.pop((s, i), []):
+            grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+            if self._local(a):
+                self._skip_grads[(a, i, s)] = grads
+            else:
+                self._skip_grads_out[(s, i, a)] = grads
 
     # ------------------------------------------------------------------ communicate
-    def _cache_key(self, boundary: int, i: int) -> Hashable | None:
+    def _cache_key(self, boundary: Hashable, i: int) -> Hashable | None:
         if self._signatures is None:
             return None
         # Training and evaluation produce the same shapes but differ in requires_grad.
@@ -450,6 +614,18 @@ class PipelineExecutor:
         peer = self.peers[self._schedule.peer_rank(action)]
         if action.kind is ActionType.RECV_F:
             return RecvRequest(peer, cache_key=self._cache_key(s - 1, i), label=_describe(action))
+        # A skip's receive is posted where its message is produced (schedule.lockstep), often long
+        # before its use: on gloo the rank goes on computing until then (on CUDA a wait only
+        # orders the stream, so there is nothing to gain).
+        lazy = self.transport.device.type != "cuda"
+        if action.kind is ActionType.RECV_SKIP:
+            key = self._cache_key(("skip", action.peer_stage, s), i)
+            return RecvRequest(peer, cache_key=key, label=_describe(action), lazy=lazy)
+        if action.kind is ActionType.RECV_SKIP_GRAD:
+            skip_meta = self._skip_meta.get((s, action.peer_stage, i))  # type: ignore[arg-type]
+            if skip_meta is None:
+                return None
+            return RecvRequest(peer, meta=skip_meta, grad_of=True, label=_describe(action), lazy=lazy)
         meta = self._output_meta.get((s, i))
         if meta is None:
             return None
@@ -474,6 +650,19 @@ class PipelineExecutor:
             elif action.kind is ActionType.SEND_B:
                 peer = self.peers[self._schedule.peer_rank(action)]
                 sends.append(SendRequest(peer, self._input_grads.pop((s, i)), label=_describe(action)))
+            elif action.kind is ActionType.SEND_SKIP:
+                c = action.peer_stage
+                peer = self.peers[self._schedule.peer_rank(action)]
+                tensors = self._skip_out.pop((s, c, i))  # type: ignore[arg-type]
+                meta = ActivationMeta.of(tensors)
+                if self._schedule.training:
+                    self._skip_meta[(s, c, i)] = meta  # type: ignore[index]
+                key = self._cache_key(("skip", s, c), i)
+                sends.append(SendRequest(peer, tensors, meta, key, label=_describe(action)))
+            elif action.kind is ActionType.SEND_SKIP_GRAD:
+                peer = self.peers[self._schedule.peer_rank(action)]
+                grads = self._skip_grads_out.pop((s, i, action.peer_stage))  # type: ignore[arg-type]
+                sends.append(SendRequest(peer, grads, label=_describe(action)))
             else:
                 request = self._early.pop(action, None)
                 if request is None:
@@ -481,10 +670,15 @@ class PipelineExecutor:
                     if request is None:  # unreachable: a gradient's sender sent its meta first
                         raise RuntimeError(f"No activation was sent before {_describe(action)}.")
                     recvs.append(request)
-                self._received[(s, i)] = request
+                if action.kind is ActionType.RECV_SKIP:
+                    self._received_skips[(action.peer_stage, s, i)] = request  # type: ignore[index]
+                elif action.kind is ActionType.RECV_SKIP_GRAD:
+                    self._skip_grads[(s, i, action.peer_stage)] = request  # type: ignore[index]
+                else:
+                    self._received[(s, i)] = request
         posted: dict[Action, RecvRequest] = {}
         for action in ahead:
-            if action.kind in (ActionType.RECV_F, ActionType.RECV_B):
+            if action.kind in _RECEIVES:
                 request = self._receive(action)
                 if request is None or not self.transport.knows(request):
                     # Posting it now would need a header round trip (or the gradient's shape):

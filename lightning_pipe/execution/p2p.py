@@ -143,6 +143,10 @@ class RecvRequest:
     label: str = "a receive"
     """What this receive is for, for error messages (e.g. ``RECV_F stage 1 micro-batch 3``)."""
     result: list[torch.Tensor] = field(default_factory=list)
+    lazy: bool = False
+    """Wait for the data only at its first use (:meth:`P2PTransport.complete`) even when the
+    exchange waits: a skip connection's receive is posted where its message is produced, which may
+    be long before the rank needs it (the header, if one comes, is still waited for)."""
     pending: list[dist.Work] = field(default_factory=list)
     """Posted but not yet waited for (``exchange(..., wait=False)``): :meth:`P2PTransport.complete`
     waits for them before ``result`` is read."""
@@ -186,6 +190,8 @@ class P2PTransport:
         self._recv_headers: dict[Hashable, ActivationMeta] = {}
         self._pending: list[tuple[dist.Work, str, int, object]] = []
         self.headers_sent = 0
+        self.bytes_sent = 0
+        """Bytes of tensors sent so far, headers left out (a counter for tests and benchmarks)."""
 
     def _wait(self, work: dist.Work, label: str, peer: int) -> None:
         """Wait for ``work``; turn a timeout or a dead peer into an error that says who and what."""
@@ -270,6 +276,7 @@ class P2PTransport:
             for index, tensor in enumerate(send.tensors):
                 check_sendable(tensor, self.device, send.label, index)
                 tensor = tensor.detach().contiguous()
+                self.bytes_sent += tensor.nbytes
                 keep.append(tensor)
                 ops.append(dist.P2POp(dist.isend, tensor, send.peer, self.group))
                 labels.append(send.label)
@@ -288,6 +295,10 @@ class P2PTransport:
             for peer, queue in queues.items():
                 while queue:
                     request = queue[0]
+                    if request.meta is None and request.cache_key is not None:
+                        # An earlier receive of this exchange may have brought the header for
+                        # this key (two messages of one boundary): the sender sent it only once.
+                        request.meta = self._recv_headers.get(request.cache_key)
                     if request.meta is None:
                         header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
                         ops.append(dist.P2POp(dist.irecv, header, peer, self.group))
@@ -323,7 +334,7 @@ class P2PTransport:
                 waits = [(w, label, peers[0], None) for w in works]
                 self._pending += [(w, label, peers[0], keep) for w in works]
             for work, label, peer, owner in waits:
-                if owner is not None and not wait:
+                if owner is not None and (not wait or owner.lazy):
                     owner.pending.append(work)  # a data receive: waited for at first use
                 else:
                     self._wait(work, label, peer)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.arguments import parse_option
 from lightning_pipe.execution.layers import Activation, apply_layers
+from lightning_pipe.skip.scope import SkipScope
 
 
 class RecomputeMode(enum.Enum):
@@ -46,15 +48,33 @@ class RecomputeMode(enum.Enum):
         return self is RecomputeMode.ALWAYS or microbatch < num_microbatches - 1
 
 
-def run_recomputed(
-    layers: Sequence[nn.Module], x: Any, stage_index: int, seeds: Sequence[int] | None = None
+def run_in(
+    scope: SkipScope | None,
+    layers: Sequence[nn.Module],
+    x: Any,
+    stage_index: int,
+    seeds: Sequence[int] | None,
 ) -> Activation:
-    """``apply_layers(layers, x, stage_index, seeds)`` whose activations are recomputed in
-    backward."""
+    """``apply_layers(layers, x, stage_index, seeds)`` with ``scope`` the skip scope of its stashes
+    and pops (entered again by each recomputation: torch's checkpoint calls this inside backward,
+    where no scope is current)."""
+    with scope.active() if scope is not None else nullcontext():
+        return apply_layers(layers, x, stage_index, seeds)
+
+
+def run_recomputed(
+    layers: Sequence[nn.Module],
+    x: Any,
+    stage_index: int,
+    seeds: Sequence[int] | None = None,
+    scope: SkipScope | None = None,
+) -> Activation:
+    """``run_in(scope, layers, x, stage_index, seeds)`` whose activations are recomputed in
+    backward. The tensors ``scope`` pops are kept (like the stage input), not recomputed."""
     is_tuple = isinstance(x, tuple)
     args = x if is_tuple else (x,)
     return torch_checkpoint(
-        lambda *a: apply_layers(layers, a if is_tuple else a[0], stage_index, seeds),
+        lambda *a: run_in(scope, layers, a if is_tuple else a[0], stage_index, seeds),
         *args,
         use_reentrant=False,
     )
@@ -73,11 +93,20 @@ class Replay:
     output: Activation | None = None
     """On the last stage: the leaves standing for the first forward's output, which the loss was
     computed from (its gradient at them starts the replayed forward's backward)."""
+    scope: SkipScope | None = None
+    """The stage's skip scope: the replay pops the same tensors, and stashes into it again (what
+    it stashes then is what the stage's backward starts from)."""
 
     @classmethod
-    def capture(cls, inputs: Any, device: torch.device, seeds: Sequence[int] | None = None) -> Replay:
+    def capture(
+        cls,
+        inputs: Any,
+        device: torch.device,
+        seeds: Sequence[int] | None = None,
+        scope: SkipScope | None = None,
+    ) -> Replay:
         cuda = (device, torch.cuda.get_rng_state(device)) if device.type == "cuda" else None
-        return cls(inputs, torch.get_rng_state(), cuda, seeds)
+        return cls(inputs, torch.get_rng_state(), cuda, seeds, scope=scope)
 
     def run(self, layers: Sequence[nn.Module], stage_index: int) -> Activation:
         devices = [self.cuda[0]] if self.cuda is not None else []
@@ -85,4 +114,4 @@ class Replay:
             torch.set_rng_state(self.cpu_state)
             if self.cuda is not None:
                 torch.cuda.set_rng_state(self.cuda[1], self.cuda[0])
-            return apply_layers(layers, self.inputs, stage_index, self.seeds)
+            return run_in(self.scope, layers, self.inputs, stage_index, self.seeds)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.execution.layers import apply_layers
+from lightning_pipe.skip.scope import SkipScope
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ def profile_layers(
     times: list[LayerTime] = []
     x = _to(sample, device)
     devices = [device] if device.type == "cuda" else []
+    # Layers that pop a skip get what an earlier layer stashed (detached: only this layer is timed).
+    skips = SkipScope(where="the timing of partition='time'", overwrite=True)
     with torch.random.fork_rng(devices=devices):
         for position, layer in enumerate(layers):
             twin = _private_copy(layer, device)
@@ -108,7 +111,7 @@ def profile_layers(
                 _sync(device)
                 start = time.perf_counter()
                 try:
-                    with torch.enable_grad():
+                    with torch.enable_grad(), skips.active():
                         out = apply_layers([twin], inputs, position)
                 except Exception as err:
                     if hasattr(err, "add_note"):  # Python >= 3.11
@@ -132,5 +135,6 @@ def profile_layers(
                     backward.append(time.perf_counter() - middle)
             times.append(LayerTime(_median(forward), _median(backward)))
             x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
+            skips.popped.update({name: t.detach() for name, t in skips.stashed.items()})
             del twin, params
     return times

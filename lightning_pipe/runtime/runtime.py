@@ -89,6 +89,7 @@ from lightning_pipe.runtime.prepare import Preparation, Preparer, other_stages_t
 from lightning_pipe.runtime.sharding import describe_sharding, refuse_parallelized, shard_parameters
 from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import build_schedule
+from lightning_pipe.skip.plan import SkipLayers
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.regions import sequence_parallel_suspended
 
@@ -143,6 +144,9 @@ class ParallelRuntime:
         layout, v = mesh.layout, self.options.virtual_stages
         done = preparation_of(module, layout, self.options.partition, v)
         self.first_setup = done is None
+        # The model's own layers inside any Stash / Pop wrappers; later setups get no layers and
+        # keep the first one's skips.
+        layers, skips = SkipLayers.of(layers)
         self.warnings: list[str] = []
         """Once-per-run warnings, shown on global rank 0 (every rank has them)."""
         if done is None and v > 1 and len(layers) < layout.pipeline_parallel_size * v:
@@ -155,7 +159,13 @@ class ParallelRuntime:
             )
         if done is None:
             refuse_parallelized(module)
-            times = self._layer_times(bind_layers(layers, self.hooks.layer_calls), sample)
+            if not skips.plan.empty and self.options.sequence_parallel and layout.tensor_parallel_size > 1:
+                raise ConfigurationError(
+                    "pipe_tp: skip connections (Stash / Pop, @skippable) cannot be combined with "
+                    "sequence_parallel=True yet: a stashed tensor inside a sequence-parallel region is "
+                    "one tensor rank's part of the sequence. Turn sequence_parallel off for this model."
+                )
+            times = self._layer_times(skips.wrap(bind_layers(layers, self.hooks.layer_calls)), sample)
             partition = partition_model(
                 module, layers, layout.pipeline_parallel_size * v, self.options.partition, times
             )
@@ -183,13 +193,18 @@ class ParallelRuntime:
                 splits_sequence=self.hooks.splits_sequence,
             )
             done, materialized = preparer.run(partition, layers)
+            done.skips = skips
             self.warnings += preparer.warnings
         self.preparation: Preparation = done
+        skips = done.skips or skips
         """How the module was split and sliced (kept on the module for later runtimes)."""
         self.layers: list[nn.Module] = [module.get_submodule(name) for name in partition.layer_names]
         """The pipeline layers (tensor-parallel slices where sliced), as the partition names them."""
-        self._executed = bind_layers(self.layers, self.hooks.layer_calls if self.layers else None)
-        """The layers as the executor applies them (with their calls, where the hooks give some)."""
+        self._executed = skips.wrap(bind_layers(self.layers, self.hooks.layer_calls if self.layers else None))
+        """The layers as the executor applies them (with their calls, where the hooks give some, and
+        their skip connections' wrappers)."""
+        self.skip_routes = skips.plan.routes(partition.stage_of_layer)
+        """The skip connections between stages (all of the pipeline's, not only this rank's)."""
         own = self.own_layers
         if layout.data_parallel_size > 1 and done.fully_sharded is None:
             c = mesh.coordinates
@@ -231,6 +246,10 @@ class ParallelRuntime:
             timeout=self.options.timeout,
             check_finite=self.options.check_finite,
             board=board,
+            skips=self.skip_routes,
+            skip_declarations={
+                s: skips.plan.declared_by(partition.layer_range(s)) for s in self.stage_indices
+            },
         )
         self._schedules: dict[tuple[int, bool], PipelineSchedule] = {}
         copies = [
@@ -377,7 +396,10 @@ class ParallelRuntime:
         key = (num_microbatches, training)
         if key not in self._schedules:
             kind, v = self.options.schedule_kind, self.options.virtual_stages
-            self._schedules[key] = build_schedule(kind, self.partition.num_stages, *key, virtual_stages=v)
+            pairs = [(r.producer, r.consumer) for r in self.skip_routes]
+            self._schedules[key] = build_schedule(
+                kind, self.partition.num_stages, *key, virtual_stages=v, skips=pairs
+            )
         return self._schedules[key]
 
     def begin_accumulation(self) -> None:

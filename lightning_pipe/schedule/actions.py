@@ -14,6 +14,19 @@ Communication actions are written from the point of view of the stage that owns 
 * ``SEND_B(s, i)``: stage ``s`` sends the gradient of its input to stage ``s - 1``.
 * ``RECV_B(s, i)``: stage ``s`` receives the gradient of its output from stage ``s + 1``.
 
+A skip connection (:mod:`lightning_pipe.skip`) moves a tensor from the stage that stashes it
+straight to a later, not necessarily adjacent, stage that pops it; its actions name that other
+stage in ``peer_stage``:
+
+* ``SEND_S(a, i) > c``: producer stage ``a`` sends the tensors it stashed for micro-batch ``i`` that
+  stage ``c`` pops.
+* ``RECV_S(c, i) < a``: consumer stage ``c`` receives them from stage ``a``.
+* ``SEND_SB(c, i) > a``: stage ``c`` sends the gradients of those tensors back to stage ``a``.
+* ``RECV_SB(a, i) < c``: stage ``a`` receives them, before its backward of micro-batch ``i``.
+
+A skip between stages of one rank (within a stage, or between two stages of an interleaved rank)
+has no actions: nothing leaves the process.
+
 Consecutive communication actions in a rank's list form one *batch*: they are posted together
 (one ``batch_isend_irecv``) and the rank waits for the batch before its next computation.
 """
@@ -39,6 +52,14 @@ class ActionType(enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    SEND_SKIP = "SEND_S"
+    """A skip connection's tensors, producer to consumer (``peer_stage`` is the consumer)."""
+    RECV_SKIP = "RECV_S"
+    """A skip connection's tensors arriving at the consumer (``peer_stage`` is the producer)."""
+    SEND_SKIP_GRAD = "SEND_SB"
+    """The gradients of a skip connection's tensors, consumer to producer."""
+    RECV_SKIP_GRAD = "RECV_SB"
+    """The gradients of a skip connection's tensors arriving at the producer."""
 
     @property
     def is_compute(self) -> bool:
@@ -47,6 +68,11 @@ class ActionType(enum.Enum):
     @property
     def is_comm(self) -> bool:
         return not self.is_compute
+
+    @property
+    def is_skip(self) -> bool:
+        """A skip connection's message (it names the stage at its other end)."""
+        return self in _SKIPS
 
 
 _COMPUTE = frozenset(
@@ -59,6 +85,11 @@ _COMPUTE = frozenset(
 )
 
 
+_SKIPS = frozenset(
+    {ActionType.SEND_SKIP, ActionType.RECV_SKIP, ActionType.SEND_SKIP_GRAD, ActionType.RECV_SKIP_GRAD}
+)
+
+
 @dataclass(frozen=True)
 class Action:
     """One step of one rank's schedule: ``kind`` on stage ``stage_index`` for ``microbatch``."""
@@ -66,9 +97,20 @@ class Action:
     stage_index: int
     kind: ActionType
     microbatch: int
+    peer_stage: int | None = None
+    """The stage at the other end of a skip connection's message (``None`` for every other kind:
+    their peer is the adjacent stage)."""
+
+    def __post_init__(self) -> None:
+        if self.kind.is_skip != (self.peer_stage is not None):
+            raise ValueError(f"A {self.kind.value} action needs peer_stage exactly when it is a skip's.")
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.stage_index}.{self.microbatch}"
+        text = f"{self.kind.value}{self.stage_index}.{self.microbatch}"
+        if self.peer_stage is None:
+            return text
+        arrow = ">" if self.kind in (ActionType.SEND_SKIP, ActionType.SEND_SKIP_GRAD) else "<"
+        return f"{text}{arrow}{self.peer_stage}"
 
     def __repr__(self) -> str:
         return f"Action({self})"
@@ -99,6 +141,10 @@ class PipelineSchedule:
     actions: tuple[tuple[Action, ...], ...]
     training: bool = True
     """False for forward-only (evaluation) schedules, which have no backward actions."""
+    skips: tuple[tuple[int, int], ...] = ()
+    """The skip connections between stages as ``(producer, consumer)`` stage pairs, ``producer <
+    consumer``, sorted: one message per pair and micro-batch (and one gradient back when
+    training) where the two stages live on different ranks."""
 
     @property
     def num_ranks(self) -> int:
@@ -119,6 +165,8 @@ class PipelineSchedule:
             return self.stage_to_rank[action.stage_index + 1]
         if action.kind in (ActionType.RECV_F, ActionType.SEND_B):
             return self.stage_to_rank[action.stage_index - 1]
+        if action.peer_stage is not None:
+            return self.stage_to_rank[action.peer_stage]
         raise ValueError(f"{action} is a computation, it has no peer")
 
 
@@ -131,6 +179,14 @@ def comm_batches(actions: tuple[Action, ...] | list[Action]) -> list[list[Action
         else:
             groups.append([action])
     return groups
+
+
+def is_send(kind: ActionType) -> bool:
+    """Whether a communication action sends (else it receives)."""
+    return kind in _SENDS
+
+
+_SENDS = frozenset({ActionType.SEND_F, ActionType.SEND_B, ActionType.SEND_SKIP, ActionType.SEND_SKIP_GRAD})
 
 
 class ScheduleError(ValueError):

@@ -18,6 +18,7 @@ are checked by the validator.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from lightning_pipe.arguments import parse_option
 from lightning_pipe.schedule.actions import Action, B, F, PipelineSchedule
@@ -84,18 +85,31 @@ def forward_only_compute_order(num_stages: int, num_microbatches: int) -> list[l
     return [[F(s, i) for i in range(num_microbatches)] for s in range(num_stages)]
 
 
+def _skip_pairs(skips: Sequence[tuple[int, int]], num_stages: int) -> tuple[tuple[int, int], ...]:
+    pairs = tuple(sorted({(int(a), int(c)) for a, c in skips}))
+    for a, c in pairs:
+        if not 0 <= a < c < num_stages:
+            raise ValueError(
+                f"A skip connection from stage {a} to stage {c} is not a pair of an earlier and a later "
+                f"stage among {num_stages} stages (producer < consumer)."
+            )
+    return pairs
+
+
 def build_schedule(
     kind: ScheduleKind | str,
     num_stages: int,
     num_microbatches: int,
     training: bool = True,
     virtual_stages: int = 1,
+    skips: Sequence[tuple[int, int]] = (),
 ) -> PipelineSchedule:
     """Build and validate the schedule ``kind`` for ``num_stages`` stages on
     ``num_stages // virtual_stages`` pipeline ranks (one stage per rank unless interleaved).
 
     With ``training=False`` every kind becomes a forward-only schedule (evaluation and prediction
-    have no backward to interleave).
+    have no backward to interleave). ``skips``: the ``(producer, consumer)`` stage pairs of skip
+    connections (:mod:`lightning_pipe.skip`), whose messages the lowering adds.
     """
     # Imported here: the validator simulates schedules and so depends on this module's types.
     from lightning_pipe.schedule.interleaved import interleaved_actions, loop_placement
@@ -110,6 +124,7 @@ def build_schedule(
             f"virtual_stages must be an integer >= 1 that divides num_stages ({num_stages}), "
             f"got {virtual_stages!r}."
         )
+    pairs = _skip_pairs(skips, num_stages)
     if virtual_stages > 1 and kind is not ScheduleKind.INTERLEAVED_1F1B:
         raise ValueError(
             f'Several stages per rank (virtual_stages={virtual_stages}) need schedule="interleaved_1f1b", '
@@ -118,11 +133,11 @@ def build_schedule(
     if kind is ScheduleKind.INTERLEAVED_1F1B:
         ranks = num_stages // virtual_stages
         stage_to_rank = loop_placement(ranks, virtual_stages)
-        actions = interleaved_actions(ranks, virtual_stages, num_microbatches, training)
+        actions = interleaved_actions(ranks, virtual_stages, num_microbatches, training, pairs)
         name = kind.value if training else "forward (interleaved)"
     elif kind is ScheduleKind.ZB_H1 and training:
         stage_to_rank = tuple(range(num_stages))
-        actions = zero_bubble_actions(num_stages, num_microbatches)
+        actions = zero_bubble_actions(num_stages, num_microbatches, pairs)
         name = kind.value
     else:
         builder = {
@@ -138,7 +153,7 @@ def build_schedule(
         )
         # A receive just before the tick that needs it: a rank never waits for data it does not need
         # yet, and 1F1B's steady state pairs a send with the opposite receive in one exchange.
-        actions = lower(orders, stage_to_rank, ReceiveAt.NEEDED, kind.value)
+        actions = lower(orders, stage_to_rank, ReceiveAt.NEEDED, kind.value, pairs)
         name = kind.value if training else "forward"
     schedule = PipelineSchedule(
         name=name,
@@ -147,6 +162,7 @@ def build_schedule(
         stage_to_rank=stage_to_rank,
         actions=tuple(tuple(a) for a in actions),
         training=training,
+        skips=pairs,
     )
     validate_schedule(schedule)
     return schedule

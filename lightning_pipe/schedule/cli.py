@@ -50,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one line per schedule instead (bubble, makespan, peak activations per rank)",
     )
+    p.add_argument(
+        "--skips",
+        default="",
+        help="skip connections between stages as producer:consumer pairs, e.g. 0:3,1:2 (a U-Net)",
+    )
     p.add_argument("--png", help="write the planned timeline as a PNG here (needs matplotlib)")
     p.add_argument("--trace", help="write the planned timeline as a Chrome trace JSON here")
     return p
@@ -94,7 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     v = args.virtual_stages or (2 if args.schedule == ScheduleKind.INTERLEAVED_1F1B.value else 1)
     try:
-        schedule = build_schedule(args.schedule, args.stages * v, args.microbatches, virtual_stages=v)
+        skips = [tuple(int(k) for k in pair.split(":")) for pair in args.skips.split(",") if pair]
+        if any(len(pair) != 2 for pair in skips):
+            raise ValueError(f"--skips takes producer:consumer pairs (0:3,1:2), got {args.skips!r}")
+        schedule = build_schedule(
+            args.schedule,
+            args.stages * v,
+            args.microbatches,
+            virtual_stages=v,
+            skips=skips,  # type: ignore[arg-type]
+        )
     except ValueError as err:
         parser().error(str(err))
     tf, tb = tf / v, tb / v  # a rank's v stages together do one stage's work of the other schedules

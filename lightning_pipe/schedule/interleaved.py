@@ -21,6 +21,8 @@ p in {2, 3, 4, 8}, v in {2, 3}, m in 1..32).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lightning_pipe.schedule.actions import Action, ActionType, ScheduleError
 from lightning_pipe.schedule.lockstep import LockStep
 
@@ -45,7 +47,11 @@ def _sequences(p: int, v: int, m: int, rank: int, training: bool) -> tuple[list[
 
 
 def interleaved_actions(
-    num_ranks: int, virtual_stages: int, num_microbatches: int, training: bool = True
+    num_ranks: int,
+    virtual_stages: int,
+    num_microbatches: int,
+    training: bool = True,
+    skips: Sequence[tuple[int, int]] = (),
 ) -> list[list[Action]]:
     """Every rank's actions, communication included, for the interleaved 1F1B schedule (or,
     ``training=False``, its forward-only counterpart)."""
@@ -55,7 +61,7 @@ def interleaved_actions(
             f"Interleaved schedules need at least 2 pipeline ranks and 1 stage per rank, got {p} ranks and "
             f"{v} stages per rank."
         )
-    walk = LockStep(loop_placement(p, v))
+    walk = LockStep(loop_placement(p, v), skips=skips)
     sequences = [_sequences(p, v, m, r, training) for r in range(p)]
     # Megatron's warm-up plus one: the most forwards a rank runs ahead of its backwards (no limit
     # without backwards: evaluation holds no activations for a backward).

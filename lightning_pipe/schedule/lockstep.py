@@ -18,6 +18,13 @@ after a later message's), every exchange is posted sends first, and a rank never
 message whose producer still waits for it: the schedules cannot deadlock (the validator checks it
 regardless). With unit-time computations one tick is one unit of time, which is what makes the
 builders' simulated bubbles exact.
+
+Skip connections (``skips``, producer and consumer stage pairs) add a message from the producer's
+forward straight to the consumer's forward and, when training, one from the consumer's gradient
+action back to the producer's. They travel on the same channels as the activations, so they are
+placed in order with them (a skip's receive where its message is produced, see
+:meth:`LockStep.actions`), and the walk waits for them like for any input (the chain of stages
+in between already orders them, so no schedule changes its compute order because of a skip).
 """
 
 from __future__ import annotations
@@ -42,9 +49,21 @@ class ReceiveAt(enum.Enum):
 class LockStep:
     """The state of a lock-step walk over ``stage_to_rank``'s ranks; :meth:`actions` lowers it."""
 
-    def __init__(self, stage_to_rank: Sequence[int], receive_at: ReceiveAt = ReceiveAt.PRODUCED) -> None:
+    def __init__(
+        self,
+        stage_to_rank: Sequence[int],
+        receive_at: ReceiveAt = ReceiveAt.PRODUCED,
+        skips: Sequence[tuple[int, int]] = (),
+    ) -> None:
         self.stage_to_rank = tuple(stage_to_rank)
         self.receive_at = receive_at
+        self.consumers: dict[int, list[int]] = {}
+        """Producer stage -> the later stages that pop what it stashes."""
+        self.producers: dict[int, list[int]] = {}
+        """Consumer stage -> the earlier stages whose stashes it pops."""
+        for a, c in sorted(set(skips)):
+            self.consumers.setdefault(a, []).append(c)
+            self.producers.setdefault(c, []).append(a)
         self.last = len(stage_to_rank) - 1
         self.tick = 0
         self._ran: dict[tuple[str, int, int], int] = {}
@@ -60,12 +79,16 @@ class LockStep:
         s, i = action.stage_index, action.microbatch
         rank = self.stage_to_rank[s]
         if action.kind is ActionType.FORWARD:
-            return s == 0 or self._arrived("F", s - 1, i, rank)
+            return (s == 0 or self._arrived("F", s - 1, i, rank)) and all(
+                self._arrived("F", a, i, rank) for a in self.producers.get(s, ())
+            )
         if action.kind is ActionType.BACKWARD_WEIGHT:
             return ("G", s, i) in self._ran
         if ("F", s, i) not in self._ran:
             return False
-        return s == self.last or self._arrived("G", s + 1, i, rank)
+        return (s == self.last or self._arrived("G", s + 1, i, rank)) and all(
+            self._arrived("G", c, i, rank) for c in self.consumers.get(s, ())
+        )
 
     def run(self, action: Action) -> None:
         """Run ``action`` in this tick (on its stage's rank)."""
@@ -85,10 +108,10 @@ class LockStep:
         them (this rank's sends, then the receives placed in that tick)."""
         ranks, ticks = max(self.stage_to_rank) + 1, self.tick + 1
         computes: list[list[list[Action]]] = [[[] for _ in range(ticks)] for _ in range(ranks)]
-        exchanges: list[list[list[tuple[bool, tuple[int, int, int], Action]]]] = [
+        exchanges: list[list[list[tuple[bool, tuple[int, ...], Action]]]] = [
             [[] for _ in range(ticks)] for _ in range(ranks)
         ]
-        channels: dict[tuple[int, int, int], list[tuple[int, tuple[int, int, int], Action, int]]] = {}
+        channels: dict[tuple[int, int, int], list[tuple[int, tuple[int, ...], Action, int]]] = {}
         for tick, rank, action in self._computes:
             computes[rank][tick].append(action)
             for key, send, recv, consumer in self._messages_of(action):
@@ -101,7 +124,11 @@ class LockStep:
             messages.sort(key=lambda m: (m[0], m[1]))  # production order: the channel's order
             place = ticks
             for produced, key, recv, needed in reversed(messages):
-                place = min(place, needed - 1) if self.receive_at is ReceiveAt.NEEDED else produced
+                # A skip's receive is always posted where its message is produced: its consumer
+                # may need it many ticks later, and under NCCL's rendezvous the producer's whole
+                # exchange would wait that long, while the stages in between wait for the producer.
+                early = self.receive_at is ReceiveAt.PRODUCED or recv.kind.is_skip
+                place = produced if early else min(place, needed - 1)
                 exchanges[receiver][place].append((True, key, recv))
         out: list[list[Action]] = []
         for rank in range(ranks):
@@ -112,31 +139,60 @@ class LockStep:
             out.append(actions)
         return out
 
-    def _messages_of(self, action: Action) -> list[tuple[tuple[int, int, int], Action, Action, Action]]:
-        """The messages ``action`` produces: (order key, send, receive, the consumer)."""
+    def _gradient_action(self, s: int, i: int) -> Action:
+        """Stage ``s``'s action that needs the gradient of its outputs for micro-batch ``i``."""
+        return next(Action(s, kind, i) for kind in _GRADIENTS if Action(s, kind, i) in self._tick_of)
+
+    def _messages_of(self, action: Action) -> list[tuple[tuple[int, ...], Action, Action, Action]]:
+        """The messages ``action`` produces: (order key, send, receive, the consumer). A skip's key
+        extends its activation's (or gradient's), so on a shared channel it follows it."""
         s, i, rank = action.stage_index, action.microbatch, self.stage_to_rank[action.stage_index]
-        out = []
-        if action.kind is ActionType.FORWARD and s < self.last and self.stage_to_rank[s + 1] != rank:
-            consumer = Action(s + 1, ActionType.FORWARD, i)
-            out.append(
-                ((s, 0, i), Action(s, ActionType.SEND_F, i), Action(s + 1, ActionType.RECV_F, i), consumer)
-            )
-        if action.kind in _GRADIENTS and s > 0 and self.stage_to_rank[s - 1] != rank:
-            consumer = next(
-                Action(s - 1, kind, i) for kind in _GRADIENTS if Action(s - 1, kind, i) in self._tick_of
-            )
-            out.append(
-                ((s, 1, i), Action(s, ActionType.SEND_B, i), Action(s - 1, ActionType.RECV_B, i), consumer)
-            )
+        out: list[tuple[tuple[int, ...], Action, Action, Action]] = []
+        if action.kind is ActionType.FORWARD:
+            if s < self.last and self.stage_to_rank[s + 1] != rank:
+                consumer = Action(s + 1, ActionType.FORWARD, i)
+                out.append(
+                    (
+                        (s, 0, i),
+                        Action(s, ActionType.SEND_F, i),
+                        Action(s + 1, ActionType.RECV_F, i),
+                        consumer,
+                    )
+                )
+            for c in self.consumers.get(s, ()):
+                if self.stage_to_rank[c] != rank:
+                    send = Action(s, ActionType.SEND_SKIP, i, c)
+                    recv = Action(c, ActionType.RECV_SKIP, i, s)
+                    out.append(((s, 0, i, c), send, recv, Action(c, ActionType.FORWARD, i)))
+        if action.kind in _GRADIENTS:
+            if s > 0 and self.stage_to_rank[s - 1] != rank:
+                consumer = self._gradient_action(s - 1, i)
+                out.append(
+                    (
+                        (s, 1, i),
+                        Action(s, ActionType.SEND_B, i),
+                        Action(s - 1, ActionType.RECV_B, i),
+                        consumer,
+                    )
+                )
+            for a in self.producers.get(s, ()):
+                if self.stage_to_rank[a] != rank:
+                    send = Action(s, ActionType.SEND_SKIP_GRAD, i, a)
+                    recv = Action(a, ActionType.RECV_SKIP_GRAD, i, s)
+                    out.append(((s, 1, i, a), send, recv, self._gradient_action(a, i)))
         return out
 
 
 def lower(
-    orders: Sequence[Sequence[Action]], stage_to_rank: Sequence[int], receive_at: ReceiveAt, what: str
+    orders: Sequence[Sequence[Action]],
+    stage_to_rank: Sequence[int],
+    receive_at: ReceiveAt,
+    what: str,
+    skips: Sequence[tuple[int, int]] = (),
 ) -> list[list[Action]]:
     """Walk fixed per-rank compute orders in lock step (each rank runs its next computation as soon
     as its inputs exist, at most one per tick) and lower them (``what`` names the schedule)."""
-    walk = LockStep(stage_to_rank, receive_at)
+    walk = LockStep(stage_to_rank, receive_at, skips)
     position = [0] * len(orders)
     while any(position[r] < len(order) for r, order in enumerate(orders)):
         ran = False

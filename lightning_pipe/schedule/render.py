@@ -31,9 +31,10 @@ def render_schedule(schedule: PipelineSchedule, forward_time: int = 1, backward_
             grid[timed.rank][t] = label
     width = max([len(c) for row in grid for c in row] + [1])
     ranks = "" if schedule.num_stages == schedule.num_ranks else f" on {schedule.num_ranks} ranks"
+    skips = ", ".join(f"{a}->{c}" for a, c in schedule.skips)
     header = (
         f"{schedule.name}: {schedule.num_stages} stages{ranks}, {schedule.num_microbatches} micro-batches, "
-        f"bubble {result.bubble_fraction:.1%}"
+        f"bubble {result.bubble_fraction:.1%}" + (f", skips {skips}" if skips else "")
     )
     rows = [
         f"rank {r} | " + " ".join(cell.ljust(width) for cell in row).rstrip() for r, row in enumerate(grid)

@@ -23,14 +23,24 @@ from lightning_pipe.schedule.actions import (
     PipelineSchedule,
     ScheduleError,
     comm_batches,
+    is_send,
 )
 
-# A message is named by (direction, sending stage, micro-batch).
-_Message = tuple[str, int, int]
+# A message is named by (direction, sending stage, micro-batch), and a skip's also by the stage
+# at its other end.
+_Message = tuple[str, int, int] | tuple[str, int, int, int]
 
 
 def _message_of(action: Action) -> _Message:
-    s, i = action.stage_index, action.microbatch
+    s, i, peer = action.stage_index, action.microbatch, action.peer_stage
+    if peer is not None:  # skip connections: named from the sender's side
+        if action.kind is ActionType.SEND_SKIP:
+            return ("SF", s, i, peer)
+        if action.kind is ActionType.RECV_SKIP:
+            return ("SF", peer, i, s)
+        if action.kind is ActionType.SEND_SKIP_GRAD:
+            return ("SB", s, i, peer)
+        return ("SB", peer, i, s)
     if action.kind is ActionType.SEND_F:
         return ("F", s, i)
     if action.kind is ActionType.RECV_F:
@@ -55,7 +65,7 @@ def match_messages(schedule: PipelineSchedule) -> dict[tuple[int, int], tuple[in
             if action.kind.is_compute:
                 continue
             peer = schedule.peer_rank(action)
-            if action.kind in (ActionType.SEND_F, ActionType.SEND_B):
+            if is_send(action.kind):
                 sends[(rank, peer)].append((_message_of(action), index))
             else:
                 recvs[(peer, rank)].append((_message_of(action), index))

@@ -42,6 +42,8 @@ SPAN = "span"
 """``TimelineEvent.kind`` of a named span that is not a schedule action (e.g. the optimizer step)."""
 
 _COMPUTE_KINDS = frozenset(k.value for k in ActionType if k.is_compute)
+_SKIP_KINDS = frozenset(k.value for k in ActionType if k.is_skip)
+_SKIP_COLOUR = "#b07aa1"
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class TimelineEvent:
     def of_action(cls, rank: int, action: Action, start: float, end: float) -> TimelineEvent:
         kind = action.kind
         name = f"{kind.value}{action.microbatch}" if kind.is_compute else kind.value
+        if action.peer_stage is not None:  # a skip connection's message names its other end
+            arrow = ">" if kind in (ActionType.SEND_SKIP, ActionType.SEND_SKIP_GRAD) else "<"
+            name += f"{arrow}{action.peer_stage}"
         return cls(rank, name, kind.value, start, end, action.stage_index, action.microbatch)
 
 
@@ -367,7 +372,8 @@ def plot_timeline(
                 label = f"{e.microbatch}" + (f"\ns{e.stage}" if several and e.stage is not None else "")
                 ax.text(x0 + w / 2, y, label, ha="center", va="center", fontsize=8, color="black")
         elif e.is_comm:
-            ax.broken_barh([(x0, w)], (y + 0.42, 0.08), facecolors=["0.45"])
+            skip = e.kind in _SKIP_KINDS  # a skip connection's message: its own colour
+            ax.broken_barh([(x0, w)], (y + 0.42, 0.08), facecolors=[_SKIP_COLOUR if skip else "0.45"])
         else:
             ax.broken_barh([(x0, w)], (y - 0.4, 0.8), facecolors=["0.9"], hatch="//", edgecolors="0.5")
             if span_total > 0 and w / span_total > 0.06:  # the legend names the narrow ones
@@ -388,6 +394,8 @@ def plot_timeline(
     kinds = [k for k in _KIND_COLOURS if any(e.kind == k for e in events)]
     legend = [Patch(facecolor=_KIND_COLOURS[k], label=_KIND_NAMES[k]) for k in kinds]
     legend.append(Patch(facecolor="0.45", label="communication (posted to completed)"))
+    if any(e.kind in _SKIP_KINDS for e in events):
+        legend.append(Patch(facecolor=_SKIP_COLOUR, label="skip connection"))
     if any(e.kind == SPAN for e in events):
         spans = sorted({e.name for e in events if e.kind == SPAN})
         legend.append(Patch(facecolor="0.9", hatch="//", edgecolor="0.5", label=", ".join(spans)))

@@ -29,6 +29,13 @@ def validate_schedule(schedule: PipelineSchedule) -> None:
             f"stage_to_rank {schedule.stage_to_rank} must use every rank 0..{schedule.num_ranks - 1}."
         )
     last = p - 1
+    for a, c in schedule.skips:
+        if not 0 <= a < c < p:
+            raise ScheduleError(
+                f"Skip connection {a} -> {c} is not a pair of stages producer < consumer < {p}."
+            )
+    consumers = {a: [c for a2, c in schedule.skips if a2 == a] for a, _ in schedule.skips}
+    producers = {c: [a for a, c2 in schedule.skips if c2 == c] for _, c in schedule.skips}
     for rank, actions in enumerate(schedule.actions):
         position = {a: k for k, a in enumerate(actions)}
         counts = Counter(actions)
@@ -71,6 +78,18 @@ def validate_schedule(schedule: PipelineSchedule) -> None:
                     needs += [(Action(s, ActionType.SEND_F, i), fwd, False)]
                     if grads:
                         needs += [(Action(s, ActionType.RECV_B, i), grads[0], True)]
+                # Skip connections: the stashed tensors go straight to each consumer on another
+                # rank after the forward; their gradients come back before the backward.
+                for c in consumers.get(s, ()):
+                    if schedule.stage_to_rank[c] != rank:
+                        needs += [(Action(s, ActionType.SEND_SKIP, i, c), fwd, False)]
+                        if grads:
+                            needs += [(Action(s, ActionType.RECV_SKIP_GRAD, i, c), grads[0], True)]
+                for a in producers.get(s, ()):
+                    if schedule.stage_to_rank[a] != rank:
+                        needs += [(Action(s, ActionType.RECV_SKIP, i, a), fwd, True)]
+                        if grads:
+                            needs += [(Action(s, ActionType.SEND_SKIP_GRAD, i, a), grads[0], False)]
                 needed_comms.update(comm for comm, _, _ in needs)
                 for comm, compute, comes_first in needs:
                     _expect_once(counts, comm, rank)
@@ -82,7 +101,8 @@ def validate_schedule(schedule: PipelineSchedule) -> None:
                 raise ScheduleError(
                     f"Rank {rank} has {action}, which no computation of its stages needs "
                     "(a message past the first or last stage, across a rank boundary that does not "
-                    "exist, or a gradient in a forward-only schedule)."
+                    "exist, a skip connection the schedule does not list, or a gradient in a "
+                    "forward-only schedule)."
                 )
         expected = (1 + grad_actions) * m * len(schedule.stages_of(rank))
         computes = sum(1 for a in actions if a.kind.is_compute)

@@ -24,6 +24,8 @@ tick, which is what makes the simulated step equal the formula.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lightning_pipe.schedule.actions import Action, ActionType
 from lightning_pipe.schedule.lockstep import ReceiveAt, lower
 
@@ -48,9 +50,11 @@ def zero_bubble_compute_order(num_stages: int, num_microbatches: int) -> list[li
     return orders
 
 
-def zero_bubble_actions(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+def zero_bubble_actions(
+    num_stages: int, num_microbatches: int, skips: Sequence[tuple[int, int]] = ()
+) -> list[list[Action]]:
     """Every rank's actions, communication included, for ZB-H1: receives posted as soon as their
     message is produced (a rank's postponed weight passes fill the time until it needs them)."""
     orders = zero_bubble_compute_order(num_stages, num_microbatches)
     what = f"ZB-H1 ({num_stages} stages, {num_microbatches} micro-batches)"
-    return lower(orders, range(num_stages), ReceiveAt.PRODUCED, what)
+    return lower(orders, range(num_stages), ReceiveAt.PRODUCED, what, skips)
