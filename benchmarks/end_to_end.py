@@ -58,7 +58,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from _launch import emit_json, launch, print_table, warn_if_busy
-from fully_sharded import _held_bytes as held_bytes
+from fully_sharded import _held_bytes as held_bytes  # the same accounting as fully_sharded.py's table
 from fully_sharded import _local_bytes as local_bytes
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
@@ -112,16 +112,16 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def _build_like_pipe_tp(model: CharGPT, skip: set[int] | None = None) -> None:
+def _build_like_pipe_tp(model: CharGPT) -> None:
     """Build ``model``'s layers with the initial values ``pipe_tp`` gives them: on the meta device,
     then each module initialised by the package's own initialiser (seeded by the run's seed and the
-    module's name), so that every set-up starts from the same weights. ``skip``: ``id()`` of tensors
-    left on the meta device (another stage's). The device context is explicit because strategies
-    call ``configure_model`` under their own (``torch.device("meta")`` for empty init)."""
+    module's name), so that every set-up starts from the same weights. The device context is
+    explicit because strategies call ``configure_model`` under their own (``torch.device("meta")``
+    for empty init)."""
     with torch.device("meta"):
         CharGPT.configure_model(model)
     with torch.device("cpu"):
-        materialize(model, torch.device("cpu"), SEED, skip or set())
+        materialize(model, torch.device("cpu"), SEED, set())
 
 
 class BenchGPT(CharGPT):
