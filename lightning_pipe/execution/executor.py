@@ -198,7 +198,9 @@ class PipelineExecutor:
         self._skip_pairs = tuple(sorted((r.producer, r.consumer) for r in self.skips))
         self._skips_from = {s: [r for r in self.skips if r.producer == s] for s in self.stages}
         self._skips_into = {s: [r for r in self.skips if r.consumer == s] for s in self.stages}
-        self._declared = {s: (skip_declarations or {}).get(s, SkipDeclaration()) for s in self.stages}
+        declared = {s: (skip_declarations or {}).get(s, SkipDeclaration()) for s in self.stages}
+        # Frozen once: each forward's scope takes them as they are (no copy per micro-batch).
+        self._declared = {s: (frozenset(d.stash), frozenset(d.pop)) for s, d in declared.items()}
         self.num_stages = num_stages
         self.peers = list(peers)
         self.recompute = RecomputeMode.parse(recompute)
@@ -540,8 +542,8 @@ class PipelineExecutor:
             popped.update(zip(route.names, tensors, strict=True))
             if training:
                 self._skip_leaves.setdefault((s, i), []).append((a, [t for t in tensors if _carries(t)]))
-        declared = self._declared[s]
-        return SkipScope(popped, declared.stash, declared.pop, where=f"pipeline stage {s} (micro-batch {i})")
+        may_stash, may_pop = self._declared[s]
+        return SkipScope(popped, may_stash, may_pop, where=f"pipeline stage {s} (micro-batch {i})")
 
     def _hand_on_skips(self, s: int, i: int, scope: SkipScope, training: bool) -> None:
         """After stage ``s``'s forward: what it stashed for later stages, to send or to hand to a
