@@ -11,6 +11,12 @@ are dropped and each is summarised by its median. ``ratio``: median I + W over m
 rather than a backward call of its own. Before timing, the I + W gradients are checked against the
 ordinary backward's (``max_abs_diff``: over every parameter and the input; expected 0.0).
 
+``--profile`` adds where the time goes, each part timed on its own fresh forward (so they need
+not add up exactly) and given as a fraction of the ordinary backward: ``I_engine``, autograd's
+input-only backward (the I pass without its analysis); ``analysis``, the I pass's graph walk and
+owner sweep; ``W_rules``, the rules' Python and the weight-side kernels they run; ``W_engine``, the
+one autograd call from the rules' edges.
+
 Run: ``python benchmarks/split_backward.py`` (table) or ``--json``; ``--stacks 12x64x8x32`` picks
 stacks (layers x width x batch x tokens); ``--autocast`` runs the forward under bfloat16 autocast.
 Target: ratio <= 1.10.
@@ -115,6 +121,65 @@ def measure(spec: str, rounds: int, autocast: bool) -> dict[str, object]:
     }
 
 
+def profile(spec: str, rounds: int) -> dict[str, float]:
+    """The parts of I + W, each over the ordinary backward (medians of ``rounds``)."""
+    # The split's internals, timed one by one: the private helpers are what backward_input runs.
+    from torch.autograd.graph import get_gradient_edge
+
+    from lightning_pipe.execution.split_backward import _owners, _walk
+    from lightning_pipe.execution.weight_rules import weight_side
+
+    layers, width, batch, tokens = (int(v) for v in spec.split("x"))
+    module = stack(layers, width)
+    g = torch.randn(batch, tokens, width)
+    parts: dict[str, list[float]] = {
+        "ordinary": [],
+        "I_engine": [],
+        "analysis": [],
+        "W_rules": [],
+        "W_engine": [],
+    }
+    for _ in range(rounds):
+        _clear(module)
+        x = torch.randn(batch, tokens, width, requires_grad=True)
+        y = module(x)
+        start = time.perf_counter()
+        y.backward(g)
+        parts["ordinary"].append(time.perf_counter() - start)
+
+        _clear(module)
+        x = torch.randn(batch, tokens, width, requires_grad=True)
+        y = module(x)
+        roots = [get_gradient_edge(y).node]
+        start = time.perf_counter()
+        graph = _walk(roots, {get_gradient_edge(x).node})
+        _owners(graph, roots)
+        middle = time.perf_counter()
+        torch.autograd.backward([y], [g], inputs=[x], retain_graph=True)
+        end = time.perf_counter()
+        parts["analysis"].append(middle - start)
+        parts["I_engine"].append(end - middle)
+
+        _clear(module)
+        x = torch.randn(batch, tokens, width, requires_grad=True)
+        work = backward_input([module(x)], [g], [x])
+        start = time.perf_counter()
+        pairs = []
+        weights = []
+        for owner in work.owners:
+            pairs += weight_side(owner.node, owner.recorded or (), owner.edges) or []
+            weights += owner.weights
+        middle = time.perf_counter()
+        torch.autograd.backward([e for e, _ in pairs], [t for _, t in pairs], inputs=weights)
+        parts["W_engine"].append(time.perf_counter() - middle)
+        parts["W_rules"].append(middle - start)
+    skip = min(3, rounds // 4)
+    med = {name: statistics.median(values[skip:]) for name, values in parts.items()}
+    return {"stack": spec, "ordinary_ms": med["ordinary"] * 1e3} | {  # type: ignore[dict-item]
+        name: value / med["ordinary"] for name, value in med.items() if name != "ordinary"
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -122,18 +187,27 @@ def main() -> None:
     parser.add_argument("--stacks", nargs="+", default=list(STACKS), help="layers x width x batch x tokens")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--autocast", action="store_true", help="forward under bfloat16 autocast")
+    parser.add_argument("--profile", action="store_true", help="where the time of I + W goes")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     warn_if_busy()
     torch.set_num_threads(1)
     results = [measure(spec, args.rounds, args.autocast) for spec in args.stacks]
+    profiles = [profile(spec, args.rounds) for spec in args.stacks] if args.profile else []
     if args.json:
-        emit_json({"target": TARGET, "autocast": args.autocast, "stacks": results})
+        emit_json({"target": TARGET, "autocast": args.autocast, "stacks": results, "profile": profiles})
         return
     headers = ["stack", "owners", "ruled", "ordinary ms", "I ms", "W ms", "I+W / ordinary", "max |diff|"]
     keys = ["stack", "owners", "ruled", "ordinary_ms", "I_ms", "W_ms", "ratio", "max_abs_diff"]
     print_table(headers, [[r[k] for k in keys] for r in results])
     print(f"target: I+W / ordinary <= {TARGET}")
+    if profiles:
+        print("\nwhere the time goes, over the ordinary backward:")
+        keys = ["stack", "ordinary_ms", "I_engine", "analysis", "W_rules", "W_engine"]
+        print_table(
+            ["stack", "ordinary ms", "I engine", "I analysis", "W rules", "W engine"],
+            [[p[k] for k in keys] for p in profiles],
+        )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd import graph as autograd_graph
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils.checkpoint import CheckpointFunction
@@ -135,8 +136,19 @@ class WeightGradients:
         if edges:
             # One call for every ruled owner: autograd walks only the weight-only subgraphs below
             # the edges. inputs= keeps weights computed in I (reached from two owners, or owned by a
-            # custom Function) from getting a second part here.
-            torch.autograd.backward(edges, grads, inputs=weights, retain_graph=True)
+            # custom Function) from getting a second part here. The engine is entered directly:
+            # torch.autograd.backward's Python check of each root's shape against its grad costs
+            # more than the rest of the call with a few hundred roots, and the rules' gradients
+            # have their edges' shapes by construction (the engine validates them again in C++).
+            autograd_graph._engine_run_backward(
+                tuple(edges),
+                tuple(grads),
+                True,
+                False,
+                tuple(weights),
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
         for p in slow:
             p.run()
         self.passes.clear()
@@ -184,43 +196,50 @@ def _walk(roots: Sequence[Node], input_nodes: set[Node]) -> _Graph:
     """One iterative depth-first walk: post-order, input-path marking and the weights' leaves.
 
     A node is on the input path when it is a stage input or one of its children is; its children
-    are all finished before it (the graph is a DAG), so each frame carries an "on the path" flag
-    that finished or already-seen children set."""
+    are all finished before it (the graph is a DAG), so each open node carries an "on the path"
+    flag that its finished or already-seen children set. The walk touches every node once and
+    costs about 2 µs per node, most of it torch creating the nodes' Python objects on first
+    access; it runs once per micro-batch, so it is kept free of per-node calls and allocations
+    (parallel stacks, the kind cache read inline)."""
     order: list[Node] = []
     on_path: set[Node] = set()
     path: list[Node] = []
     leaves: list[Node] = []
     reentrant = False
     seen: set[Node] = set()
+    kinds = _kinds
     for root in roots:
         if root in seen:
             continue
         seen.add(root)
-        stack = [[root, iter(root.next_functions), False]]
-        while stack:
-            frame = stack[-1]
-            for child, _ in frame[1]:  # type: ignore[attr-defined]
+        nodes, children, flags = [root], [iter(root.next_functions)], [False]
+        while nodes:
+            for child, _ in children[-1]:
                 if child is None:
                     continue
                 if child in seen:
                     if child in on_path:
-                        frame[2] = True
+                        flags[-1] = True
                     continue
                 seen.add(child)
-                stack.append([child, iter(child.next_functions), False])
+                nodes.append(child)
+                children.append(iter(child.next_functions))
+                flags.append(False)
                 break
             else:
-                stack.pop()
-                node: Node = frame[0]  # type: ignore[assignment]
+                node = nodes.pop()
+                children.pop()
                 order.append(node)
-                kind = _kind(node)
+                kind = kinds.get(type(node))
+                if kind is None:
+                    kind = _kind(node)
                 if kind == _Kind.REENTRANT:  # on the input path or not
                     reentrant = True
-                if frame[2] or node in input_nodes:
+                if flags.pop() or node in input_nodes:
                     on_path.add(node)
                     path.append(node)
-                    if stack:
-                        stack[-1][2] = True
+                    if flags:
+                        flags[-1] = True
                 elif kind == _Kind.LEAF:
                     leaves.append(node)
     return _Graph(order, on_path, path, leaves, reentrant)
