@@ -120,19 +120,20 @@ class WeightGradients:
         grads: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []
         slow: list[_WeightPass] = []
-        for owner in self.owners:
-            if owner.recorded is None:  # no gradient reached it: its weights get none, as in one backward
-                continue
-            pairs = weight_side(owner.node, owner.recorded, owner.edges)
-            if pairs is None:
-                fallback = owner.as_pass()
-                if fallback is not None:
-                    slow.append(fallback)
-                continue
-            for edge, grad in pairs:
-                edges.append(edge)
-                grads.append(grad)
-            weights += owner.weights
+        with torch.no_grad():  # once for all owners: the rules record no graph
+            for owner in self.owners:
+                if owner.recorded is None:  # no gradient reached it: its weights get none, as in one backward
+                    continue
+                pairs = weight_side(owner.node, owner.recorded, owner.edges)
+                if pairs is None:
+                    fallback = owner.as_pass()
+                    if fallback is not None:
+                        slow.append(fallback)
+                    continue
+                for edge, grad in pairs:
+                    edges.append(edge)
+                    grads.append(grad)
+                weights += owner.weights
         if edges:
             # One call for every ruled owner: autograd walks only the weight-only subgraphs below
             # the edges. inputs= keeps weights computed in I (reached from two owners, or owned by a

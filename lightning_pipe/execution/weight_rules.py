@@ -188,13 +188,14 @@ def _rules() -> dict[type, Rule]:
 
 RULES: dict[type, Rule] = _rules()
 
-_RESHAPED = frozenset(
-    getattr(_functions, n)
-    for n in ("AddmmBackward0", "AddBackward0", "MulBackward0")
-    if hasattr(_functions, n)
-)
-"""Rules whose outputs may be broadcast (a bias, an added or multiplied weight) or of another dtype
-(type promotion): the engine fits them to the edge (``validate_outputs``), so these are fitted too."""
+_FITTED: dict[type, frozenset[int]] = {
+    getattr(_functions, name): frozenset(edges)
+    for name, edges in (("AddmmBackward0", (0,)), ("AddBackward0", (0, 1)), ("MulBackward0", (0, 1)))
+    if hasattr(_functions, name)
+}
+"""The edges whose gradient may be broadcast (a bias, an added or multiplied weight) or of another
+dtype (type promotion): the engine fits a node's outputs to its edges (``validate_outputs``), so
+these are fitted too; the others have their edge's shape and dtype by construction."""
 
 
 def has_rule(node: Node) -> bool:
@@ -207,7 +208,7 @@ def _fit_to_edge(grad: torch.Tensor, child: Node, nr: int) -> torch.Tensor:
         shape, dtype = child.variable.shape, child.variable.dtype
     else:
         meta = child._input_metadata[nr]
-        shape, dtype = meta.shape, meta.dtype
+        shape, dtype = torch.Size(meta.shape), meta.dtype
     if grad.shape != shape:
         grad = grad.sum_to_size(shape)
     if grad.dtype != dtype:
@@ -220,26 +221,32 @@ def weight_side(
 ) -> list[tuple[GradientEdge, torch.Tensor]] | None:
     """The gradients autograd would send down ``node``'s next ``edges`` when it runs with
     ``grads_in`` and only those edges needed, as (edge, gradient) pairs to start a backward from;
-    ``None`` when ``node`` has no rule or its rule declines (see the module docstring)."""
+    ``None`` when ``node`` has no rule or its rule declines (see the module docstring).
+
+    Called once per owner and micro-batch, so it is kept lean: a caller that computes many owners
+    disables grad mode once around them (the rules must not record a graph, as the engine's nodes
+    do not with ``create_graph=False``)."""
     rule = RULES.get(type(node))
     if rule is None or not edges or not grads_in:
         return None
     grad = grads_in[0]
-    if grad is None or any(g is not None for g in grads_in[1:]):
+    if grad is None or (len(grads_in) > 1 and any(g is not None for g in grads_in[1:])):
         return None
     if grad.layout != torch.strided or grad.is_complex():
         return None
     try:
-        with torch.no_grad():  # the engine runs a node without recording a graph (create_graph=False)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                grads = rule(node, grad, edges)
+        else:
             grads = rule(node, grad, edges)
     except _DeclineError:
         return None
+    fitted = _FITTED.get(type(node), ())
     next_functions = node.next_functions
     pairs = []
     for k, g in zip(edges, grads, strict=True):
         child, nr = next_functions[k]
         assert child is not None, "a weight-side edge always leads somewhere"
-        if type(node) in _RESHAPED:
-            g = _fit_to_edge(g, child, nr)
-        pairs.append((GradientEdge(child, nr), g))
+        pairs.append((GradientEdge(child, nr), _fit_to_edge(g, child, nr) if k in fitted else g))
     return pairs
