@@ -10,25 +10,35 @@ a bubble. Autograd computes both in one pass, so the split is made on the graph:
   gradient and skips the weight's matmul).
 * Every weight is reached from the input path through nodes that lead to weights only. The node
   of the input path where that happens is the weight's *owner*; a pre-hook on it records, during
-  the I pass, the gradient that flowed into it. The W pass re-runs each owner from that recorded
-  gradient with only its own weights as ``inputs``: the engine then runs the owner's weight
-  outputs and the weight-only nodes below it, and nothing of the input path again. Weights hanging
-  off the output directly (a stage without a grad-requiring input: the first stage) are owned by
-  the output itself and get the ordinary backward in W.
+  the I pass, the gradient that flowed into it. One walk of the graph before the I pass finds the
+  input path, the weights and (one sweep back) each weight's owner and the owner's edges towards
+  it: linear in the graph's size, once per micro-batch.
+* W computes each owner's weight-side gradients from that recorded gradient and what the owner
+  saved, with autograd's own formula for the node (:mod:`.weight_rules`, bitwise equal), and runs
+  the weight-only nodes below all owners in *one* backward call started from those edges. An
+  owner without a rule (or whose rule declines, e.g. its saved tensors have hooks) is re-run
+  through autograd instead, from the recorded gradient with only its own weights as ``inputs``.
+  Either way nothing of the input path runs again. Weights hanging off the output directly are
+  owned by the output itself and get the ordinary backward in W; so does the whole backward of a
+  stage without a grad-requiring input (the first stage).
 * A weight reached from *two* owners (a weight used twice in a stage, or a tied copy in it) would
   get its second owner's part twice if each owner's W pass were allowed to walk to it (the double
   counting of torch's zero-bubble stages, pytorch #181365). Such weights get their whole gradient
   in the I pass instead, with the input: slower, never wrong. So do weights whose owner is a
   custom ``autograd.Function`` (its Python backward computes every gradient whatever is needed,
   so running it again in W would repeat its work and its side effects, collectives included).
+  W's backward calls name their weights as ``inputs``, so these are never accumulated twice.
 * A graph holding torch's *reentrant* checkpoint cannot be run with ``inputs=`` at all: such a
   stage gets its whole ordinary backward in I, and W has nothing left to do.
-* W re-runs an owner from the gradient recorded *after* the tensor hooks on its output ran; a
-  pre-hook on the owner hands the recorded gradient back during W, so those hooks do not apply
-  twice.
+* W starts from the gradient recorded *after* the tensor hooks on the owner's output ran: a rule
+  consumes it directly, and a re-run owner gets it back from a pre-hook, so those hooks do not
+  apply twice.
+* W's calls come in one order on every rank (the output's own pass, the rules' call, then the
+  re-run owners in the graph's post-order), so tensor-parallel collectives inside them stay
+  matched across ranks.
 
-Gradients land in ``.grad`` through ``backward`` (not ``autograd.grad``), so post-accumulate-grad
-hooks (the data-parallel reducer's) fire as usual. The I pass keeps the graph
+Gradients land in ``.grad`` through the engine's ``AccumulateGrad`` (not ``autograd.grad``), so
+post-accumulate-grad hooks (the data-parallel reducer's) fire as usual. The I pass keeps the graph
 (``retain_graph=True``) for W; the graph, with everything it saved, is freed when W is done and
 the executor drops the micro-batch's stash, which is why a micro-batch counts as in flight from
 its forward to its W.
