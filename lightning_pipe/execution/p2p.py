@@ -15,6 +15,12 @@ Receives on one channel must be posted in the order of the sends they match (no 
 none), so :meth:`P2PTransport.exchange` drains each channel in order, in rounds: it posts every
 receive whose shape is known, up to and including the first header on each channel, waits for the
 headers, and repeats. The steady state takes one round.
+
+Where the backend cannot coalesce a batch (gloo), ``torch.distributed.batch_isend_irecv`` is a
+Python loop over ``isend``/``irecv``, each of which looks the group up again and maps the peer's
+global rank to its group rank before calling the process group's ``send``/``recv``; the transport
+calls those directly with the mapping done once per peer (issue 31: a few tens of µs per tensor,
+on every exchange). NCCL, which coalesces, still gets ``batch_isend_irecv``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -66,6 +73,14 @@ def check_sendable(tensor: torch.Tensor, device: torch.device, label: str, index
             f"{device} (NCCL sends from the rank's device). Create it on the input's device in the "
             "layer (e.g. torch.ones(..., device=x.device))."
         )
+
+
+class _Op(NamedTuple):
+    """One send or receive of an exchange (``peer``: a global rank)."""
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
 
 
 class PipelineCommunicationError(RuntimeError):
@@ -192,6 +207,11 @@ class P2PTransport:
         self.headers_sent = 0
         self.bytes_sent = 0
         """Bytes of tensors sent so far, headers left out (a counter for tests and benchmarks)."""
+        self._direct: dist.ProcessGroup | None = None
+        """The process group to call ``send``/``recv`` on directly (a backend that does not
+        coalesce); decided at the first exchange, when the group exists."""
+        self._resolved = False
+        self._group_ranks: dict[int, int] = {}
 
     def _wait(self, work: dist.Work, label: str, peer: int) -> None:
         """Wait for ``work``; turn a timeout or a dead peer into an error that says who and what."""
@@ -204,12 +224,47 @@ class P2PTransport:
         except Exception as err:
             raise self._explain(err, label, [peer], time.monotonic() - start) from None
 
-    def _post(self, ops: list[dist.P2POp], labels: list[str]) -> list[dist.Work]:
+    def _resolve(self) -> None:
+        """Use the process group directly where ``batch_isend_irecv`` would loop over the ops
+        itself (its own test: a plain ``ProcessGroup`` whose backend for this device does not
+        coalesce)."""
+        self._resolved = True
+        try:  # torch's private calls: where they change, batch_isend_irecv serves as before
+            group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+            if type(group) is dist.ProcessGroup and not group._get_backend(self.device).supports_coalescing:
+                self._direct = group
+        except (AttributeError, RuntimeError, TypeError):
+            self._direct = None
+
+    def _post_direct(self, group: dist.ProcessGroup, ops: list[_Op]) -> list[dist.Work]:
+        """What ``isend``/``irecv`` end in, without their per-call lookups (tag 0, as theirs)."""
+        works = []
+        ranks = self._group_ranks
+        for op in ops:
+            tensor = torch.view_as_real(op.tensor) if op.tensor.is_complex() else op.tensor
+            peer = ranks.get(op.peer)
+            if peer is None:
+                peer = ranks[op.peer] = dist.get_group_rank(group, op.peer)
+            works.append(group.send([tensor], peer, 0) if op.send else group.recv([tensor], peer, 0))
+        return works
+
+    def _post(self, ops: list[_Op], labels: list[str]) -> list[dist.Work]:
         """Post a batch of sends and receives; a peer that is gone already fails here, on the
         sending side, and gets the same explanation as a failed receive."""
         start = time.monotonic()
         try:
-            return dist.batch_isend_irecv(ops) if ops else []
+            if not ops:
+                return []
+            if not self._resolved:
+                self._resolve()
+            if self._direct is not None:
+                return self._post_direct(self._direct, ops)
+            return dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, self.group)
+                    for op in ops
+                ]
+            )
         except Exception as err:
             label = "; ".join(dict.fromkeys(labels))
             raise self._explain(
@@ -263,14 +318,14 @@ class P2PTransport:
         # Release sends that have completed: holding every sent tensor until the end of the step
         # would keep O(num_microbatches) activations alive whatever the schedule.
         self._pending = [entry for entry in self._pending if not self._completed(entry)]
-        ops: list[dist.P2POp] = []
+        ops: list[_Op] = []
         labels: list[str] = []
         keep: list[torch.Tensor] = []
         for send in sends:
             if self._header_needed_for_send(send):
                 header = send.meta.encode().to(self.device)  # type: ignore[union-attr]
                 keep.append(header)
-                ops.append(dist.P2POp(dist.isend, header, send.peer, self.group))
+                ops.append(_Op(True, header, send.peer))
                 labels.append(f"{send.label} (header)")
                 self.headers_sent += 1
             for index, tensor in enumerate(send.tensors):
@@ -278,7 +333,7 @@ class P2PTransport:
                 tensor = tensor.detach().contiguous()
                 self.bytes_sent += tensor.nbytes
                 keep.append(tensor)
-                ops.append(dist.P2POp(dist.isend, tensor, send.peer, self.group))
+                ops.append(_Op(True, tensor, send.peer))
                 labels.append(send.label)
 
         # Receives per channel, in order; each round posts up to the first unknown header.
@@ -301,7 +356,7 @@ class P2PTransport:
                         request.meta = self._recv_headers.get(request.cache_key)
                     if request.meta is None:
                         header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
-                        ops.append(dist.P2POp(dist.irecv, header, peer, self.group))
+                        ops.append(_Op(False, header, peer))
                         labels.append(f"{request.label} (header)")
                         headers.append((request, header))
                         recv_owner.append(None)
@@ -312,7 +367,7 @@ class P2PTransport:
                         for t in request.meta.tensors
                         if not request.grad_of or t.carries_grad
                     ]
-                    ops += [dist.P2POp(dist.irecv, b, peer, self.group) for b in buffers]
+                    ops += [_Op(False, b, peer) for b in buffers]
                     labels += [request.label] * len(buffers)
                     recv_owner += [request] * len(buffers)
                     data.append((request, buffers))
@@ -322,7 +377,7 @@ class P2PTransport:
                 # gloo: one work per operation; leave the sends in flight.
                 owners = iter(recv_owner)
                 for work, op, label in zip(works, ops, labels, strict=True):
-                    if op.op is dist.irecv:
+                    if not op.send:
                         waits.append((work, label, op.peer, next(owners)))
                     else:
                         self._pending.append((work, label, op.peer, keep))
