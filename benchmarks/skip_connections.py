@@ -64,9 +64,6 @@ class Threaded(nn.Module):
             skips = skips[:-1]
         else:
             y = self.block(y)
-        # A view, not the received tensor itself: a stage output that is a leaf of its input has no
-        # path for the gradient coming back, which the executor refuses (threading is this awkward).
-        skips = tuple(s.view_as(s) for s in skips)
         out = (y, *skips, y) if self.keeps else (y, *skips)
         return out if len(out) > 1 else out[0]
 

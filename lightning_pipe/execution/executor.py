@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from lightning_pipe.execution.batchnorm import running_backward
 from lightning_pipe.execution.layers import Activation
@@ -245,7 +246,7 @@ class PipelineExecutor:
         self._skip_grads: dict[tuple[int, int, int], list[torch.Tensor] | RecvRequest] = {}
         self._skip_grads_out: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         self._skip_leaves: dict[tuple[int, int], list[tuple[int, list[torch.Tensor]]]] = {}
-        self._skip_stashed: dict[tuple[int, int], SkipScope] = {}
+        self._skip_roots: dict[tuple[int, int], list[tuple[int, list[GradientEdge]]]] = {}
         self._received_skips: dict[tuple[int, int, int], RecvRequest] = {}
         self._result = StepResult()
 
@@ -430,8 +431,18 @@ class PipelineExecutor:
                 self._stash[(s, i)] = (leaves, value)
         else:
             if training:
+                # A leaf of this stage's own (its received input, a popped skip) may be passed on:
+                # its gradient comes back to it like any root's.
+                received = {id(t) for t in leaves} | {
+                    id(t) for _, ts in self._skip_leaves.get((s, i), []) for t in ts
+                }
                 for k, t in enumerate(_as_tuple(out)):
-                    if t.requires_grad and t.grad_fn is None and not isinstance(t, nn.Parameter):
+                    if (
+                        t.requires_grad
+                        and t.grad_fn is None
+                        and not isinstance(t, nn.Parameter)
+                        and id(t) not in received
+                    ):
                         raise RuntimeError(
                             f"Output {k} of pipeline stage {s} requires grad but has no grad path: it is "
                             "a new leaf tensor, so gradients sent back for it would reach no "
@@ -485,13 +496,15 @@ class PipelineExecutor:
             carries = [tm.carries_grad for tm in meta.tensors]
             roots = [t for t, c in zip(_as_tuple(out), carries, strict=True) if c]
         skip_leaves = [t for _, ts in self._skip_leaves.get((s, i), []) for t in ts]
-        stashed = self._skip_stashed.pop((s, i), None)
+        skip_roots = self._skip_roots.pop((s, i), None)
         # Forwards recomputed inside backward must not count twice in BatchNorm statistics.
         with running_backward():
             if not split:
-                if stashed is not None:
-                    roots, grads = self._with_skip_roots(s, i, roots, grads, stashed)
-                if roots:
+                if skip_roots is not None:
+                    edges, grads = self._with_skip_roots(s, i, roots, grads, skip_roots)
+                    if edges:
+                        torch.autograd.backward(edges, grads)
+                elif roots:
                     torch.autograd.backward(roots, grads)
             else:
                 work: list[WeightGradients] = []
@@ -507,9 +520,14 @@ class PipelineExecutor:
                         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in stand_in]
                     again = _as_tuple(replay.run(self.stages[s], s))
                     roots = [t for t, c in zip(again, carries, strict=True) if c]
-                if stashed is not None:  # the replay stashed again into the same scope
-                    roots, grads = self._with_skip_roots(s, i, roots, grads, stashed)
-                if roots:
+                    if skip_roots is not None and replay.scope is not None:
+                        # The replayed forward stashed again: its graph is the one to go back through.
+                        skip_roots = self._stashed_edges(s, replay.scope)
+                if skip_roots is not None:
+                    edges, grads = self._with_skip_roots(s, i, roots, grads, skip_roots)
+                    if edges:
+                        work.append(backward_input(edges, grads, leaves + skip_leaves))
+                elif roots:
                     work.append(backward_input(roots, grads, leaves + skip_leaves))
                 self._weight_work[(s, i)] = work
         if s > 0:
@@ -565,7 +583,19 @@ class PipelineExecutor:
             else:
                 self._skip_out[(s, route.consumer, i)] = tensors
         if training and routes:
-            self._skip_stashed[(s, i)] = scope
+            # Only where the gradients go in, not the tensors: their data is freed as soon as
+            # nothing else holds it (it was sent, or handed on as a leaf of its own).
+            self._skip_roots[(s, i)] = self._stashed_edges(s, scope)
+
+    def _stashed_edges(self, s: int, scope: SkipScope) -> list[tuple[int, list[GradientEdge]]]:
+        """Per route out of stage ``s``: the gradient edges of its stashed tensors that carry one."""
+        return [
+            (
+                route.consumer,
+                [get_gradient_edge(t) for t in (scope.stashed[n] for n in route.names) if _carries(t)],
+            )
+            for route in self._skips_from[s]
+        ]
 
     def _with_skip_roots(
         self,
@@ -573,25 +603,30 @@ class PipelineExecutor:
         i: int,
         roots: list[torch.Tensor],
         grads: list[torch.Tensor] | None,
-        scope: SkipScope,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """``roots`` and ``grads`` with stage ``s``'s stashed tensors and the gradients their
-        consumers sent back; a tensor reached several ways (two consumers, or also the stage's
-        output) is one root with its gradients summed."""
+        skip_roots: list[tuple[int, list[GradientEdge]]],
+    ) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """``roots`` and ``grads`` with the gradient edges of stage ``s``'s stashed tensors and the
+        gradients their consumers sent back; one edge reached several ways (two consumers, or also
+        the stage's output) is one root with its gradients summed."""
         if grads is None:  # the last stage stashes nothing for later stages
             raise RuntimeError(f"Stage {s} stashes skips but has no output gradient.")
-        total: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Keyed by the edge's node and output: holding the edges keeps each node's Python object,
+        # so the same node is the same object here.
+        total: dict[tuple[int, int], tuple[GradientEdge, torch.Tensor]] = {}
+
+        def add(edge: GradientEdge, grad: torch.Tensor) -> None:
+            key = (id(edge.node), edge.output_nr)
+            known = total.get(key)
+            total[key] = (edge, grad if known is None else known[1] + grad)
+
         for root, grad in zip(roots, grads, strict=True):
-            known = total.get(id(root))
-            total[id(root)] = (root, grad if known is None else known[1] + grad)
-        for route in self._skips_from[s]:
-            arrived = self._skip_grads.pop((s, i, route.consumer))
+            add(get_gradient_edge(root), grad)
+        for consumer, edges in skip_roots:
+            arrived = self._skip_grads.pop((s, i, consumer))
             received = arrived if isinstance(arrived, list) else self.transport.complete(arrived)
-            carrying = [t for t in (scope.stashed[name] for name in route.names) if _carries(t)]
-            for root, grad in zip(carrying, received, strict=True):
-                known = total.get(id(root))
-                total[id(root)] = (root, grad if known is None else known[1] + grad)
-        return [r for r, _ in total.values()], [g for _, g in total.values()]
+            for edge, grad in zip(edges, received, strict=True):
+                add(edge, grad)
+        return [e for e, _ in total.values()], [g for _, g in total.values()]
 
     def _hand_back_skip_grads(self, s: int, i: int) -> None:
         """After stage ``s``'s (input-gradient) backward: its popped tensors' gradients, to send

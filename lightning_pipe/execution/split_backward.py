@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd import graph as autograd_graph
@@ -284,7 +285,7 @@ def _owners(graph: _Graph, roots: Sequence[Node]) -> dict[Node, object]:
 
 
 def backward_input(
-    outputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor] | Sequence[GradientEdge],
     grad_outputs: Sequence[torch.Tensor] | None,
     inputs: Sequence[torch.Tensor],
     defer_weights: bool = True,
@@ -303,7 +304,7 @@ def backward_input(
         raise ValueError(
             "backward_input: every input must be a leaf tensor (detach it and set requires_grad)."
         )
-    tensors = list(outputs)
+    tensors: list[Any] = list(outputs)  # tensors, or gradient edges (a stage's stashed skips)
     grads: list[torch.Tensor | None] = (
         list(grad_outputs) if grad_outputs is not None else [None] * len(tensors)
     )
@@ -317,7 +318,7 @@ def backward_input(
         # backward is the W pass, one ordinary backward; walking the graph to learn that would
         # cost more than the pass itself on small stages (issue 31).
         return WeightGradients([_WeightPass(list[torch.Tensor | GradientEdge](tensors), grads, weights=None)])
-    roots = [get_gradient_edge(t).node for t in tensors]
+    roots = [t.node if isinstance(t, GradientEdge) else get_gradient_edge(t).node for t in tensors]
     graph = _walk(roots, {get_gradient_edge(x).node for x in inputs})
     if graph.reentrant:
         torch.autograd.backward(tensors, grads)  # refuses inputs=: everything now, nothing in W
