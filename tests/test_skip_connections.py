@@ -53,12 +53,20 @@ def _model(name: str) -> tuple[L.LightningModule, Any]:
 
 
 def worker(
-    name: str, pp: int, schedule: str, m: int, recompute: str, tp: int = 1, dp: int = 1, v: int = 1
+    name: str,
+    pp: int,
+    schedule: str,
+    m: int,
+    recompute: str,
+    tp: int = 1,
+    dp: int = 1,
+    v: int = 1,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     model, data = _model(name)
     strategy = PipeTPStrategy(
         pipeline_parallel_size=pp, tensor_parallel_size=tp, schedule=schedule, virtual_stages=v,
-        num_microbatches=m, recompute=recompute, timeout=timedelta(seconds=90),
+        num_microbatches=m, recompute=recompute, timeout=timedelta(seconds=90), **(options or {}),
     )  # fmt: skip
     losses = Losses()
     fit(
@@ -70,6 +78,7 @@ def worker(
         "state": gather_model_state(model, runtime.partition, strategy.mesh),
         "losses": losses.values,
         "routes": [(r.producer, r.consumer, r.names) for r in runtime.skip_routes],
+        "layout": runtime.describe(),
         "kinds": sorted({type(m).__name__ for m in model.modules() if "Parallel" in type(m).__name__}),
     }
 
@@ -96,6 +105,8 @@ def _assert_matches(got: list[dict[str, Any]], name: str, dp: int = 1) -> None:
         if dp == 1:  # under accumulation the logged value is the last batch's share
             assert result["losses"] == pytest.approx(losses, abs=TOL), f"rank {rank}"
         assert result["routes"], "the partition puts the skips' ends on different stages"
+        a, c, names = result["routes"][0]
+        assert f"skip connections sent between stages: {a} -> {c} ({', '.join(names)})" in result["layout"]
 
 
 CASES = [
@@ -132,9 +143,17 @@ def test_encoder_decoder_with_tensor_parallelism(schedule: str) -> None:
     _assert_matches(got, "seq2seq")
 
 
-def test_unet_with_data_parallelism() -> None:
-    """dp=2 x pp=2: each replica's skips travel within its own pipeline."""
-    got = run_distributed(worker, 4, "unet", 2, "1f1b", 2, "never", 1, 2, timeout=300, init_group=False)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"shard_optimizer_state": True}, {"shard_parameters": True}],
+    ids=["ddp", "zero1", "fsdp2"],
+)
+def test_unet_with_data_parallelism(options: dict[str, Any]) -> None:
+    """dp=2 x pp=2: each replica's skips travel within its own pipeline; with the optimizer state
+    or the parameters sharded over the replicas (under FSDP2 the skips leave each stage's FSDP unit
+    from inside it: ``x1``..``x3`` are intermediates of stage 0's unit, not its output)."""
+    args = ("unet", 2, "1f1b", 2, "never", 1, 2, 1, options)
+    got = run_distributed(worker, 4, *args, timeout=300, init_group=False)
     _assert_matches(got, "unet", dp=2)
 
 

@@ -382,6 +382,11 @@ class ParallelRuntime:
         )
         if done.slicing:
             text += f"\n{done.slicing}"
+        if self.skip_routes:
+            routes = ", ".join(
+                f"{r.producer} -> {r.consumer} ({', '.join(r.names)})" for r in self.skip_routes
+            )
+            text += f"\n  skip connections sent between stages: {routes}"
         text += describe_sharding(self.options, layout.data_parallel_size, self.fully_sharded)
         if done.built_on_meta:
             text += (
