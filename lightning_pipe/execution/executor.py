@@ -433,9 +433,7 @@ class PipelineExecutor:
             if training:
                 # A leaf of this stage's own (its received input, a popped skip) may be passed on:
                 # its gradient comes back to it like any root's.
-                received = {id(t) for t in leaves} | {
-                    id(t) for _, ts in self._skip_leaves.get((s, i), []) for t in ts
-                }
+                received = {id(t) for t in (*leaves, *self._popped_leaves(s, i))}
                 for k, t in enumerate(_as_tuple(out)):
                     if (
                         t.requires_grad
@@ -458,7 +456,7 @@ class PipelineExecutor:
                     (t.data_ptr(), t.nbytes): t.nbytes for t in _as_tuple(x) if isinstance(t, torch.Tensor)
                 }
             self._stash_bytes[(s, i)] = saved
-            kept = [*leaves, *_as_tuple(out), *(t for _, ts in self._skip_leaves.get((s, i), []) for t in ts)]
+            kept = [*leaves, *_as_tuple(out), *self._popped_leaves(s, i)]
             self._held_bytes[(s, i)] = {**saved, **{(t.data_ptr(), t.nbytes): t.nbytes for t in kept}}
             # A tensor saved by several live micro-batches (a weight kept for the input gradient)
             # exists once: count distinct tensors over all of them.
@@ -495,7 +493,7 @@ class PipelineExecutor:
             grads = self.transport.complete(self._received.pop((s, i)))
             carries = [tm.carries_grad for tm in meta.tensors]
             roots = [t for t, c in zip(_as_tuple(out), carries, strict=True) if c]
-        skip_leaves = [t for _, ts in self._skip_leaves.get((s, i), []) for t in ts]
+        skip_leaves = self._popped_leaves(s, i)
         skip_roots = self._skip_roots.pop((s, i), None)
         # Forwards recomputed inside backward must not count twice in BatchNorm statistics.
         with running_backward():
@@ -562,6 +560,10 @@ class PipelineExecutor:
                 self._skip_leaves.setdefault((s, i), []).append((a, [t for t in tensors if _carries(t)]))
         may_stash, may_pop = self._declared[s]
         return SkipScope(popped, may_stash, may_pop, where=f"pipeline stage {s} (micro-batch {i})")
+
+    def _popped_leaves(self, s: int, i: int) -> list[torch.Tensor]:
+        """The leaves stage ``s`` popped for micro-batch ``i`` that carry a gradient back."""
+        return [t for _, ts in self._skip_leaves.get((s, i), []) for t in ts]
 
     def _hand_on_skips(self, s: int, i: int, scope: SkipScope, training: bool) -> None:
         """After stage ``s``'s forward: what it stashed for later stages, to send or to hand to a

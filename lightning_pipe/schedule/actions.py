@@ -34,6 +34,7 @@ Consecutive communication actions in a rank's list form one *batch*: they are po
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -179,6 +180,19 @@ def comm_batches(actions: tuple[Action, ...] | list[Action]) -> list[list[Action
         else:
             groups.append([action])
     return groups
+
+
+def skip_neighbours(
+    skips: Sequence[tuple[int, int]],
+) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """From ``(producer, consumer)`` stage pairs: producer -> its consumers, and consumer -> its
+    producers, each in increasing order."""
+    consumers: dict[int, list[int]] = {}
+    producers: dict[int, list[int]] = {}
+    for a, c in sorted(set(skips)):
+        consumers.setdefault(a, []).append(c)
+        producers.setdefault(c, []).append(a)
+    return consumers, producers
 
 
 def is_send(kind: ActionType) -> bool:

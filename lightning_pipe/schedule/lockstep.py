@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from lightning_pipe.schedule.actions import Action, ActionType, ScheduleError
+from lightning_pipe.schedule.actions import Action, ActionType, ScheduleError, skip_neighbours
 
 _GRADIENTS = (ActionType.BACKWARD, ActionType.BACKWARD_INPUT)
 """The actions that produce the gradient of a stage's input."""
@@ -57,13 +57,8 @@ class LockStep:
     ) -> None:
         self.stage_to_rank = tuple(stage_to_rank)
         self.receive_at = receive_at
-        self.consumers: dict[int, list[int]] = {}
-        """Producer stage -> the later stages that pop what it stashes."""
-        self.producers: dict[int, list[int]] = {}
-        """Consumer stage -> the earlier stages whose stashes it pops."""
-        for a, c in sorted(set(skips)):
-            self.consumers.setdefault(a, []).append(c)
-            self.producers.setdefault(c, []).append(a)
+        # Producer stage -> the later stages that pop what it stashes, and the reverse.
+        self.consumers, self.producers = skip_neighbours(skips)
         self.last = len(stage_to_rank) - 1
         self.tick = 0
         self._ran: dict[tuple[str, int, int], int] = {}

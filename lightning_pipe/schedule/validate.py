@@ -9,7 +9,13 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from lightning_pipe.schedule.actions import Action, ActionType, PipelineSchedule, ScheduleError
+from lightning_pipe.schedule.actions import (
+    Action,
+    ActionType,
+    PipelineSchedule,
+    ScheduleError,
+    skip_neighbours,
+)
 from lightning_pipe.schedule.simulate import simulate
 
 
@@ -34,8 +40,7 @@ def validate_schedule(schedule: PipelineSchedule) -> None:
             raise ScheduleError(
                 f"Skip connection {a} -> {c} is not a pair of stages producer < consumer < {p}."
             )
-    consumers = {a: [c for a2, c in schedule.skips if a2 == a] for a, _ in schedule.skips}
-    producers = {c: [a for a, c2 in schedule.skips if c2 == c] for _, c in schedule.skips}
+    consumers, producers = skip_neighbours(schedule.skips)
     for rank, actions in enumerate(schedule.actions):
         position = {a: k for k, a in enumerate(actions)}
         counts = Counter(actions)

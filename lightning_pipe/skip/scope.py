@@ -36,6 +36,8 @@ class SkipScope:
             scope of a model run outside a pipeline).
         may_pop: the names they declared they pop (``None``: any).
         where: who runs in this scope, for error messages ("pipeline stage 2").
+        overwrite: a second stash of a name replaces the first (the per-thread scope outside a
+            pipeline, which lives across forwards) instead of being refused.
     """
 
     def __init__(
@@ -69,13 +71,7 @@ class SkipScope:
             raise SkipError(
                 f"stash({name!r}, ...) in {self.where} got {type(tensor).__name__}, not a tensor."
             )
-        if self.may_stash is not None and name not in self.may_stash:
-            raise SkipError(
-                f"A layer of {self.where} stashed {name!r}, which none of its layers declares "
-                f"(declared: {sorted(self.may_stash) or 'none'}). Declare it, so that the pipeline knows "
-                f"where to send it: wrap the layer as Stash({name!r}, layer) in configure_pipeline(), or "
-                f"decorate its module with @skippable(stash=[{name!r}])."
-            )
+        self._check_declared(name, self.may_stash, "stash", "knows where to send it")
         if name in self.stashed and not self._overwrite:
             raise SkipError(
                 f"{name!r} was stashed twice in {self.where}; each name is stashed once per forward "
@@ -83,14 +79,21 @@ class SkipScope:
             )
         self.stashed[name] = tensor
 
+    def _check_declared(self, name: str, declared: frozenset[str] | None, verb: str, why: str) -> None:
+        """Refuse a ``verb`` ("stash" or "pop") of a name this scope's layers do not declare."""
+        if declared is None or name in declared:
+            return
+        done = "stashed" if verb == "stash" else "popped"
+        wrapper = "Stash" if verb == "stash" else "Pop"
+        raise SkipError(
+            f"A layer of {self.where} {done} {name!r}, which none of its layers declares (declared: "
+            f"{sorted(declared) or 'none'}). Declare it, so that the pipeline {why}: wrap the layer as "
+            f"{wrapper}({name!r}, layer) in configure_pipeline(), or decorate its module with "
+            f"@skippable({verb}=[{name!r}])."
+        )
+
     def pop(self, name: str) -> torch.Tensor:
-        if self.may_pop is not None and name not in self.may_pop:
-            raise SkipError(
-                f"A layer of {self.where} popped {name!r}, which none of its layers declares "
-                f"(declared: {sorted(self.may_pop) or 'none'}). Declare it, so that the pipeline sends it "
-                f"here: wrap the layer as Pop({name!r}, layer) in configure_pipeline(), or decorate its "
-                f"module with @skippable(pop=[{name!r}])."
-            )
+        self._check_declared(name, self.may_pop, "pop", "sends it here")
         if name in self.stashed:
             return self.stashed[name]
         if name in self.popped:
