@@ -1,0 +1,260 @@
+"""ZeRO-1's all-gather of the updated parameters, overlapped with the next forward.
+
+After ``optimizer.step()`` each data-parallel replica has updated only its slices of the gradient
+buckets (:mod:`.sharded_optimizer`); the other replicas' slices must reach every parameter before
+anything reads it. As in Megatron-Core's distributed optimizer (``overlap_param_gather``):
+
+* **In place.** The parameters of a bucket become views of one flat *parameter* buffer with the
+  gradient bucket's offsets (and padding), so this replica's slice of that buffer is what its
+  optimizer steps, and the all-gather writes every replica's slice straight into the parameters:
+  no staging copy, no copy-out, no zeroing afterwards, no new memory (the parameters' old storage
+  is freed when they move in).
+* **Overlapped.** The step's post-hook only *launches* the gathers, in the order the forward uses
+  the buckets, and returns. A forward pre-hook on each pipeline layer waits for that layer's
+  buckets only, so the first layers compute while the last ones' gathers are still in flight.
+* **Guarded.** Between the step and the next forward, Lightning's glue runs user code (a
+  callback's ``on_train_batch_end``, logging, validation). Until the first layer's pre-hook, a
+  :class:`~torch.overrides.TorchFunctionMode` watches every torch call: one that is given a
+  parameter whose gather is pending (``.detach()``, ``.clone()``, ``state_dict()``, arithmetic,
+  ``torch.save``) first waits for all gathers. Reading metadata (``.grad``, ``.shape``,
+  ``.data_ptr()``) does not. The strategy adds explicit waits where Lightning leaves the loop
+  (end of training, evaluation, checkpoint saves). A read from C++ only (``dist.broadcast(p)`` by
+  user code) is not seen: call :meth:`ParameterGather.wait_all` first.
+
+``overlap=False`` waits in the post-hook itself (a blocking gather, still in place).
+
+The parameters must stay views of their buffer: anything that replaces ``param.data`` later
+(``load_state_dict(..., assign=True)``, ``model.half()``, moving the model to another device)
+would cut them off from the updates. That is checked before every step and gather, and refused by
+name (:class:`ParameterAliasingError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils.hooks import RemovableHandle
+
+from lightning_pipe.collectives import all_gather_flat
+from lightning_pipe.data_parallel.reducer import BucketLayout
+
+_METADATA: frozenset[Any] = frozenset(
+    {getattr(torch.Tensor, name).__get__ for name in ("grad", "requires_grad", "shape", "dtype", "device")}
+    | {vars(torch._C.TensorBase)["grad"].__set__}
+    | {getattr(torch.Tensor, name) for name in ("size", "dim", "numel", "data_ptr", "element_size")}
+)
+"""Torch calls that read a tensor's metadata, never its values: a guarded parameter may be given
+to them without waiting (the reducer and ``zero_grad`` read and set ``.grad`` in the window)."""
+
+
+class ParameterAliasingError(RuntimeError):
+    """A ZeRO-1 parameter no longer lives in its bucket's flat parameter buffer."""
+
+
+@dataclass
+class GatherRecord:
+    """What the gathers did, for tests and profiles (counts, no timings)."""
+
+    launches: int = 0
+    """Steps whose updated slices were gathered."""
+    pending_at_first_forward: list[int] = field(default_factory=list)
+    """Per launch that a forward met: buckets still not waited for when the first pipeline
+    layer's pre-hook ran (more than 0: that forward started before their gathers were waited)."""
+    reads_caught: int = 0
+    """Torch calls between a step and the next forward that read a pending parameter, and waited."""
+
+
+class _ReadGuard(TorchFunctionMode):
+    """Waits for every pending gather before a torch call that is given a watched parameter."""
+
+    def __init__(self, watched: set[int], on_read: Callable[[], None]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.on_read = on_read
+        self.active = False
+        self.pushed = False
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.active and func not in _METADATA and self._reads_watched(args, kwargs):
+            self.on_read()
+        return func(*args, **kwargs)
+
+    def _reads_watched(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+        # The call's own arguments and one level of lists (torch.cat, the foreach functions):
+        # deeper structures reach torch as such lists anyway, element by element.
+        for value in (*args, *kwargs.values()):
+            if id(value) in self.watched:
+                return True
+            if isinstance(value, list | tuple) and any(id(v) in self.watched for v in value):
+                return True
+        return False
+
+
+class ParameterGather:
+    """The parameter buffers of a ZeRO-1 :class:`~.reducer.BucketLayout` and their gathers.
+
+    Args:
+        layout: the sharding reducer's buckets; their parameters move into flat buffers here.
+        overlap: launch the gathers and return (waited by the forward, the guard or
+            :meth:`wait_all`); ``False``: wait for them at once.
+        names: parameter names by ``id()``, for the error messages.
+        naming: names the operation in a failing collective's error.
+    """
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        overlap: bool = True,
+        names: Mapping[int, str] | None = None,
+        naming: Callable[[str], AbstractContextManager[None]] = lambda what: nullcontext(),
+    ) -> None:
+        self.layout, self.overlap, self._naming = layout, overlap, naming
+        self._names = dict(names or {})
+        self.buffers: list[torch.Tensor] = []
+        self.shards: list[torch.Tensor] = []
+        """This replica's slice of each parameter buffer: what its optimizer steps."""
+        for bucket in layout.buckets:
+            buffer = torch.zeros_like(bucket.buffer)
+            for param, offset in bucket.params:
+                view = buffer[offset : offset + param.numel()].view_as(param)
+                view.copy_(param.detach())
+                param.data = view  # the old storage is freed: no second copy of the weights
+            self.buffers.append(buffer)
+            self.shards.append(buffer[bucket.shard_range.start : bucket.shard_range.stop])
+        self._pending: dict[int, dist.Work] = {}
+        self._order: list[int] = list(reversed(range(len(layout.buckets))))
+        """Launch order: the forward's (a reducer's first buckets hold the last layers)."""
+        self._layer_buckets: dict[int, tuple[int, ...]] = {}
+        self._unwatched: tuple[int, ...] = ()
+        self._hooks: list[RemovableHandle] = []
+        self._first_forward = False
+        self._guard = _ReadGuard({id(p) for b in layout.buckets for p, _ in b.params}, self._read_caught)
+        self.record = GatherRecord()
+
+    # ------------------------------------------------------------------ set-up
+    def watch(self, layers: Sequence[nn.Module]) -> None:
+        """Wait in a forward pre-hook of each of ``layers`` (in forward order) for the buckets of
+        its parameters, and launch the gathers in the order these layers first use them."""
+        where = {id(p): k for k, b in enumerate(self.layout.buckets) for p, _ in b.params}
+        first_use: dict[int, int] = {}
+        for position, layer in enumerate(layers):
+            buckets = tuple(sorted({where[id(p)] for p in layer.parameters() if id(p) in where}))
+            self._layer_buckets[id(layer)] = buckets
+            for k in buckets:
+                first_use.setdefault(k, position)
+            self._hooks.append(layer.register_forward_pre_hook(self._before_forward))
+        # Buckets no watched layer uses (parameters read by the loss only): first, and waited by
+        # the first layer's hook.
+        self._unwatched = tuple(k for k in range(len(self.layout.buckets)) if k not in first_use)
+        self._order = list(self._unwatched) + sorted(first_use, key=lambda k: (first_use[k], -k))
+
+    def close(self) -> None:
+        """Wait for what is in flight and remove the hooks."""
+        self.wait_all()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # ------------------------------------------------------------------ one step
+    def check_aliasing(self) -> None:
+        """Refuse a parameter that no longer lives in its bucket's buffer (its updates would be lost)."""
+        for bucket, buffer in zip(self.layout.buckets, self.buffers, strict=True):
+            base, size = buffer.data_ptr(), buffer.element_size()
+            for param, offset in bucket.params:
+                if param.data_ptr() != base + offset * size or param.dtype != buffer.dtype:
+                    name = self._names.get(id(param), f"of shape {tuple(param.shape)}")
+                    raise ParameterAliasingError(
+                        f"shard_optimizer_state=True keeps parameter {name} as a view of its gradient "
+                        "bucket's flat parameter buffer, which the optimizer steps and the replicas' "
+                        "all-gather fills; its storage was replaced after the optimizer was set up "
+                        "(param.data = ..., load_state_dict(..., assign=True), model.half() or moving the "
+                        "model to another device), so it would no longer see the updates. Copy new values "
+                        "into it instead (param.data.copy_(...), load_state_dict without assign=True), or "
+                        "convert and move the model before the optimizer is built."
+                    )
+
+    def launch(self) -> None:
+        """Gather every replica's updated slices into the parameters (after the optimizer's step):
+        launched in forward order; with ``overlap``, waited later."""
+        self.check_aliasing()
+        with self._naming("all-gathering the updated parameters over the data-parallel group"):
+            for k in self._order:
+                self._pending[k] = all_gather_flat(
+                    self.buffers[k], self.shards[k], group=self.layout.group, async_op=True
+                )
+        self.record.launches += 1
+        if not self.overlap:
+            self.wait_all()
+            return
+        self._first_forward = True
+        self._guard.active = True
+        if not self._guard.pushed:
+            self._guard.__enter__()
+            self._guard.pushed = True
+
+    @property
+    def pending(self) -> bool:
+        """Whether some gather has not been waited for."""
+        return bool(self._pending)
+
+    def wait(self, buckets: Iterable[int]) -> None:
+        """Wait for the gathers of ``buckets`` (those launched and not yet waited for)."""
+        with self._naming("all-gathering the updated parameters over the data-parallel group"):
+            for k in buckets:
+                work = self._pending.pop(k, None)
+                if work is not None:
+                    work.wait()
+        if not self._pending:
+            self._retire_guard()
+
+    def wait_all(self) -> None:
+        """Wait for every gather in flight: after it, every parameter holds its full updated value."""
+        self.wait(list(self._order))
+        self._retire_guard()
+
+    def abandon(self) -> None:
+        """Forget the gathers in flight without waiting (after an exception, when a peer may be
+        gone and a wait would last the whole timeout); parameters of buckets not waited for may
+        then hold only this replica's updated slices."""
+        self._pending.clear()
+        self._retire_guard()
+
+    # ------------------------------------------------------------------ waiting
+    def _before_forward(self, layer: nn.Module, args: Any) -> None:
+        if not self._pending and not self._guard.pushed:  # between forwards: two attribute tests
+            return
+        self._retire_guard()  # the forward is covered by the pre-hooks from here on
+        if self._first_forward:
+            self._first_forward = False
+            self.record.pending_at_first_forward.append(len(self._pending))
+            self.wait(self._unwatched)
+        self.wait(self._layer_buckets.get(id(layer), ()))
+
+    def _read_caught(self) -> None:
+        self.record.reads_caught += 1
+        self.wait_all()
+
+    def _retire_guard(self) -> None:
+        """Stop guarding; pop the guard off the torch-function mode stack when it is on top (it is
+        not inside its own handler, or under a mode pushed after it: it stays, inert, and is popped
+        at the next chance)."""
+        self._guard.active = False
+        if self._guard.pushed:
+            stack = _get_current_function_mode_stack()
+            if stack and stack[-1] is self._guard:
+                self._guard.__exit__(None, None, None)
+                self._guard.pushed = False

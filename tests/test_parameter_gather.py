@@ -1,0 +1,168 @@
+"""ZeRO-1's overlapped parameter all-gather (``overlap_param_gather``), on the engine's pieces.
+
+Two gloo ranks train a stack of linear layers with the sharding reducer and
+:class:`~lightning_pipe.data_parallel.sharded_optimizer.ShardedOptimizer`, buckets small enough
+that every layer has its own:
+
+* the overlapped gather ends each step with the weights of the blocking gather, bit for bit, and
+  of a replicated optimizer;
+* it overlaps: when the next forward's first layer ran, later buckets' gathers were still pending,
+  and nothing waited for all of them between the step and that forward;
+* a weight read between the step and the next forward (``.detach().clone()``, ``state_dict()``)
+  sees the full updated value, not this replica's slice only;
+* a parameter whose storage is replaced after sharding is refused by name.
+
+The Lightning side (callbacks, ``fit`` then ``validate``) is in ``tests/test_optimizer_sharding.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+
+from lightning_pipe.data_parallel.parameter_gather import ParameterAliasingError
+from lightning_pipe.data_parallel.reducer import GradientReducer
+from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer
+from tests.distributed import run_distributed
+
+WIDTH, LAYERS, STEPS = 16, 4, 3
+BUCKET_MB = WIDTH * (WIDTH + 1) * 4 / 1024 / 1024  # one layer per bucket
+
+
+Run = tuple[nn.Sequential, torch.optim.Optimizer, GradientReducer, ShardedOptimizer | None]
+
+
+def _setup(mode: str) -> Run:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    shard = mode != "replicated"
+    reducer = GradientReducer(list(model.parameters()), dist.group.WORLD, BUCKET_MB, shard=shard)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    if mode == "replicated":
+        return model, optimizer, reducer, None
+    names = {id(p): n for n, p in model.named_parameters()}
+    sharded = ShardedOptimizer(optimizer, reducer.layout(), overlap=mode == "overlapped", names=names)
+    sharded.gather.watch(list(model))
+    return model, optimizer, reducer, sharded
+
+
+def _step(model: nn.Module, optimizer: Any, reducer: GradientReducer, sharded: Any, x: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    reducer.attach()
+    reducer.arm()
+    model(x).pow(2).mean().backward()
+    reducer.finish()
+    if sharded is not None:
+        sharded.attach_gradients(reducer.used)
+    optimizer.step()
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def steps_worker() -> dict[str, Any]:
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
+    runs = {mode: _setup(mode) for mode in ("replicated", "blocking", "overlapped")}
+    assert len(runs["overlapped"][2].shards) == LAYERS
+    after: dict[str, list[dict[str, torch.Tensor]]] = {mode: [] for mode in runs}
+    for _ in range(STEPS):
+        for run in runs.values():
+            _step(*run, x)
+        # The next step's forward waits for the gathers; the weights are read after it.
+        for mode, run in runs.items():
+            with torch.no_grad():
+                run[0](x)
+            after[mode].append(_weights(run[0]))
+    gather = runs["overlapped"][3].gather
+    return {
+        "modes_left": len(_get_current_function_mode_stack()),
+        "after": after,
+        "pending_at_first_forward": list(gather.record.pending_at_first_forward),
+        "reads_caught": gather.record.reads_caught,
+        "launches": gather.record.launches,
+    }
+
+
+@pytest.mark.distributed
+def test_overlapped_gather_equals_the_blocking_one_and_overlaps_the_forward() -> None:
+    for r in run_distributed(steps_worker, 2, timeout=120):
+        for step in range(STEPS):
+            for name, value in r["after"]["overlapped"][step].items():
+                assert torch.equal(value, r["after"]["blocking"][step][name]), (step, name)
+                torch.testing.assert_close(value, r["after"]["replicated"][step][name], atol=1e-6, rtol=0)
+        assert r["launches"] == STEPS
+        # Every step's forward began with the last layers' buckets still pending (one per layer:
+        # the first layer waits for its own only), and nothing read a parameter in between.
+        assert r["pending_at_first_forward"] == [LAYERS] * STEPS
+        assert r["reads_caught"] == 0
+        assert r["modes_left"] == 0, "the read guard is off the torch-function mode stack"
+
+
+def read_worker(how: str) -> dict[str, Any]:
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
+    replicated, overlapped = _setup("replicated"), _setup("overlapped")
+    gather = overlapped[3].gather
+    reads, expected, before = [], [], []
+    for _ in range(STEPS):
+        before.append(overlapped[0][LAYERS - 1].weight.detach().clone())
+        _step(*replicated, x)
+        _step(*overlapped, x)
+        assert gather.pending
+        layer = overlapped[0][LAYERS - 1]  # its bucket is the last one the forward would wait for
+        if how == "clone":
+            reads.append(layer.weight.detach().clone())
+        elif how == "state_dict":
+            reads.append(overlapped[0].state_dict()[f"{LAYERS - 1}.weight"].clone())
+        else:  # arithmetic on the parameter itself
+            reads.append((layer.weight * 1.0).detach())
+        assert not gather.pending
+        expected.append(replicated[0][LAYERS - 1].weight.detach().clone())
+        with torch.no_grad():
+            overlapped[0](x)
+            replicated[0](x)
+    return {
+        "reads": reads,
+        "expected": expected,
+        "before": before,
+        "caught": gather.record.reads_caught,
+        "modes_left": len(_get_current_function_mode_stack()),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["clone", "state_dict", "arithmetic"])
+def test_a_read_between_the_step_and_the_forward_sees_the_updated_full_weight(how: str) -> None:
+    for r in run_distributed(read_worker, 2, how, timeout=120):
+        assert r["caught"] == STEPS
+        # Caught inside its own handler, the guard could not pop itself: the forward did.
+        assert r["modes_left"] == 0
+        for read, expected, before in zip(r["reads"], r["expected"], r["before"], strict=True):
+            torch.testing.assert_close(read, expected, atol=1e-6, rtol=0)
+            assert not torch.equal(read, before), "the read must see this step's update"
+
+
+def aliasing_worker() -> str:
+    x = torch.randn(8, WIDTH)
+    run = _setup("overlapped")
+    _step(*run, x)
+    run[3].gather.wait_all()
+    layer = run[0][1]
+    layer.weight.data = layer.weight.data.clone()  # cut off from its bucket's buffer
+    try:
+        _step(*run, x)
+    except ParameterAliasingError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_parameter_replaced_after_sharding_is_refused_by_name() -> None:
+    for message in run_distributed(aliasing_worker, 2, timeout=120):
+        assert "parameter 1.weight as a view of its gradient bucket's flat parameter buffer" in message
+        assert "param.data.copy_" in message
