@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import _get_current_function_mode_stack
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from lightning_pipe.data_parallel.parameter_gather import ParameterAliasingError
 from lightning_pipe.data_parallel.reducer import GradientReducer
@@ -166,3 +166,48 @@ def test_a_parameter_replaced_after_sharding_is_refused_by_name() -> None:
     for message in run_distributed(aliasing_worker, 2, timeout=120):
         assert "parameter 1.weight as a view of its gradient bucket's flat parameter buffer" in message
         assert "param.data.copy_" in message
+
+
+class _PassThrough(TorchFunctionMode):
+    """A user's own torch-function mode (a profiler, a tracer): it only calls through."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def modes_worker() -> dict[str, Any]:
+    x = torch.randn(8, WIDTH)
+    run = _setup("overlapped")
+    model, sharded = run[0], run[3]
+    assert sharded is not None
+    gather, stack = sharded.gather, _get_current_function_mode_stack
+    _step(*run, x)
+    seen: dict[str, Any] = {"guarded": len(stack())}
+    with _PassThrough():  # pushed after the guard: the read goes through both, the guard waits
+        model[-1].weight.detach().clone()
+        seen["caught_under_user_mode"] = gather.record.reads_caught
+    seen["after_user_mode"] = len(stack())  # the user's mode popped its own, not the guard
+    with torch.no_grad():
+        model(x)
+    seen["after_forward"] = len(stack())
+    _step(*run, x)
+    with _PassThrough(), torch.no_grad():  # a forward under the user's mode: the guard cannot pop
+        model(x)
+        seen["inside_user_mode"] = [type(m).__name__ for m in stack()]
+    seen["pending_after_forward"] = gather.pending
+    with torch.no_grad():
+        model(x)  # the next chance: popped
+    seen["end"] = len(stack())
+    return seen
+
+
+@pytest.mark.distributed
+def test_the_read_guard_leaves_other_torch_function_modes_alone() -> None:
+    (seen,) = run_distributed(modes_worker, 1, timeout=60)
+    assert seen["guarded"] == 1
+    assert seen["caught_under_user_mode"] == 1
+    assert seen["after_user_mode"] == 1, "the guard, inert, waits on the stack for the next forward"
+    assert seen["after_forward"] == 0
+    assert seen["inside_user_mode"] == ["_ReadGuard", "_PassThrough"]
+    assert not seen["pending_after_forward"]
+    assert seen["end"] == 0

@@ -105,8 +105,8 @@ class Gradients:
         if self.reducer is None or not self.reducer.shard:
             return
         if self.sharded:
-            # Its step gathers the parameters into the buckets' buffers, which hold the other
-            # optimizer's gradient slices until that one steps too.
+            # The parameters live in one set of flat bucket buffers, of which the first optimizer's
+            # pieces are views; a second would move them again, and gather the first's buckets too.
             (first,) = self.sharded.values()
             raise ShardingError(
                 "shard_optimizer_state=True supports one optimizer per model, and this model already has "
