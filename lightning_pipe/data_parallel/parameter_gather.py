@@ -191,6 +191,9 @@ class ParameterGather:
         """Gather every replica's updated slices into the parameters (after the optimizer's step):
         launched in forward order; with ``overlap``, waited later."""
         self.check_aliasing()
+        # A second step with no forward in between (nothing waited yet): finish the first's gathers,
+        # so that every launched work is waited for once.
+        self.wait_all()
         with self._naming("all-gathering the updated parameters over the data-parallel group"):
             for k in self._order:
                 self._pending[k] = all_gather_flat(
@@ -223,6 +226,8 @@ class ParameterGather:
 
     def wait_all(self) -> None:
         """Wait for every gather in flight: after it, every parameter holds its full updated value."""
+        if not self._pending and not self._guard.pushed:  # the usual case: one test
+            return
         self.wait(list(self._order))
         self._retire_guard()
 
