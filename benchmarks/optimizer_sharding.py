@@ -108,14 +108,10 @@ def _timing_waits(sharded: ShardedOptimizer) -> list[float]:
     return waited
 
 
-def _settle(sharded: ShardedOptimizer | None, last: bool = False) -> None:
-    """Wait for the last step's gathers (what a next forward would wait for); ``last``: and for the
-    peer, before the process ends (a rank leaving right after an in-place gather sometimes made
-    the other's gloo teardown abort: "terminate called without an active exception")."""
+def _settle(sharded: ShardedOptimizer | None) -> None:
+    """Wait for the last step's gathers (what a next forward would wait for)."""
     if sharded is not None:
         sharded.gather.wait_all()
-    if last:
-        dist.barrier()
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -157,7 +153,6 @@ def timing_worker(steps: int, blocks: int, profile: bool = False) -> dict[str, A
                 _step(*setup, x)
                 barrier[name].append(time.perf_counter() - start)
             _settle(setup[3])
-    _settle(None, last=True)
     # Same work: every set-up ends with the same weights.
     weights = {n: list(setups[n][0].parameters()) for n in setups}
     diff = max(
@@ -174,7 +169,7 @@ def memory_worker(shard: bool, steps: int) -> dict[str, Any]:
     x = torch.randn(BATCH, WIDTH)
     for _ in range(steps):
         _step(*setup, x)
-    _settle(setup[3], last=True)
+    _settle(setup[3])
     return {
         "state_bytes": _state_bytes(setup[1]),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
