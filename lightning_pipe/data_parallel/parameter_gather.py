@@ -17,9 +17,23 @@ anything reads it. As in Megatron-Core's distributed optimizer (``overlap_param_
   :class:`~torch.overrides.TorchFunctionMode` watches every torch call: one that is given a
   parameter whose gather is pending (``.detach()``, ``.clone()``, ``state_dict()``, arithmetic,
   ``torch.save``) first waits for all gathers. Reading metadata (``.grad``, ``.shape``,
-  ``.data_ptr()``) does not. The strategy adds explicit waits where Lightning leaves the loop
-  (end of training, evaluation, checkpoint saves). A read from C++ only (``dist.broadcast(p)`` by
-  user code) is not seen: call :meth:`ParameterGather.wait_all` first.
+  ``.data_ptr()``) does not. The guard goes to the *bottom* of the mode stack (above a
+  ``torch.set_default_device`` context, as torch's own ``DeviceContext`` does), so that a user's
+  ``with SomeMode():`` around the step pops its own mode on exit, not the guard; it is taken out
+  of wherever it sits when the gathers are done. The strategy adds explicit waits where Lightning
+  leaves the loop (end of training, evaluation, checkpoint saves). Not seen: a read from C++ only
+  (``dist.broadcast(p)`` by user code), and any read from *another Python thread* (torch's mode
+  stack is per thread): call :meth:`ParameterGather.wait_all` (the strategy's
+  ``runtime.wait_for_parameters()``) first.
+* **Ordered.** A second ``optimizer.step()`` before the first's gathers are waited for (no forward
+  in between) would write this replica's slices while the in-flight gather still copies them into
+  its own chunk of the buffer, losing part of the update: the step's pre-hook waits first (after
+  the step's closure when it has one, which holds the forward that overlaps them).
+* **After a failure.** :meth:`ParameterGather.abandon` waits for nothing, but forgets nothing: a
+  later forward, save or guarded read waits for the gathers still in flight (within the group's
+  timeout), and a gather that cannot complete (its wait raised, or :meth:`ParameterGather.close`
+  dropped it) makes every later wait raise :class:`TornParametersError` instead of letting a
+  save or a step read half-gathered weights.
 
 ``overlap=False`` waits in the post-hook itself (a blocking gather, still in place).
 
@@ -39,7 +53,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch._C import _len_torch_function_stack
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
+from torch.utils._device import DeviceContext
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pipe.collectives import all_gather_flat
@@ -56,6 +72,11 @@ to them without waiting (the reducer and ``zero_grad`` read and set ``.grad`` in
 
 class ParameterAliasingError(RuntimeError):
     """A ZeRO-1 parameter no longer lives in its bucket's flat parameter buffer."""
+
+
+class TornParametersError(RuntimeError):
+    """Some buckets' all-gather did not complete: their parameters hold a mix of this step's and
+    older slices, and must not be read, saved or stepped."""
 
 
 @dataclass
@@ -79,7 +100,9 @@ class _ReadGuard(TorchFunctionMode):
         self.watched = watched
         self.on_read = on_read
         self.active = False
-        self.pushed = False
+        self.handling = 0
+        """Depth of :meth:`__torch_function__` calls: torch takes a mode off the stack while its
+        handler runs, so there the guard's absence from the stack does not mean it was removed."""
 
     def __torch_function__(
         self,
@@ -89,9 +112,42 @@ class _ReadGuard(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.active and func not in _METADATA and self._reads_watched(args, kwargs):
-            self.on_read()
+        self.handling += 1
+        try:
+            if self.active and func not in _METADATA and self._reads_watched(args, kwargs):
+                self.on_read()
+        finally:
+            self.handling -= 1
         return func(*args, **kwargs)
+
+    def on_stack(self) -> bool:
+        """Whether the guard is on this thread's torch-function mode stack (wherever: a user's mode
+        may have been pushed above it, or one of ours popped by someone else's exit)."""
+        return any(mode is self for mode in _get_current_function_mode_stack())
+
+    def insert(self) -> None:
+        """Push the guard under every mode but a ``torch.set_default_device`` context (whose exit
+        expects to be at the very bottom): a mode entered before the step and exited after it
+        then pops itself, not the guard."""
+        above = [_pop_mode() for _ in range(_len_torch_function_stack())]  # top first
+        while above and isinstance(above[-1], DeviceContext):
+            _push_mode(above.pop())
+        _push_mode(self)
+        for mode in reversed(above):
+            _push_mode(mode)
+
+    def remove(self) -> bool:
+        """Take the guard out of the mode stack wherever it sits, keeping the others' order;
+        ``False`` when it is not there (inside its own handler: torch pushes it back after)."""
+        modes = _get_current_function_mode_stack()
+        if not any(mode is self for mode in modes):
+            return False
+        above = []
+        while (mode := _pop_mode()) is not self:
+            above.append(mode)
+        for mode in reversed(above):
+            _push_mode(mode)
+        return True
 
     def _reads_watched(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
         # The call's own arguments and one level of lists (torch.cat, the foreach functions):
@@ -142,6 +198,11 @@ class ParameterGather:
         self._unwatched: tuple[int, ...] = ()
         self._hooks: list[RemovableHandle] = []
         self._first_forward = False
+        self._guarded = False
+        """The guard may be on the mode stack (a hint for the fast paths; the stack decides)."""
+        self._abandoned = False
+        self._torn: set[int] = set()
+        """Buckets whose gather was launched and did not complete (its wait raised, or was dropped)."""
         self._guard = _ReadGuard({id(p) for b in layout.buckets for p, _ in b.params}, self._read_caught)
         self.record = GatherRecord()
 
@@ -163,8 +224,14 @@ class ParameterGather:
         self._order = list(self._unwatched) + sorted(first_use, key=lambda k: (first_use[k], -k))
 
     def close(self) -> None:
-        """Wait for what is in flight and remove the hooks."""
-        self.wait_all()
+        """Wait for what is in flight and remove the hooks; after :meth:`abandon`, wait for nothing:
+        what is still in flight is dropped, and its buckets are torn from then on."""
+        if self._abandoned:
+            self._torn.update(self._pending)
+            self._pending.clear()
+            self._retire_guard()
+        else:
+            self.wait_all()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -191,8 +258,8 @@ class ParameterGather:
         """Gather every replica's updated slices into the parameters (after the optimizer's step):
         launched in forward order; with ``overlap``, waited later."""
         self.check_aliasing()
-        # A second step with no forward in between (nothing waited yet): finish the first's gathers,
-        # so that every launched work is waited for once.
+        # The step's pre-hook has waited for the previous gathers (see the module's docstring); a
+        # direct call too must wait once for every launched work.
         self.wait_all()
         with self._naming("all-gathering the updated parameters over the data-parallel group"):
             for k in self._order:
@@ -205,9 +272,10 @@ class ParameterGather:
             return
         self._first_forward = True
         self._guard.active = True
-        if not self._guard.pushed:
-            self._guard.__enter__()
-            self._guard.pushed = True
+        # Asked of the stack, not of a flag of ours: someone else's exit may have popped the guard.
+        if not self._guard.on_stack():
+            self._guard.insert()
+        self._guarded = True
 
     @property
     def pending(self) -> bool:
@@ -215,32 +283,52 @@ class ParameterGather:
         return bool(self._pending)
 
     def wait(self, buckets: Iterable[int]) -> None:
-        """Wait for the gathers of ``buckets`` (those launched and not yet waited for)."""
+        """Wait for the gathers of ``buckets`` (those launched and not yet waited for); raise
+        :class:`TornParametersError` if some bucket's gather could not complete."""
+        self._raise_if_torn()
         with self._naming("all-gathering the updated parameters over the data-parallel group"):
             for k in buckets:
                 work = self._pending.pop(k, None)
                 if work is not None:
+                    self._torn.add(k)  # until its wait returns: a wait that raises leaves it torn
                     work.wait()
+                    self._torn.discard(k)
         if not self._pending:
             self._retire_guard()
 
     def wait_all(self) -> None:
         """Wait for every gather in flight: after it, every parameter holds its full updated value."""
-        if not self._pending and not self._guard.pushed:  # the usual case: one test
+        if not self._pending and not self._guarded and not self._torn:  # the usual case: one test
             return
         self.wait(list(self._order))
         self._retire_guard()
 
     def abandon(self) -> None:
-        """Forget the gathers in flight without waiting (after an exception, when a peer may be
-        gone and a wait would last the whole timeout); parameters of buckets not waited for may
-        then hold only this replica's updated slices."""
-        self._pending.clear()
-        self._retire_guard()
+        """After an exception: wait for nothing now (a peer may be gone, and a wait could last the
+        whole timeout), but forget nothing. A later forward, save or guarded read waits for the
+        gathers still in flight (within the group's timeout); one whose wait fails, or that
+        :meth:`close` drops, leaves its buckets torn, and every later wait raises
+        :class:`TornParametersError` rather than let anything read them."""
+        self._abandoned = True
+
+    def _raise_if_torn(self) -> None:
+        if not self._torn:
+            return
+        names = [
+            self._names.get(id(param), f"of shape {tuple(param.shape)}")
+            for k in sorted(self._torn)
+            for param, _ in self.layout.buckets[k].params
+        ]
+        raise TornParametersError(
+            f"ZeRO-1's all-gather of the updated parameters did not complete for {len(self._torn)} "
+            f"bucket(s) after an earlier failure (parameters {', '.join(names[:8])}"
+            f"{', ...' if len(names) > 8 else ''}): they hold this replica's updated slices beside other "
+            "replicas' older ones, so they cannot be read, saved or stepped. Restart from a checkpoint."
+        )
 
     # ------------------------------------------------------------------ waiting
     def _before_forward(self, layer: nn.Module, args: Any) -> None:
-        if not self._pending and not self._guard.pushed:  # between forwards: two attribute tests
+        if not self._pending and not self._guarded and not self._torn:  # between forwards: three tests
             return
         self._retire_guard()  # the forward is covered by the pre-hooks from here on
         if self._first_forward:
@@ -254,12 +342,9 @@ class ParameterGather:
         self.wait_all()
 
     def _retire_guard(self) -> None:
-        """Stop guarding; pop the guard off the torch-function mode stack when it is on top (it is
-        not inside its own handler, or under a mode pushed after it: it stays, inert, and is popped
-        at the next chance)."""
+        """Stop guarding and take the guard off the torch-function mode stack, wherever it sits.
+        Inside its own handler torch has taken it off and pushes it back after: it stays, inert,
+        and is removed at the next chance."""
         self._guard.active = False
-        if self._guard.pushed:
-            stack = _get_current_function_mode_stack()
-            if stack and stack[-1] is self._guard:
-                self._guard.__exit__(None, None, None)
-                self._guard.pushed = False
+        if self._guarded and (self._guard.remove() or not self._guard.handling):
+            self._guarded = False

@@ -8,7 +8,8 @@ into as many equal slices as there are replicas; the reducer *reduce-scatters* e
 ``k``-th slice of every bucket, steps only the parameter elements in its slices, and the updated
 parameters are all-gathered bucket by bucket in place: launched right after ``optimizer.step()``
 (a step post-hook), each waited for by the next forward of the first layer that uses it
-(:mod:`.parameter_gather`, which also guards reads in between).
+(:mod:`.parameter_gather`, which also guards reads in between); a step pre-hook makes a second
+step wait for the first's gathers when no forward did.
 
 The user's optimizer object stays the one Lightning, LR schedulers and checkpoints see: its
 parameter groups keep their options, but their ``params`` become *pieces*, flat views into this
@@ -146,7 +147,31 @@ class ShardedOptimizer:
         for group in optimizer.param_groups:
             self.logical_groups.append(list(group["params"]))
             group["params"] = [piece.tensor for p in group["params"] for piece in self.pieces.get(id(p), [])]
+        self._pre_handle = optimizer.register_step_pre_hook(self._before_step)
         self._handle = optimizer.register_step_post_hook(lambda *_: self.gather_parameters())
+
+    def _before_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Wait for the previous step's gathers before this step writes this replica's slices: an
+        in-flight gather still copies them into its own chunk of the buffer, and would overwrite
+        part of the update with the old values. With a closure (Lightning's, which runs the whole
+        forward and backward), the wait goes after it: its forward is what overlaps the gathers,
+        and has waited for all of them by its end, so the wait is then one test."""
+        # ``args`` are the step's own: the optimizer first, then a positional closure, if any.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.gather.wait_all()
+            return None
+
+        def closure_then_wait() -> Any:
+            loss = closure()
+            self.gather.wait_all()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
 
     # ------------------------------------------------------------------ one step
     def attach_gradients(self, used: Mapping[int, bool]) -> None:

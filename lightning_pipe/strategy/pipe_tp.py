@@ -141,8 +141,10 @@ class PipeTPStrategy(ParallelStrategy):
         overlap_param_gather: with ``shard_optimizer_state``, the parameters' all-gather is
             launched after the step and each layer's next forward waits for its own buckets
             (Megatron's ``overlap_param_gather``); weights read in between (a callback, a
-            checkpoint, validation, after ``fit``) wait for all of it first. ``False``: the step
-            waits for the gather.
+            checkpoint, validation, after ``fit``) wait for all of it first. Not guarded: reads
+            from another Python thread (torch's function-mode stack is per thread) and from C++
+            only (``dist.broadcast(p)``): call ``strategy.runtime.wait_for_parameters()`` first.
+            ``False``: the step waits for the gather.
         sequence_parallel: with ``tensor_parallel_size > 1``, keep the activations between the
             tensor-parallel regions (norms, dropout, the residual stream, what stages exchange)
             split along the sequence over the tensor ranks (Megatron's sequence parallelism); the
