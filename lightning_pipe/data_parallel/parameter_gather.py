@@ -192,6 +192,15 @@ class ParameterGather:
             self.buffers.append(buffer)
             self.shards.append(buffer[bucket.shard_range.start : bucket.shard_range.stop])
         self._pending: dict[int, dist.Work] = {}
+        self._retired: list[dist.Work] = []
+        """Works waited for (or dropped) since the last launch, kept referenced until the next one:
+        ``wait()`` returns when gloo's worker thread marks a work complete, before that thread
+        lets go of it. Dropped at once, a work is then destroyed on the worker thread, which needs
+        the GIL; when the process ends right after (the last step's gathers are waited just before
+        the end), the interpreter is finalizing by then and the thread's forced exit aborts it
+        (pytorch/pytorch#190489, as :func:`lightning_pipe.mesh.init_mesh`'s exit handler
+        describes; that grace covers processes whose mesh we built, this covers every caller:
+        9 of 24 two-rank engine launches aborted without it, 0 of 24 with it)."""
         self._order: list[int] = list(reversed(range(len(layout.buckets))))
         """Launch order: the forward's (a reducer's first buckets hold the last layers)."""
         self._layer_buckets: dict[int, tuple[int, ...]] = {}
@@ -228,6 +237,7 @@ class ParameterGather:
         what is still in flight is dropped, and its buckets are torn from then on."""
         if self._abandoned:
             self._torn.update(self._pending)
+            self._retired.extend(self._pending.values())
             self._pending.clear()
             self._retire_guard()
         else:
@@ -261,6 +271,7 @@ class ParameterGather:
         # The step's pre-hook has waited for the previous gathers (see the module's docstring); a
         # direct call too must wait once for every launched work.
         self.wait_all()
+        self._retired.clear()  # waited a forward (at least) ago: their worker threads are done
         with self._naming("all-gathering the updated parameters over the data-parallel group"):
             for k in self._order:
                 self._pending[k] = all_gather_flat(
@@ -290,6 +301,7 @@ class ParameterGather:
             for k in buckets:
                 work = self._pending.pop(k, None)
                 if work is not None:
+                    self._retired.append(work)
                     self._torn.add(k)  # until its wait returns: a wait that raises leaves it torn
                     work.wait()
                     self._torn.discard(k)
