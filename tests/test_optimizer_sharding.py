@@ -100,11 +100,11 @@ def _data(kind: str, batch: int, reference: bool) -> DataLoader:
     return DataLoader(ds, batch_size=batch, sampler=sampler)
 
 
-def layout_worker(kind: str, pp: int, tp: int) -> dict[str, Any]:
+def layout_worker(kind: str, pp: int, tp: int, overlap: bool = True) -> dict[str, Any]:
     model = _model(kind)
     strategy = PipeTPStrategy(
         pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2, shard_optimizer_state=True,
-        bucket_cap_mb=0.0004, timeout=timedelta(seconds=90),
+        bucket_cap_mb=0.0004, timeout=timedelta(seconds=90), overlap_param_gather=overlap,
     )  # fmt: skip
     world = int(os.environ["WORLD_SIZE"])
     with warnings.catch_warnings(record=True) as caught:
@@ -130,6 +130,7 @@ def layout_worker(kind: str, pp: int, tp: int) -> dict[str, Any]:
         "buckets": len(runtime.gradients.reducer.shards),
         "slice_elements": per_element * sum(t.numel() for t in runtime.gradients.reducer.shards),
         "grads_none": all(p.grad is None for p in own),
+        "gathers": sharded.gather.record,
         "tp_dims": tp_dims,
         "future_warnings": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)],
     }
@@ -143,14 +144,30 @@ def _reference(kind: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("kind", "pp", "tp"),
-    [("mlp", 1, 1), ("tied", 2, 1), ("gpt", 1, 2), ("tp-mlp", 1, 2)],
-    ids=["dp2", "dp2xpp2", "dp2xtp2-gpt-sgd", "dp2xtp2-adam"],
+    ("kind", "pp", "tp", "overlap"),
+    [
+        ("mlp", 1, 1, True),
+        ("mlp", 1, 1, False),
+        ("tied", 2, 1, True),
+        ("gpt", 1, 2, True),
+        ("tp-mlp", 1, 2, True),
+    ],
+    ids=["dp2", "dp2-blocking-gather", "dp2xpp2", "dp2xtp2-gpt-sgd", "dp2xtp2-adam"],
 )
-def test_sharded_optimizer_matches_one_device_and_holds_half_the_state(kind: str, pp: int, tp: int) -> None:
-    got = run_distributed(layout_worker, 2 * pp * tp, kind, pp, tp, timeout=300, init_group=False)
+def test_sharded_optimizer_matches_one_device_and_holds_half_the_state(
+    kind: str, pp: int, tp: int, overlap: bool
+) -> None:
+    got = run_distributed(layout_worker, 2 * pp * tp, kind, pp, tp, overlap, timeout=300, init_group=False)
     ref = _reference(kind)
     for r in got:
+        gathers = r["gathers"]
+        assert gathers.launches > 0
+        # With the overlap, each step's gathers were waited for by the next forward (its first
+        # layer's hook met later buckets still pending) or, after the last step, at the end of
+        # training; without it, by the step itself.
+        met = gathers.pending_at_first_forward
+        assert len(met) == (gathers.launches - 1 if overlap else 0)
+        assert all(n > 0 for n in met) and gathers.reads_caught == 0
         # The flat gathers and scatters use the name torch 2.13 keeps (no deprecation warnings).
         assert not [w for w in r["future_warnings"] if "torch.distributed" in w], r["future_warnings"]
         assert r["grads_none"], "after the step, only slices hold the averaged gradient"
@@ -343,3 +360,63 @@ def test_sharding_with_one_replica_says_it_does_nothing() -> None:
     ((warnings, layout_log),) = run_distributed(one_replica_worker, 1)
     assert any("shard_optimizer_state=True has no effect with data_parallel_size=1" in w for w in warnings)
     assert "shard_optimizer_state=True has no effect" in layout_log
+
+
+class WeightReader(L.Callback):
+    """Reads weights where Lightning's glue runs between ``optimizer.step()`` and the next forward:
+    the last layer's (whose gather the next forward would wait for last) and the whole state dict."""
+
+    def __init__(self) -> None:
+        self.weights: list[torch.Tensor] = []
+        self.state_dicts: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.weights.append(pl_module.layers[-1].weight.detach().clone())
+        self.state_dicts.append({k: v.clone() for k, v in pl_module.state_dict().items()})
+
+
+def read_worker(shard: bool) -> dict[str, Any]:
+    model, reader = AdamRegressor(), WeightReader()
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=1, num_microbatches=2, shard_optimizer_state=shard, bucket_cap_mb=0.0004,
+        timeout=timedelta(seconds=90),
+    )  # fmt: skip
+    data = _data("mlp", 4, False)
+    trainer = fit(model, strategy, 2, data, max_epochs=1, callbacks=[reader])
+    after_fit = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gradients = strategy.runtime.gradients  # fit's (validate sets up a runtime of its own)
+    caught = [s.gather.record.reads_caught for s in gradients.sharded.values()]
+    buckets = len(gradients.reducer.shards) if gradients.reducer is not None else 0
+    (validated,) = trainer.validate(model, _data("mlp", 4, False), verbose=False)
+    return {
+        "weights": reader.weights,
+        "state_dicts": reader.state_dicts,
+        "after_fit": after_fit,
+        "val_loss": validated["val_loss"],
+        "reads_caught": caught,
+        "buckets": buckets,
+    }
+
+
+@pytest.mark.distributed
+def test_weights_read_between_the_step_and_the_next_forward_are_the_updated_full_values() -> None:
+    """The issue's must-show: under ZeRO-1 with the overlapped gather, a callback's
+    ``on_train_batch_end`` (directly and through ``state_dict()``), user code after ``fit`` and
+    ``trainer.validate`` right after ``fit`` see what a replicated run sees after each step."""
+    sharded = run_distributed(read_worker, 2, True, timeout=300, init_group=False)
+    replicated = run_distributed(read_worker, 2, False, timeout=300, init_group=False)
+    for got, expected in zip(sharded, replicated, strict=True):
+        assert got["buckets"] > 1
+        steps = len(expected["weights"])
+        assert steps == len(got["weights"]) >= 3
+        # The guard waited at the callback's first read of each step (its state_dict found none pending).
+        assert got["reads_caught"] == [steps]
+        for k in range(steps):
+            torch.testing.assert_close(got["weights"][k], expected["weights"][k], atol=1e-6, rtol=0)
+            previous = got["weights"][k - 1] if k else None
+            assert previous is None or not torch.equal(got["weights"][k], previous), f"step {k}: not updated"
+            for name, value in expected["state_dicts"][k].items():
+                torch.testing.assert_close(got["state_dicts"][k][name], value, atol=1e-6, rtol=0, msg=name)
+        for name, value in expected["after_fit"].items():
+            torch.testing.assert_close(got["after_fit"][name], value, atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(got["val_loss"], expected["val_loss"], atol=1e-6, rtol=0)

@@ -154,6 +154,7 @@ def test_setup_errors_name_the_fix(single: dict[str, Any], case: str, pattern: s
             r"^bucket_cap_mb must be a number > 0 \(megabytes per gradient bucket\), got 0",
         ),
         ({"shard_optimizer_state": "yes"}, r"^shard_optimizer_state must be True or False, got 'yes'\.$"),
+        ({"overlap_param_gather": 1}, r"^overlap_param_gather must be True or False, got 1\.$"),
         (
             {"start_method": "thread"},
             r"^start_method must be one of \['popen', 'spawn', 'fork', 'forkserver'\]",

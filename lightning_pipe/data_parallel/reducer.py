@@ -25,7 +25,8 @@ pipeline needs:
   last backward take part with what they hold, zeros for unused ones, so no rank waits), waits
   for everything, and resets to ``None`` the gradients of parameters that no replica used in the
   whole window, as on one device. Which parameters were used travels as one flag per parameter
-  in spare slots at the end of the last bucket, so this costs no extra collective.
+  in spare slots at the end of the last bucket, so this costs no extra collective (unless the
+  buckets are reduce-scattered, ZeRO-1 on NCCL: then the flags are all-reduced on their own).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class GradientReducer:
     _armed: bool = field(default=False, init=False)
     _next: int = field(default=0, init=False)
     _used: torch.Tensor = field(default_factory=lambda: torch.zeros(0), init=False)
+    _flags: torch.Tensor | None = field(default=None, init=False)
+    """The used flags' slots in the last bucket (``None``: they travel on their own)."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0:
@@ -128,9 +131,10 @@ class GradientReducer:
                     current = []
                 current.append(param)
             if current:
-                # Unsharded, the used flags ride in spare slots of the last bucket.
-                last = late or not late_params
-                self._add_bucket(current, flags=len(unique) if last and not self.shard else 0, late=late)
+                # The used flags ride in spare slots of the last bucket, unless it is scattered
+                # (each rank would receive a slice of them).
+                last = (late or not late_params) and not (self.shard and self._scatter)
+                self._add_bucket(current, flags=len(unique) if last else 0, late=late)
         device = unique[0].device if unique else torch.device("cpu")
         self._used = torch.zeros(len(unique), dtype=torch.uint8, device=device)
         for position, param in enumerate(unique):
@@ -149,6 +153,8 @@ class GradientReducer:
             offsets.append(offset)
             self._where[id(param)] = (index, slot)
             offset += param.numel()
+        if flags:
+            self._flags = buffer[offset : offset + flags]
         self._buckets.append(_Bucket(index, params, buffer, views, offsets, late))
         if self.shard:  # this rank's slice: a view, so reductions and gathers work in place
             width = numel // self.size
@@ -234,9 +240,9 @@ class GradientReducer:
             elif grad.data_ptr() != view.data_ptr():  # set after the backward (a tied copy's sum)
                 view.copy_(grad)
                 param.grad = view
-        if bucket.index == len(self._buckets) - 1 and not self.shard:
+        if bucket.index == len(self._buckets) - 1 and self._flags is not None:
             # Launched last, once every earlier bucket is complete: the used flags are final.
-            bucket.buffer[-len(self.params) :].copy_(self._used)
+            self._flags.copy_(self._used)
         # Average = sum of pre-divided parts (DDP's order); slices divided on their way in are not
         # divided again (the used flags need no division: they are only compared with 0).
         if not any(bucket.divided):
@@ -287,12 +293,12 @@ class GradientReducer:
         self._armed = False
         if not self.params:
             return
-        if self.shard:  # the flags travel on their own: a scatter would split them
+        if self._flags is None:  # reduce-scattered buckets: the flags travel on their own
             flags = self._used.to(torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
             used = (flags > 0).tolist()
         else:
-            used = (self._buckets[-1].buffer[-len(self.params) :] > 0).tolist()  # some replica used it
+            used = (self._flags > 0).tolist()  # some replica used it
         self.used = dict(zip((id(p) for p in self.params), used, strict=True))
         for position, param in enumerate(self.params):
             if not used[position]:

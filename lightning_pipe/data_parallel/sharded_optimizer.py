@@ -6,13 +6,16 @@ al. 2020, arXiv:1910.02054), the gradient buckets of :class:`~.reducer.GradientR
 into as many equal slices as there are replicas; the reducer *reduce-scatters* each bucket
 (still overlapping the last backward), so replica ``k`` receives the averaged gradient of the
 ``k``-th slice of every bucket, steps only the parameter elements in its slices, and the updated
-parameters are all-gathered bucket by bucket right after ``optimizer.step()`` (a step post-hook),
-before the next forward.
+parameters are all-gathered bucket by bucket in place: launched right after ``optimizer.step()``
+(a step post-hook), each waited for by the next forward of the first layer that uses it
+(:mod:`.parameter_gather`, which also guards reads in between); a step pre-hook makes a second
+step wait for the first's gathers when no forward did.
 
 The user's optimizer object stays the one Lightning, LR schedulers and checkpoints see: its
 parameter groups keep their options, but their ``params`` become *pieces*, flat views into this
 rank's slices of the real parameters (a parameter cut by a slice boundary gives a piece on each
-side). Stepping a piece updates the parameter in place, so no second copy of the weights exists.
+side). The parameters live in flat per-bucket buffers (:class:`~.parameter_gather.ParameterGather`):
+stepping a piece updates the parameter in place, so no second copy of the weights exists.
 This is only exact for optimizers whose update is element-wise (per-element state, as SGD with
 momentum, Adam, AdamW, RMSprop...): an optimizer that looks at a whole parameter (Adafactor's
 factored moments, LAMB's trust ratio, L-BFGS's history) would compute something else on a slice,
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.collectives import all_gather_flat
+from lightning_pipe.data_parallel.parameter_gather import ParameterGather
 from lightning_pipe.data_parallel.reducer import BucketLayout
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -90,13 +93,24 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
 
 
 class ShardedOptimizer:
-    """Turns ``optimizer`` (over this rank's parameters) into a ZeRO-1 optimizer in place."""
+    """Turns ``optimizer`` (over this rank's parameters) into a ZeRO-1 optimizer in place.
+
+    Args:
+        optimizer: the user's optimizer over this rank's parameters, before its first step.
+        layout: the sharding reducer's buckets.
+        naming: names the operation in a failing collective's error.
+        overlap: launch the parameters' all-gather after the step and let the next forward wait
+            for each bucket (``False``: wait for all of it in the step).
+        names: parameter names by ``id()``, for the error messages.
+    """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         layout: BucketLayout,
         naming: Callable[[str], AbstractContextManager[None]] = lambda what: nullcontext(),
+        overlap: bool = True,
+        names: Mapping[int, str] | None = None,
     ) -> None:
         check_shardable(optimizer)
         self._naming = naming
@@ -108,6 +122,8 @@ class ShardedOptimizer:
             )
         self.optimizer: torch.optim.Optimizer = optimizer
         self.layout = layout
+        # First: the parameters move into their buckets' flat buffers, of which the pieces are views.
+        self.gather = ParameterGather(layout, overlap, names, naming)
         self.pieces: dict[int, list[_Piece]] = {}
         for b, bucket in enumerate(layout.buckets):
             own = bucket.shard_range
@@ -131,13 +147,38 @@ class ShardedOptimizer:
         for group in optimizer.param_groups:
             self.logical_groups.append(list(group["params"]))
             group["params"] = [piece.tensor for p in group["params"] for piece in self.pieces.get(id(p), [])]
+        self._pre_handle = optimizer.register_step_pre_hook(self._before_step)
         self._handle = optimizer.register_step_post_hook(lambda *_: self.gather_parameters())
+
+    def _before_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Wait for the previous step's gathers before this step writes this replica's slices: an
+        in-flight gather still copies them into its own chunk of the buffer, and would overwrite
+        part of the update with the old values. With a closure (Lightning's, which runs the whole
+        forward and backward), the wait goes after it: its forward is what overlaps the gathers,
+        and has waited for all of them by its end, so the wait is then one test."""
+        # ``args`` are the step's own: the optimizer first, then a positional closure, if any.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.gather.wait_all()
+            return None
+
+        def closure_then_wait() -> Any:
+            loss = closure()
+            self.gather.wait_all()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
 
     # ------------------------------------------------------------------ one step
     def attach_gradients(self, used: Mapping[int, bool]) -> None:
         """After the reducer's ``finish``: each piece's gradient is its slice of the averaged
         bucket; the full parameters' ``.grad`` (this replica's own, unaveraged) are dropped, so that
         nothing reads them by mistake."""
+        self.gather.check_aliasing()  # before the step: a cut-off parameter would miss its update
         for pieces in self.pieces.values():
             for piece in pieces:
                 shard = self.layout.buckets[piece.bucket].shard
@@ -147,27 +188,9 @@ class ShardedOptimizer:
                 param.grad = None
 
     def gather_parameters(self) -> None:
-        """All-gather the updated slices into every replica's parameters. No new memory: a
-        bucket's gradient buffer is done with once the optimizer has stepped, so this rank's
-        updated slice is staged in its own part of that buffer and gathered in place; all
-        buckets' gathers are in flight together, then copied into the parameters."""
-        with self._naming("all-gathering the updated parameters over the data-parallel group"):
-            self._gather_parameters()
-
-    def _gather_parameters(self) -> None:
-        buckets = self.layout.buckets
-        for pieces in self.pieces.values():
-            for piece in pieces:
-                buckets[piece.bucket].shard[piece.in_shard].copy_(piece.tensor)
-        works = [
-            all_gather_flat(bucket.buffer, bucket.shard, group=self.layout.group, async_op=True)
-            for bucket in buckets
-        ]
-        for bucket, work in zip(buckets, works, strict=True):
-            work.wait()
-            for param, offset in bucket.params:
-                param.detach().view(-1).copy_(bucket.buffer[offset : offset + param.numel()])
-            bucket.buffer.zero_()  # the gradient buffer again, for the next accumulation window
+        """All-gather the updated slices into every replica's parameters, in place: launched now,
+        in forward order, and waited for by the next forward (or at once without ``overlap``)."""
+        self.gather.launch()
 
     def state_elements(self) -> int:
         """Elements of optimizer state this rank holds (tensors only)."""
@@ -265,6 +288,7 @@ class LogicalOptimizer:
         self._full: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        self._sharded.gather.wait_all()  # a save reads the parameters next: full values
         if self._full is None:
             self._full = self._sharded.full_state_dict()
         return self._full

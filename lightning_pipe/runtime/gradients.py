@@ -14,7 +14,7 @@ copies are summed shard by shard, and the norm sums each rank's shards over the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ class Gradients:
             tensor group.
         fully_sharded: FSDP2 over the data axis (``shard_parameters``): it reduces the sharded
             gradients; no reducer then.
+        overlap_param_gather: with ``shard``, the updated parameters' all-gather overlaps the next
+            forward (:mod:`lightning_pipe.data_parallel.parameter_gather`); ``False``: it blocks
+            in the optimizer's step.
     """
 
     def __init__(
@@ -67,7 +70,9 @@ class Gradients:
         shard: bool = False,
         summed_over_tensor: Sequence[nn.Parameter] = (),
         fully_sharded: FullyShardedStages | None = None,
+        overlap_param_gather: bool = True,
     ) -> None:
+        self.overlap_param_gather = overlap_param_gather
         self.parameters, self.tied, self.mesh, self.naming = list(parameters), list(tied), mesh, naming
         self.summed_over_tensor = list(summed_over_tensor)
         self.fully_sharded = fully_sharded
@@ -88,20 +93,47 @@ class Gradients:
         """Whether the optimizer state is sharded over the replicas (ZeRO-1)."""
         return self.reducer is not None and self.reducer.shard
 
-    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer`` step this replica's slices only (ZeRO-1)."""
+    def shard_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        layers: Sequence[nn.Module] = (),
+        names: Mapping[int, str] | None = None,
+    ) -> None:
+        """Make ``optimizer`` step this replica's slices only (ZeRO-1); the updated parameters'
+        gathers are waited for by the forward pre-hooks of ``layers`` (this rank's pipeline layers,
+        in forward order); ``names``: parameter names by ``id()``, for error messages."""
         if self.reducer is None or not self.reducer.shard:
             return
         if self.sharded:
-            # Its step gathers the parameters into the buckets' buffers, which hold the other
-            # optimizer's gradient slices until that one steps too.
+            # The parameters live in one set of flat bucket buffers, of which the first optimizer's
+            # pieces are views; a second would move them again, and gather the first's buckets too.
             (first,) = self.sharded.values()
             raise ShardingError(
                 "shard_optimizer_state=True supports one optimizer per model, and this model already has "
                 f"one ({type(first.optimizer).__name__}); put every parameter in one "
                 "optimizer (parameter groups can hold different options), or shard_optimizer_state=False."
             )
-        self.sharded[id(optimizer)] = ShardedOptimizer(optimizer, self.reducer.layout(), self.naming)
+        sharded = ShardedOptimizer(
+            optimizer, self.reducer.layout(), self.naming, self.overlap_param_gather, names
+        )
+        sharded.gather.watch(layers)
+        self.sharded[id(optimizer)] = sharded
+
+    def wait_for_parameters(self) -> None:
+        """Under ZeRO-1, wait for the updated parameters' gathers still in flight: every parameter
+        then holds its full value (before anything outside a forward reads them)."""
+        for sharded in self.sharded.values():
+            sharded.gather.wait_all()
+
+    def abandon_parameter_gathers(self) -> None:
+        """After an exception: forget the gathers in flight (a peer may be gone) and stop guarding."""
+        for sharded in self.sharded.values():
+            sharded.gather.abandon()
+
+    def close(self) -> None:
+        """Wait for the gathers in flight and remove the forward pre-hooks."""
+        for sharded in self.sharded.values():
+            sharded.gather.close()
 
     def begin(self) -> None:
         """Start an accumulation window (after zeroing the gradients)."""

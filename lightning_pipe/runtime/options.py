@@ -43,6 +43,11 @@ class RuntimeOptions:
     shard_optimizer_state: bool = False
     """ZeRO-1: each data-parallel replica keeps the optimizer state of 1/dp of its stage
     (:mod:`lightning_pipe.data_parallel.sharded_optimizer`)."""
+    overlap_param_gather: bool = True
+    """Under ``shard_optimizer_state``: the updated parameters' all-gather is launched after the
+    step and each layer's next forward waits for its own buckets only (Megatron's
+    ``overlap_param_gather``; reads in between wait for all of it,
+    :mod:`lightning_pipe.data_parallel.parameter_gather`). ``False``: the step waits for it."""
     sequence_parallel: bool = False
     """With tensor parallelism, keep the activations between tensor-parallel regions split along
     the sequence (Megatron's sequence parallelism); the plan says where the split begins
@@ -100,6 +105,7 @@ class RuntimeOptions:
         check_positive("bucket_cap_mb", self.bucket_cap_mb, "megabytes per gradient bucket")
         for name in (
             "shard_optimizer_state",
+            "overlap_param_gather",
             "check_finite",
             "deferred_batch_norm",
             "check_forward",

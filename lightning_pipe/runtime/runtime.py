@@ -264,6 +264,7 @@ class ParallelRuntime:
             self.options.bucket_cap_mb,
             shard=self.options.shard_optimizer_state,
             fully_sharded=self.fully_sharded,
+            overlap_param_gather=self.options.overlap_param_gather,
             summed_over_tensor=[
                 p
                 for name in done.summed_over_tensor
@@ -345,12 +346,24 @@ class ParallelRuntime:
         included, as ``model.parameters()`` gives them), keeping only this rank's; its groups stay
         described in whole-model terms, so that its checkpoints load at any layout and on one
         device (:mod:`lightning_pipe.checkpoint.optimizer_view`). Under ``shard_optimizer_state``
-        it then steps this replica's slices only. Returns it."""
+        it then steps this replica's slices only, and the next forward of each layer waits for the
+        all-gather of its updated parameters. Returns it."""
         others = self.other_stages_tensors()
         own = {id(p) for p in self.module.parameters() if id(p) not in others and not p.is_meta}
         keep_own(optimizer, self.module, own)
-        self.gradients.shard_optimizer(optimizer)
+        # The modules the executor calls (a layer with its call, BoundLayer) hold the layers' parameters.
+        executed = [self._executed[i] for s in self.stage_indices for i in self.partition.layer_range(s)]
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self.gradients.shard_optimizer(optimizer, executed, names)
         return optimizer
+
+    def wait_for_parameters(self) -> None:
+        """Under ZeRO-1, wait for the updated parameters' all-gathers still in flight after the
+        optimizer's step (the next forward waits for them layer by layer; reads in between are
+        guarded): call it before reading the weights where no torch call would show it (code that
+        only hands them to C++) or from another Python thread (the guard, a torch-function mode,
+        sees this thread's calls only). Nothing to do otherwise."""
+        self.gradients.wait_for_parameters()
 
     def logical(self, optimizer: torch.optim.Optimizer, *, whole_everywhere: bool = False) -> Any:
         """``optimizer`` as checkpoints see it: under ``shard_optimizer_state``, a view over the
@@ -521,6 +534,8 @@ class ParallelRuntime:
         )
 
         def end(output: Any, i: int) -> Any:
+            # The loss may read parameters outside the layers (the pre-hooks wait for the layers').
+            self.gradients.wait_for_parameters()
             return head(output, microbatches[i])
 
         deferred = self.batch_norm if training else None
@@ -701,6 +716,7 @@ class ParallelRuntime:
         (and, from global rank 0, ``extra``) into the checkpoint directory ``path``, keyed by the
         unsliced model's names, so that any layout, or one device after
         ``python -m lightning_pipe.consolidate``, loads it."""
+        self.wait_for_parameters()
         part = self.part
         checkpoint = {
             **(extra or {}),
@@ -725,7 +741,9 @@ class ParallelRuntime:
         return checkpoint
 
     def close(self) -> None:
-        """Remove the hooks this runtime installed (BatchNorm deferral)."""
+        """Remove the hooks this runtime installed (BatchNorm deferral, ZeRO-1's waits for the
+        parameters' gathers, after waiting for those in flight)."""
+        self.gradients.close()
         if self.batch_norm is not None:
             self.batch_norm.remove()
             self.batch_norm = None

@@ -138,6 +138,13 @@ class PipeTPStrategy(ParallelStrategy):
             optimizers only (SGD, Adam, AdamW, ...); after the backward, parameters' ``.grad`` are
             ``None`` (the averaged gradient exists only as slices). Checkpoints stay unsharded by
             parameter name.
+        overlap_param_gather: with ``shard_optimizer_state``, the parameters' all-gather is
+            launched after the step and each layer's next forward waits for its own buckets
+            (Megatron's ``overlap_param_gather``); weights read in between (a callback, a
+            checkpoint, validation, after ``fit``) wait for all of it first. Not guarded: reads
+            from another Python thread (torch's function-mode stack is per thread) and from C++
+            only (``dist.broadcast(p)``): call ``strategy.runtime.wait_for_parameters()`` first.
+            ``False``: the step waits for the gather.
         sequence_parallel: with ``tensor_parallel_size > 1``, keep the activations between the
             tensor-parallel regions (norms, dropout, the residual stream, what stages exchange)
             split along the sequence over the tensor ranks (Megatron's sequence parallelism); the
@@ -204,6 +211,7 @@ class PipeTPStrategy(ParallelStrategy):
         check_forward: bool = True,
         bucket_cap_mb: float = 25.0,
         shard_optimizer_state: bool = False,
+        overlap_param_gather: bool = True,
         sequence_parallel: bool = False,
         layer_seeded_dropout: bool | None = None,
         shard_parameters: bool = False,
@@ -234,6 +242,7 @@ class PipeTPStrategy(ParallelStrategy):
             ("check_finite", check_finite),
             ("check_forward", check_forward),
             ("shard_optimizer_state", shard_optimizer_state),
+            ("overlap_param_gather", overlap_param_gather),
             ("save_distributed_checkpoint", save_distributed_checkpoint),
             ("deferred_batch_norm", deferred_batch_norm),
         ):
@@ -283,6 +292,7 @@ class PipeTPStrategy(ParallelStrategy):
             virtual_stages=virtual_stages if virtual_stages is not None else (2 if interleaved else 1),
             bucket_cap_mb=bucket_cap_mb,
             shard_optimizer_state=shard_optimizer_state,
+            overlap_param_gather=overlap_param_gather,
             sequence_parallel=sequence_parallel,
             layer_seeded_dropout=layer_seeded_dropout,
             shard_parameters=shard_parameters,
@@ -822,6 +832,24 @@ class PipeTPStrategy(ParallelStrategy):
             recorder.add_span("optimizer step", closure_end[-1], time.perf_counter())
         return output
 
+    # ZeRO-1's parameter gathers overlap the next training forward; where the loop leaves
+    # training, every parameter is made whole first (the callbacks' hooks of the same name ran
+    # before, their reads guarded: see lightning_pipe/data_parallel/parameter_gather.py).
+    @override
+    def on_validation_start(self) -> None:
+        self.runtime.wait_for_parameters()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self.runtime.wait_for_parameters()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.runtime.wait_for_parameters()
+        super().on_predict_start()
+
     # A rank whose dataloader ran out first reaches the end of the loop while its peers still run
     # a step: agreeing on "the end" makes both sides stop with the same message.
     @override
@@ -841,6 +869,7 @@ class PipeTPStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        self.runtime.wait_for_parameters()  # the last step's gathers: no forward waits for them
         self.runtime.agree_end("end of training")
         super().on_train_end()
         self.timeline.write(
@@ -852,6 +881,8 @@ class PipeTPStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Record this rank's failure, so that the ranks that lose it can name it."""
         self.faults.on_exception(exception, self.global_rank)
+        if self._runtime is not None:  # a peer may be gone: waiting could last the whole timeout
+            self._runtime.gradients.abandon_parameter_gathers()
         super().on_exception(exception)
 
     # ------------------------------------------------------------------ checkpoints
@@ -868,10 +899,12 @@ class PipeTPStrategy(ParallelStrategy):
         # The first call of a save (dump_checkpoint asks for the model first): every rank must be
         # here, or the save's collectives would wait on ranks that are elsewhere.
         checkpoints.every_rank_saves(self.faults.naming, self.global_rank, self._timeout)
+        self.runtime.wait_for_parameters()
         return checkpoints.model_state(self.runtime, self.save_distributed_checkpoint, self.faults.naming)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self.runtime.wait_for_parameters()
         return checkpoints.optimizer_state(
             self.runtime, optimizer, self.save_distributed_checkpoint, self.faults.naming
         )
