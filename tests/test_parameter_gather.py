@@ -13,13 +13,20 @@ that every layer has its own:
 * a parameter whose storage is replaced after sharding is refused by name;
 * a second ``optimizer.step()`` with no forward in between keeps its whole update;
 * a user's torch-function mode around the step does not take the guard with it;
-* after ``abandon()`` a read still waits, and a dropped gather makes later waits raise.
+* after ``abandon()`` a read still waits; the teardown lets the gathers in flight complete, and
+  one that cannot (a peer gone) makes later waits raise;
+* another thread's wait and the training thread's forward never meet a half-waited bucket;
+* watched layers stay deep-copyable and picklable (the copies have no waiting hook);
+* a process ending right after its last gathers exits cleanly.
 
 The Lightning side (callbacks, ``fit`` then ``validate``) is in ``tests/test_optimizer_sharding.py``.
 """
 
 from __future__ import annotations
 
+import copy
+import pickle
+import threading
 from typing import Any
 
 import pytest
@@ -281,29 +288,120 @@ def abandon_worker() -> dict[str, Any]:
     read = overlapped[0][LAYERS - 1].weight.detach().clone()
     seen: dict[str, Any] = {"read_caught": gather.record.reads_caught, "pending": gather.pending}
     seen["read"], seen["expected"] = read, replicated[0][LAYERS - 1].weight.detach().clone()
-    _step(*overlapped, x)  # the next step, and an exception with its gathers in flight
+    # The next step, an exception with its gathers in flight, the teardown: every peer is alive,
+    # so the gathers complete within close()'s grace, and a save after it sees whole weights.
+    _step(*replicated, x)
+    _step(*overlapped, x)
     gather.abandon()
-    works = list(gather._pending.values())
-    gather.close()  # the teardown: drops them without waiting
-    for work in works:
-        work.wait()  # (only so that the process ends with nothing in flight)
-    try:
-        gather.wait_all()  # a checkpoint save after the failure
-        seen["save"] = "no error"
-    except TornParametersError as err:
-        seen["save"] = str(err)
+    seen["pending_before_close"] = gather.pending
+    gather.close()
+    seen["pending_after_close"] = gather.pending
+    gather.wait_all()  # a checkpoint save after the failure: no error
+    seen["saved"] = _weights(overlapped[0])
+    seen["saved_expected"] = _weights(replicated[0])
+    # A peer gone: rank 1 takes no part in rank 0's next gathers, which then cannot complete.
+    if dist.get_rank() == 0:
+        from datetime import timedelta
+
+        import lightning_pipe.data_parallel.parameter_gather as module
+
+        module._CLOSE_GRACE = timedelta(seconds=0.5)
+        lost = _setup("overlapped")[3].gather  # type: ignore[union-attr]
+        lost.launch()
+        lost.abandon()
+        lost.close()
+        try:
+            lost.wait_all()
+            seen["save"] = "no error"
+        except TornParametersError as err:
+            seen["save"] = str(err)
     return seen
 
 
 @pytest.mark.distributed
-def test_after_abandon_reads_wait_and_dropped_gathers_refuse_saves() -> None:
-    for seen in run_distributed(abandon_worker, 2, timeout=120):
+def test_after_abandon_reads_wait_and_gathers_that_cannot_complete_refuse_saves() -> None:
+    for rank, seen in enumerate(run_distributed(abandon_worker, 2, timeout=120)):
         assert seen["read_caught"] == 1
         assert not seen["pending"]
         torch.testing.assert_close(seen["read"], seen["expected"], atol=1e-6, rtol=0)
-        assert f"did not complete for {LAYERS} bucket(s) after an earlier failure" in seen["save"]
-        for layer in range(LAYERS):
-            assert f"{layer}.weight" in seen["save"] and f"{layer}.bias" in seen["save"]
+        assert seen["pending_before_close"] and not seen["pending_after_close"]
+        for name, value in seen["saved"].items():
+            torch.testing.assert_close(value, seen["saved_expected"][name], atol=1e-6, rtol=0)
+        if rank == 0:
+            assert f"did not complete for {LAYERS} bucket(s) after an earlier failure" in seen["save"]
+            for layer in range(LAYERS):
+                assert f"{layer}.weight" in seen["save"] and f"{layer}.bias" in seen["save"]
+
+
+def thread_worker() -> dict[str, Any]:
+    # Another thread waits for the gathers (as the docs say a background reader should) while the
+    # training thread's forward waits for them too: neither may see a bucket half-waited by the
+    # other (before the lock: a spurious TornParametersError in 10 of 10 trials).
+    width = 1024
+    x = torch.randn(64, width, generator=torch.Generator().manual_seed(dist.get_rank()))
+    overlapped, blocking = _setup("overlapped", width), _setup("blocking", width)
+    gather = overlapped[3].gather  # type: ignore[union-attr]
+    worst = 0.0
+    for _ in range(10):
+        _step(*overlapped, x)
+        _step(*blocking, x)
+        reader = threading.Thread(target=gather.wait_all)
+        reader.start()
+        with torch.no_grad():
+            got = overlapped[0](x)
+        reader.join()
+        with torch.no_grad():
+            worst = max(worst, (got - blocking[0](x)).abs().max().item())
+    guards = [type(m).__name__ for m in _get_current_function_mode_stack()]
+    return {"worst": worst, "modes": guards, "launches": gather.record.launches}
+
+
+@pytest.mark.distributed
+def test_another_thread_waiting_for_the_gathers_while_the_forward_runs() -> None:
+    for seen in run_distributed(thread_worker, 2, timeout=180):
+        assert seen["launches"] == 10
+        assert seen["worst"] == 0.0  # the same weights as the blocking gather, bit for bit
+        assert seen["modes"] == []  # the guard left this thread's stack
+
+
+def copy_worker() -> dict[str, Any]:
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
+    overlapped, blocking = _setup("overlapped"), _setup("blocking")
+    gather = overlapped[3].gather  # type: ignore[union-attr]
+    _step(*overlapped, x)
+    _step(*blocking, x)
+    layer = overlapped[0][1]
+    ema = copy.deepcopy(layer)  # after the step, gathers pending: the copy reads waited weights
+    unpickled = pickle.loads(pickle.dumps(layer))
+    seen: dict[str, Any] = {"copies": [], "hooks": []}
+    for copied in (ema, unpickled):
+        seen["copies"].append({n: t.detach().clone() for n, t in copied.state_dict().items()})
+        seen["hooks"].append(
+            [getattr(h, "__name__", type(h).__name__) for h in copied._forward_pre_hooks.values()]
+        )
+        copied(x)  # no gather to wait for: a copy's parameters are its own
+    seen["expected"] = {n: t.detach().clone() for n, t in blocking[0][1].state_dict().items()}
+    launches = gather.record.launches
+    _step(*overlapped, x)
+    _step(*blocking, x)
+    with torch.no_grad():
+        overlapped[0](x)  # the original's layers still wait for their buckets
+    seen["launches"] = gather.record.launches - launches
+    seen["met"] = gather.record.pending_at_first_forward
+    seen["after"], seen["after_expected"] = _weights(overlapped[0]), _weights(blocking[0])
+    return seen
+
+
+@pytest.mark.distributed
+def test_watched_layers_can_be_deep_copied_and_pickled() -> None:
+    for seen in run_distributed(copy_worker, 2, timeout=120):
+        assert seen["hooks"] == [["_no_wait"], ["_no_wait"]]
+        for copied in seen["copies"]:
+            for name, value in copied.items():
+                torch.testing.assert_close(value, seen["expected"][name], atol=1e-6, rtol=0)
+        assert seen["launches"] == 1 and seen["met"] == [LAYERS]
+        for name, value in seen["after"].items():
+            torch.testing.assert_close(value, seen["after_expected"][name], atol=0, rtol=0)
 
 
 def _step_and_end(rank: int, port: int) -> None:

@@ -157,6 +157,26 @@ def test_unet_with_data_parallelism(options: dict[str, Any]) -> None:
     _assert_matches(got, "unet", dp=2)
 
 
+@pytest.mark.parametrize(
+    ("name", "schedule", "m", "recompute", "v"),
+    [
+        ("unet", "zb_h1", 2, "always", 1),
+        ("unet", "interleaved_1f1b", 4, "except_last", 2),
+        ("seq2seq", "zb_h1", 2, "except_last", 1),
+    ],
+)
+def test_zero1_overlap_with_skips_split_backward_and_virtual_stages(
+    name: str, schedule: str, m: int, recompute: str, v: int
+) -> None:
+    """dp=2 x pp=2 under ZeRO-1 with its overlapped gather: the layers' waiting pre-hooks sit on
+    the Stash/Pop wrappers the executor calls, fire again (with nothing to wait for) when a
+    recomputation or zero-bubble's replay runs the forward inside the backward, and a rank holding
+    two virtual stages waits for each stage's buckets at its own layers."""
+    args = (name, 2, schedule, m, recompute, 1, 2, v, {"shard_optimizer_state": True})
+    got = run_distributed(worker, 4, *args, timeout=300, init_group=False)
+    _assert_matches(got, name, dp=2)
+
+
 def flow_worker(root: str) -> dict[str, Any]:
     """Fit, validate and predict on one Trainer, save; then a new model resumes at pp=4."""
     model, data = _model("unet")

@@ -21,10 +21,15 @@ anything reads it. As in Megatron-Core's distributed optimizer (``overlap_param_
   ``torch.set_default_device`` context, as torch's own ``DeviceContext`` does), so that a user's
   ``with SomeMode():`` around the step pops its own mode on exit, not the guard; it is taken out
   of wherever it sits when the gathers are done. The strategy adds explicit waits where Lightning
-  leaves the loop (end of training, evaluation, checkpoint saves). Not seen: a read from C++ only
-  (``dist.broadcast(p)`` by user code), and any read from *another Python thread* (torch's mode
-  stack is per thread): call :meth:`ParameterGather.wait_all` (the strategy's
-  ``runtime.wait_for_parameters()``) first.
+  leaves the loop (end of training, evaluation, checkpoint saves). Not seen: a view or alias made
+  *before* the step and read after it (``self.ref = p.detach()`` kept by a callback: the guard
+  knows the parameters, not their aliases), and any read from *another Python thread* (torch's
+  mode stack is per thread): call :meth:`ParameterGather.wait_all` (the strategy's
+  ``runtime.wait_for_parameters()``) first; it is safe from any thread (one lock orders the
+  waits, so the training thread's forward and another thread's wait never see a half-waited
+  bucket). While the guard is on, every torch call of this thread goes through its Python
+  handler (the next batch's transfer and split, a few dozen calls), and a call outside its list
+  of metadata reads that is given a parameter ends that step's overlap (it waits for all).
 * **Ordered.** A second ``optimizer.step()`` before the first's gathers are waited for (no forward
   in between) would write this replica's slices while the in-flight gather still copies them into
   its own chunk of the buffer, losing part of the update: the step's pre-hook waits first (after
@@ -45,9 +50,12 @@ name (:class:`ParameterAliasingError`).
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -62,12 +70,70 @@ from lightning_pipe.collectives import all_gather_flat
 from lightning_pipe.data_parallel.reducer import BucketLayout
 
 _METADATA: frozenset[Any] = frozenset(
-    {getattr(torch.Tensor, name).__get__ for name in ("grad", "requires_grad", "shape", "dtype", "device")}
+    {
+        getattr(torch.Tensor, name).__get__
+        for name in (
+            "grad",
+            "requires_grad",
+            "shape",
+            "dtype",
+            "device",
+            "ndim",
+            "is_leaf",
+            "grad_fn",
+            "layout",
+        )
+    }
     | {vars(torch._C.TensorBase)["grad"].__set__}
-    | {getattr(torch.Tensor, name) for name in ("size", "dim", "numel", "data_ptr", "element_size")}
+    | {
+        getattr(torch.Tensor, name)
+        for name in (
+            "size",
+            "dim",
+            "numel",
+            "data_ptr",
+            "element_size",
+            "stride",
+            "storage_offset",
+            "is_contiguous",
+            "requires_grad_",
+            "__hash__",
+        )
+    }
 )
 """Torch calls that read a tensor's metadata, never its values: a guarded parameter may be given
-to them without waiting (the reducer and ``zero_grad`` read and set ``.grad`` in the window)."""
+to them without waiting (the reducer and ``zero_grad`` read and set ``.grad`` in the window; a
+parameter used as a dict key is hashed by identity; ``requires_grad_`` only sets a flag)."""
+
+_CLOSE_GRACE = timedelta(seconds=5)
+"""How long :meth:`ParameterGather.close` after :meth:`~ParameterGather.abandon` lets the gathers
+still in flight complete (they do when every peer is alive) before it calls them torn."""
+
+
+def _no_wait(layer: nn.Module, args: Any) -> None:
+    """The forward pre-hook of a copied layer: a copy's parameters are not in any bucket."""
+
+
+class _ForwardWait:
+    """A layer's forward pre-hook waiting for its buckets' gathers. Copied (``copy.deepcopy`` of a
+    layer after setup: an EMA or teacher copy) or pickled, it becomes :func:`_no_wait`: the copy's
+    parameters are its own tensors, not views of the buffers, and a process group cannot be copied."""
+
+    def __init__(self, gather: ParameterGather) -> None:
+        self.gather = gather
+
+    def __call__(self, layer: nn.Module, args: Any) -> None:
+        self.gather._before_forward(layer, args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[[nn.Module, Any], None]:
+        return _no_wait
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert, ())
+
+
+def _inert() -> Callable[[nn.Module, Any], None]:
+    return _no_wait
 
 
 class ParameterAliasingError(RuntimeError):
@@ -191,9 +257,15 @@ class ParameterGather:
                 param.data = view  # the old storage is freed: no second copy of the weights
             self.buffers.append(buffer)
             self.shards.append(buffer[bucket.shard_range.start : bucket.shard_range.stop])
+        self._lock = threading.RLock()
+        """Held by every wait, launch and close: another thread's :meth:`wait_all` (the documented
+        way to read weights from a thread) and the training thread's forward then never meet a
+        bucket half-waited by the other."""
         self._pending: dict[int, dist.Work] = {}
         self._retired: list[dist.Work] = []
-        """Works waited for (or dropped) since the last launch, kept referenced until the next one:
+        self._retired_earlier: list[dist.Work] = []
+        """Works waited for (or dropped) since the last launch, and before it: kept referenced
+        until the launch after the next one:
         ``wait()`` returns when gloo's worker thread marks a work complete, before that thread
         lets go of it. Dropped at once, a work is then destroyed on the worker thread, which needs
         the GIL; when the process ends right after (the last step's gathers are waited just before
@@ -209,6 +281,8 @@ class ParameterGather:
         self._first_forward = False
         self._guarded = False
         """The guard may be on the mode stack (a hint for the fast paths; the stack decides)."""
+        self._guard_thread: int | None = None
+        """The thread whose mode stack holds the guard (modes are per thread): only it removes it."""
         self._abandoned = False
         self._torn: set[int] = set()
         """Buckets whose gather was launched and did not complete (its wait raised, or was dropped)."""
@@ -226,25 +300,45 @@ class ParameterGather:
             self._layer_buckets[id(layer)] = buckets
             for k in buckets:
                 first_use.setdefault(k, position)
-            self._hooks.append(layer.register_forward_pre_hook(self._before_forward))
-        # Buckets no watched layer uses (parameters read by the loss only): first, and waited by
-        # the first layer's hook.
+            self._hooks.append(layer.register_forward_pre_hook(_ForwardWait(self)))
+        # Buckets no watched layer uses (an engine-level caller watching some layers only; in the
+        # strategy every bucketed parameter is in a watched layer): first, and waited by the first
+        # layer's hook.
         self._unwatched = tuple(k for k in range(len(self.layout.buckets)) if k not in first_use)
         self._order = list(self._unwatched) + sorted(first_use, key=lambda k: (first_use[k], -k))
 
     def close(self) -> None:
-        """Wait for what is in flight and remove the hooks; after :meth:`abandon`, wait for nothing:
-        what is still in flight is dropped, and its buckets are torn from then on."""
-        if self._abandoned:
-            self._torn.update(self._pending)
-            self._retired.extend(self._pending.values())
-            self._pending.clear()
-            self._retire_guard()
-        else:
-            self.wait_all()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        """Wait for what is in flight and remove the forward pre-hooks. After :meth:`abandon`, give
+        the gathers in flight a few seconds (:data:`_CLOSE_GRACE`: they complete when every peer is
+        alive) and call the rest torn. The optimizer's step hooks stay: a step after this still
+        gathers what it updated, as the replicas need."""
+        try:
+            with self._lock:
+                if self._abandoned:
+                    self._wait_with_grace()
+                    self._retire_guard()
+                else:
+                    self.wait_all()
+        finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+
+    def _wait_with_grace(self) -> None:
+        deadline = time.monotonic() + _CLOSE_GRACE.total_seconds()
+        for k in list(self._order):
+            work = self._pending.pop(k, None)
+            if work is None:
+                continue
+            self._retired.append(work)
+            left = deadline - time.monotonic()
+            try:
+                # A zero timeout would mean "none" to c10d: a bucket out of time is torn unasked.
+                completed = left > 0.01 and work.wait(timedelta(seconds=left)) is not False
+            except Exception:  # the peer is gone, or the time is up: what it says is not needed
+                completed = False
+            if not completed:
+                self._torn.add(k)
 
     # ------------------------------------------------------------------ one step
     def check_aliasing(self) -> None:
@@ -268,25 +362,29 @@ class ParameterGather:
         """Gather every replica's updated slices into the parameters (after the optimizer's step):
         launched in forward order; with ``overlap``, waited later."""
         self.check_aliasing()
-        # The step's pre-hook has waited for the previous gathers (see the module's docstring); a
-        # direct call too must wait once for every launched work.
-        self.wait_all()
-        self._retired.clear()  # waited a forward (at least) ago: their worker threads are done
-        with self._naming("all-gathering the updated parameters over the data-parallel group"):
-            for k in self._order:
-                self._pending[k] = all_gather_flat(
-                    self.buffers[k], self.shards[k], group=self.layout.group, async_op=True
-                )
-        self.record.launches += 1
-        if not self.overlap:
+        with self._lock:
+            # The step's pre-hook has waited for the previous gathers (see the module's docstring);
+            # a direct call too must wait once for every launched work.
             self.wait_all()
-            return
-        self._first_forward = True
-        self._guard.active = True
-        # Asked of the stack, not of a flag of ours: someone else's exit may have popped the guard.
-        if not self._guard.on_stack():
-            self._guard.insert()
-        self._guarded = True
+            # Works retired before the previous launch: a whole step ago, their threads are done
+            # (those just waited, by the line above say, are kept one launch more).
+            self._retired_earlier, self._retired = self._retired, []
+            with self._naming("all-gathering the updated parameters over the data-parallel group"):
+                for k in self._order:
+                    self._pending[k] = all_gather_flat(
+                        self.buffers[k], self.shards[k], group=self.layout.group, async_op=True
+                    )
+            self.record.launches += 1
+            if not self.overlap:
+                self.wait_all()
+                return
+            self._first_forward = True
+            self._guard.active = True
+            # Asked of the stack, not of a flag of ours: someone else's exit may have popped the guard.
+            if not self._guard.on_stack():
+                self._guard.insert()
+            self._guarded = True
+            self._guard_thread = threading.get_ident()
 
     @property
     def pending(self) -> bool:
@@ -296,31 +394,43 @@ class ParameterGather:
     def wait(self, buckets: Iterable[int]) -> None:
         """Wait for the gathers of ``buckets`` (those launched and not yet waited for); raise
         :class:`TornParametersError` if some bucket's gather could not complete."""
-        self._raise_if_torn()
-        with self._naming("all-gathering the updated parameters over the data-parallel group"):
-            for k in buckets:
-                work = self._pending.pop(k, None)
-                if work is not None:
-                    self._retired.append(work)
-                    self._torn.add(k)  # until its wait returns: a wait that raises leaves it torn
-                    work.wait()
-                    self._torn.discard(k)
-        if not self._pending:
-            self._retire_guard()
+        with self._lock:
+            self._raise_if_torn()
+            with self._naming("all-gathering the updated parameters over the data-parallel group"):
+                for k in buckets:
+                    work = self._pending.get(k)
+                    if work is None:
+                        continue
+                    try:
+                        work.wait()
+                    except BaseException:
+                        self._torn.add(k)  # its parameters hold a mix of slices from now on
+                        raise
+                    finally:
+                        # Pending until its wait has returned (or raised): under the lock, no one
+                        # sees it gone while its parameters are still being written.
+                        del self._pending[k]
+                        self._retired.append(work)
+            if not self._pending:
+                self._first_forward = False  # waited before any forward (a read, a save, the end)
+                self._retire_guard()
 
     def wait_all(self) -> None:
         """Wait for every gather in flight: after it, every parameter holds its full updated value."""
         if not self._pending and not self._guarded and not self._torn:  # the usual case: one test
             return
-        self.wait(list(self._order))
-        self._retire_guard()
+        with self._lock:
+            self.wait(list(self._order))
+            self._retire_guard()
 
     def abandon(self) -> None:
         """After an exception: wait for nothing now (a peer may be gone, and a wait could last the
         whole timeout), but forget nothing. A later forward, save or guarded read waits for the
         gathers still in flight (within the group's timeout); one whose wait fails, or that
-        :meth:`close` drops, leaves its buckets torn, and every later wait raises
-        :class:`TornParametersError` rather than let anything read them."""
+        :meth:`close` finds still incomplete after its grace (a peer is gone), leaves its buckets
+        torn, and every later wait of this object raises :class:`TornParametersError` rather than
+        let anything read them. (A ``validate`` after a failed ``fit`` builds a new runtime, which
+        does not know: with a peer gone, its own collectives fail then.)"""
         self._abandoned = True
 
     def _raise_if_torn(self) -> None:
@@ -342,12 +452,13 @@ class ParameterGather:
     def _before_forward(self, layer: nn.Module, args: Any) -> None:
         if not self._pending and not self._guarded and not self._torn:  # between forwards: three tests
             return
-        self._retire_guard()  # the forward is covered by the pre-hooks from here on
-        if self._first_forward:
-            self._first_forward = False
-            self.record.pending_at_first_forward.append(len(self._pending))
-            self.wait(self._unwatched)
-        self.wait(self._layer_buckets.get(id(layer), ()))
+        with self._lock:
+            self._retire_guard()  # the forward is covered by the pre-hooks from here on
+            if self._first_forward:
+                self._first_forward = False
+                self.record.pending_at_first_forward.append(len(self._pending))
+                self.wait(self._unwatched)
+            self.wait(self._layer_buckets.get(id(layer), ()))
 
     def _read_caught(self) -> None:
         self.record.reads_caught += 1
@@ -355,8 +466,13 @@ class ParameterGather:
 
     def _retire_guard(self) -> None:
         """Stop guarding and take the guard off the torch-function mode stack, wherever it sits.
-        Inside its own handler torch has taken it off and pushes it back after: it stays, inert,
-        and is removed at the next chance."""
+        Inside its own handler torch has taken it off and pushes it back after, and another thread
+        cannot reach the guard's thread's stack: it stays, inert, and that thread's next forward
+        or wait removes it."""
         self._guard.active = False
-        if self._guarded and (self._guard.remove() or not self._guard.handling):
+        if (
+            self._guarded
+            and threading.get_ident() == self._guard_thread
+            and (self._guard.remove() or not self._guard.handling)
+        ):
             self._guarded = False

@@ -360,9 +360,10 @@ class ParallelRuntime:
     def wait_for_parameters(self) -> None:
         """Under ZeRO-1, wait for the updated parameters' all-gathers still in flight after the
         optimizer's step (the next forward waits for them layer by layer; reads in between are
-        guarded): call it before reading the weights where no torch call would show it (code that
-        only hands them to C++) or from another Python thread (the guard, a torch-function mode,
-        sees this thread's calls only). Nothing to do otherwise."""
+        guarded): call it before reading the weights through an alias made before the step (the
+        guard knows the parameters, not their aliases) or from another Python thread (the guard,
+        a torch-function mode, sees this thread's calls only; this call is safe from any thread).
+        Nothing to do otherwise."""
         self.gradients.wait_for_parameters()
 
     def logical(self, optimizer: torch.optim.Optimizer, *, whole_everywhere: bool = False) -> Any:

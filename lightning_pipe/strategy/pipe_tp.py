@@ -142,8 +142,9 @@ class PipeTPStrategy(ParallelStrategy):
             launched after the step and each layer's next forward waits for its own buckets
             (Megatron's ``overlap_param_gather``); weights read in between (a callback, a
             checkpoint, validation, after ``fit``) wait for all of it first. Not guarded: reads
-            from another Python thread (torch's function-mode stack is per thread) and from C++
-            only (``dist.broadcast(p)``): call ``strategy.runtime.wait_for_parameters()`` first.
+            from another Python thread (torch's function-mode stack is per thread) and through an
+            alias made before the step (``self.ref = p.detach()``): call
+            ``strategy.runtime.wait_for_parameters()`` first (safe from any thread).
             ``False``: the step waits for the gather.
         sequence_parallel: with ``tensor_parallel_size > 1``, keep the activations between the
             tensor-parallel regions (norms, dropout, the residual stream, what stages exchange)
