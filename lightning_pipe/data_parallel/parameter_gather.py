@@ -27,7 +27,8 @@ anything reads it. As in Megatron-Core's distributed optimizer (``overlap_param_
   mode stack is per thread): call :meth:`ParameterGather.wait_all` (the strategy's
   ``runtime.wait_for_parameters()``) first; it is safe from any thread (one lock orders the
   waits, so the training thread's forward and another thread's wait never see a half-waited
-  bucket). While the guard is on, every torch call of this thread goes through its Python
+  bucket; while that wait holds it, the forward waits for every bucket: no overlap for that
+  step). While the guard is on, every torch call of this thread goes through its Python
   handler (the next batch's transfer and split, a few dozen calls), and a call outside its list
   of metadata reads that is given a parameter ends that step's overlap (it waits for all).
 * **Ordered.** A second ``optimizer.step()`` before the first's gathers are waited for (no forward
@@ -36,9 +37,9 @@ anything reads it. As in Megatron-Core's distributed optimizer (``overlap_param_
   the step's closure when it has one, which holds the forward that overlaps them).
 * **After a failure.** :meth:`ParameterGather.abandon` waits for nothing, but forgets nothing: a
   later forward, save or guarded read waits for the gathers still in flight (within the group's
-  timeout), and a gather that cannot complete (its wait raised, or :meth:`ParameterGather.close`
-  dropped it) makes every later wait raise :class:`TornParametersError` instead of letting a
-  save or a step read half-gathered weights.
+  timeout), and a gather that cannot complete (its wait raised, or it was still incomplete after
+  :meth:`ParameterGather.close`'s grace: a peer is gone) makes every later wait raise
+  :class:`TornParametersError` instead of letting a save or a step read half-gathered weights.
 
 ``overlap=False`` waits in the post-hook itself (a blocking gather, still in place).
 
@@ -82,9 +83,14 @@ _METADATA: frozenset[Any] = frozenset(
             "is_leaf",
             "grad_fn",
             "layout",
+            "is_cuda",
+            "is_meta",
+            "is_sparse",
+            "nbytes",
+            "itemsize",
         )
     }
-    | {vars(torch._C.TensorBase)["grad"].__set__}
+    | {vars(torch._C.TensorBase)[name].__set__ for name in ("grad", "requires_grad")}
     | {
         getattr(torch.Tensor, name)
         for name in (
@@ -97,13 +103,16 @@ _METADATA: frozenset[Any] = frozenset(
             "storage_offset",
             "is_contiguous",
             "requires_grad_",
-            "__hash__",
+            "is_floating_point",
+            "get_device",
+            "__len__",
         )
     }
 )
 """Torch calls that read a tensor's metadata, never its values: a guarded parameter may be given
-to them without waiting (the reducer and ``zero_grad`` read and set ``.grad`` in the window; a
-parameter used as a dict key is hashed by identity; ``requires_grad_`` only sets a flag)."""
+to them without waiting (the reducer and ``zero_grad`` read and set ``.grad`` in the window;
+freezing a layer, as Lightning's ``BaseFinetuning`` does, only sets a flag). Hashing a tensor
+never reaches a torch-function mode (it is ``id``)."""
 
 _CLOSE_GRACE = timedelta(seconds=5)
 """How long :meth:`ParameterGather.close` after :meth:`~ParameterGather.abandon` lets the gathers
@@ -310,15 +319,21 @@ class ParameterGather:
     def close(self) -> None:
         """Wait for what is in flight and remove the forward pre-hooks. After :meth:`abandon`, give
         the gathers in flight a few seconds (:data:`_CLOSE_GRACE`: they complete when every peer is
-        alive) and call the rest torn. The optimizer's step hooks stay: a step after this still
-        gathers what it updated, as the replicas need."""
+        alive) and call the rest torn; when another thread is waiting for them, leave them to
+        that wait. The optimizer's step hooks stay: a step after this still gathers what it
+        updated, as the replicas need."""
         try:
-            with self._lock:
-                if self._abandoned:
+            if not self._abandoned:
+                self.wait_all()
+            # Another thread may hold the lock in an untimed wait (a background reader's
+            # wait_for_parameters()): the grace bounds the teardown, and that wait itself marks
+            # its bucket torn if its gather fails.
+            elif self._lock.acquire(timeout=_CLOSE_GRACE.total_seconds()):
+                try:
                     self._wait_with_grace()
                     self._retire_guard()
-                else:
-                    self.wait_all()
+                finally:
+                    self._lock.release()
         finally:
             for handle in self._hooks:
                 handle.remove()
@@ -327,18 +342,19 @@ class ParameterGather:
     def _wait_with_grace(self) -> None:
         deadline = time.monotonic() + _CLOSE_GRACE.total_seconds()
         for k in list(self._order):
-            work = self._pending.pop(k, None)
+            work = self._pending.get(k)
             if work is None:
                 continue
-            self._retired.append(work)
             left = deadline - time.monotonic()
             try:
-                # A zero timeout would mean "none" to c10d: a bucket out of time is torn unasked.
-                completed = left > 0.01 and work.wait(timedelta(seconds=left)) is not False
+                # A zero timeout means "none" to c10d (and under 1 ms is truncated to it): out of
+                # time, a work only counts if it has completed already.
+                completed = work.is_completed() or (left > 0.01 and work.wait(timedelta(seconds=left)))
             except Exception:  # the peer is gone, or the time is up: what it says is not needed
                 completed = False
             if not completed:
                 self._torn.add(k)
+            self._forget(k, work)
 
     # ------------------------------------------------------------------ one step
     def check_aliasing(self) -> None:
@@ -401,19 +417,27 @@ class ParameterGather:
                     work = self._pending.get(k)
                     if work is None:
                         continue
+                    # Pending until its wait has returned: under the lock, no other thread sees it
+                    # gone while its parameters are still being written. An interrupt (Ctrl-C)
+                    # leaves it pending: gloo's wait cannot be interrupted, the signal is handled
+                    # after it returned, and the gather completes anyway.
                     try:
                         work.wait()
-                    except BaseException:
+                    except Exception:
                         self._torn.add(k)  # its parameters hold a mix of slices from now on
+                        self._forget(k, work)
                         raise
-                    finally:
-                        # Pending until its wait has returned (or raised): under the lock, no one
-                        # sees it gone while its parameters are still being written.
-                        del self._pending[k]
-                        self._retired.append(work)
+                    self._forget(k, work)
             if not self._pending:
                 self._first_forward = False  # waited before any forward (a read, a save, the end)
                 self._retire_guard()
+
+    def _forget(self, k: int, work: dist.Work) -> None:
+        # A signal handler on this thread (a save from Lightning's SIGUSR1 requeue) may have
+        # waited for the same work in between: it is then gone already.
+        if self._pending.get(k) is work:
+            del self._pending[k]
+            self._retired.append(work)
 
     def wait_all(self) -> None:
         """Wait for every gather in flight: after it, every parameter holds its full updated value."""
