@@ -273,14 +273,13 @@ class ParameterGather:
         self._pending: dict[int, dist.Work] = {}
         self._retired: list[dist.Work] = []
         self._retired_earlier: list[dist.Work] = []
-        """Works waited for (or dropped) since the last launch, and before it: kept referenced
-        until the launch after the next one:
-        ``wait()`` returns when gloo's worker thread marks a work complete, before that thread
-        lets go of it. Dropped at once, a work is then destroyed on the worker thread, which needs
-        the GIL; when the process ends right after (the last step's gathers are waited just before
-        the end), the interpreter is finalizing by then and the thread's forced exit aborts it
-        (pytorch/pytorch#190489, as :func:`lightning_pipe.mesh.init_mesh`'s exit handler
-        describes; that grace covers processes whose mesh we built, this covers every caller:
+        """Works waited for (or dropped) since the last launch, and before it: each is kept referenced
+        until the launch after the next one. ``wait()`` returns when gloo's worker thread marks a work
+        complete, before that thread lets go of it. Dropped at once, a work is then destroyed on the
+        worker thread, which needs the GIL; when the process ends right after (the last step's gathers
+        are waited just before the end), the interpreter is finalizing by then and the thread's forced
+        exit aborts it (pytorch/pytorch#190489, as :func:`lightning_pipe.mesh.init_mesh`'s exit
+        handler describes; that grace covers processes whose mesh we built, this covers every caller:
         9 of 24 two-rank engine launches aborted without it, 0 of 24 with it)."""
         self._order: list[int] = list(reversed(range(len(layout.buckets))))
         """Launch order: the forward's (a reducer's first buckets hold the last layers)."""
@@ -294,7 +293,8 @@ class ParameterGather:
         """The thread whose mode stack holds the guard (modes are per thread): only it removes it."""
         self._abandoned = False
         self._torn: set[int] = set()
-        """Buckets whose gather was launched and did not complete (its wait raised, or was dropped)."""
+        """Buckets whose gather was launched and did not complete (its wait raised, or it was still
+        incomplete when :meth:`close`'s grace ran out)."""
         self._guard = _ReadGuard({id(p) for b in layout.buckets for p, _ in b.params}, self._read_caught)
         self.record = GatherRecord()
 
