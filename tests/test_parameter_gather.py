@@ -27,6 +27,8 @@ from __future__ import annotations
 import copy
 import pickle
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -278,7 +280,7 @@ def test_a_user_mode_around_the_step_pops_itself_not_the_guard() -> None:
         assert seen["end"] == 0
 
 
-def abandon_worker() -> dict[str, Any]:
+def abandon_worker(done: str) -> dict[str, Any]:
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
     replicated, overlapped = _setup("replicated"), _setup("overlapped")
     gather = overlapped[3].gather  # type: ignore[union-attr]
@@ -299,8 +301,14 @@ def abandon_worker() -> dict[str, Any]:
     gather.wait_all()  # a checkpoint save after the failure: no error
     seen["saved"] = _weights(overlapped[0])
     seen["saved_expected"] = _weights(replicated[0])
-    # A peer gone: rank 1 takes no part in rank 0's next gathers, which then cannot complete.
-    if dist.get_rank() == 0:
+    # A peer gone: rank 1 takes no part in rank 0's next gathers, which then cannot complete. It
+    # stays alive until rank 0 is done (a rank that had exited would make the launch itself fail,
+    # on a closed connection, before there is anything to wait for).
+    if dist.get_rank() == 1:
+        deadline = time.monotonic() + 60
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
         from datetime import timedelta
 
         import lightning_pipe.data_parallel.parameter_gather as module
@@ -315,12 +323,13 @@ def abandon_worker() -> dict[str, Any]:
             seen["save"] = "no error"
         except TornParametersError as err:
             seen["save"] = str(err)
+        Path(done).touch()
     return seen
 
 
 @pytest.mark.distributed
-def test_after_abandon_reads_wait_and_gathers_that_cannot_complete_refuse_saves() -> None:
-    for rank, seen in enumerate(run_distributed(abandon_worker, 2, timeout=120)):
+def test_after_abandon_reads_wait_and_gathers_that_cannot_complete_refuse_saves(tmp_path: Path) -> None:
+    for rank, seen in enumerate(run_distributed(abandon_worker, 2, str(tmp_path / "done"), timeout=120)):
         assert seen["read_caught"] == 1
         assert not seen["pending"]
         torch.testing.assert_close(seen["read"], seen["expected"], atol=1e-6, rtol=0)

@@ -10,7 +10,8 @@ wait on rank 0 lasts exactly as long as the test wants. Each case was a bug foun
 * Ctrl-C during that wait: gloo's wait cannot be interrupted, the ``KeyboardInterrupt`` comes
   after the gather completed, and must not mark the bucket torn;
 * the teardown after a failure while another thread is inside an untimed wait: bounded by the
-  grace, not by the group's timeout.
+  grace, not by the group's timeout;
+* a gather that failed (completed, with an error: its peer gone) is torn after the teardown.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 from torch._C._distributed_c10d import HashStore, ProcessGroupGloo
 
 import lightning_pipe.data_parallel.parameter_gather as module
-from lightning_pipe.data_parallel.parameter_gather import ParameterGather
+from lightning_pipe.data_parallel.parameter_gather import ParameterGather, TornParametersError
 from lightning_pipe.data_parallel.reducer import BucketLayout, BucketView
 
 PEER = 7.0
@@ -167,3 +168,24 @@ def test_the_teardown_after_a_failure_is_bounded_while_another_thread_waits(
     peer.join().join(30)  # the peer was only slow: the reader's wait completes the gathers
     reader.join(30)
     assert not reader.is_alive() and not gather.pending and not gather._torn and _complete(gather)
+
+
+class _FailedWork:
+    """A gather whose peer vanished: completed, with an error (as gloo's work is once the
+    connection closes)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: object = None) -> bool:
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_gather_that_failed_is_torn_after_the_teardown(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, gather, _ = pair
+    monkeypatch.setattr(module, "all_gather_flat", lambda *args, **kwargs: _FailedWork())
+    gather.launch()
+    gather.abandon()
+    gather.close()  # "completed" is not "succeeded": both buckets are torn
+    with pytest.raises(TornParametersError, match=r"did not complete for 2 bucket\(s\)"):
+        gather.wait_all()  # a save after the failure

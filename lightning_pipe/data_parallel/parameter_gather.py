@@ -346,12 +346,16 @@ class ParameterGather:
             if work is None:
                 continue
             left = deadline - time.monotonic()
+            completed = False
             try:
+                # A work that failed (its peer gone) is completed too: its wait, at once, raises.
                 # A zero timeout means "none" to c10d (and under 1 ms is truncated to it): out of
-                # time, a work only counts if it has completed already.
-                completed = work.is_completed() or (left > 0.01 and work.wait(timedelta(seconds=left)))
+                # time, a work only counts if it has completed, and well.
+                if work.is_completed() or left > 0.01:
+                    work.wait(timedelta(seconds=max(left, 0.01)))
+                    completed = True
             except Exception:  # the peer is gone, or the time is up: what it says is not needed
-                completed = False
+                pass
             if not completed:
                 self._torn.add(k)
             self._forget(k, work)
