@@ -905,7 +905,8 @@ class PipeTPStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        self.runtime.wait_for_parameters()
+        # Under ZeRO-1 the state is read through LogicalOptimizer.state_dict(), which waits for
+        # the parameters' gathers itself.
         return checkpoints.optimizer_state(
             self.runtime, optimizer, self.save_distributed_checkpoint, self.faults.naming
         )
