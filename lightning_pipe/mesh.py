@@ -190,6 +190,18 @@ def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
     return ParallelMesh(layout, rank, mesh, model_group)
 
 
+def check_replicate_size(replicate_size: int, data_parallel_size: int) -> None:
+    """Raise unless HSDP's ``replicate_size`` replicas split ``data_parallel_size`` ranks evenly
+    (one sentence naming both options; the strategy calls it before launch, the mesh again)."""
+    if data_parallel_size % replicate_size != 0:
+        divisors = [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
+        raise ValueError(
+            f"data_parallel_replicate_size={replicate_size} does not divide data_parallel_size="
+            f"{data_parallel_size}: HSDP splits the {data_parallel_size} data-parallel ranks into replicas "
+            f"of equal shard groups. Use one of {divisors}."
+        )
+
+
 def data_parallel_mesh(mesh: ParallelMesh, replicate_size: int = 1) -> DeviceMesh:
     """The data axis as FSDP2 takes it: 1-D (every data-parallel rank holds different shards), or
     for HSDP 2-D, ``("dp_replicate", "dp_shard")``: ``replicate_size`` replicas of
@@ -203,11 +215,7 @@ def data_parallel_mesh(mesh: ParallelMesh, replicate_size: int = 1) -> DeviceMes
     dp = mesh.layout.data_parallel_size
     if replicate_size == 1:
         return mesh.device_mesh[MeshAxis.DATA.value]
-    if dp % replicate_size != 0:
-        raise ValueError(
-            f"data_parallel_replicate_size={replicate_size} does not divide data_parallel_size={dp}: HSDP "
-            f"splits the {dp} data-parallel ranks into replicas of equal shard groups. Use a divisor of {dp}."
-        )
+    check_replicate_size(replicate_size, dp)
     per_replica = mesh.layout.pipeline_parallel_size * mesh.layout.tensor_parallel_size
     # rank = dp_rank x (pp x tp) + (pp_rank x tp + tp_rank): the last dim is a replica's model ranks.
     world = init_device_mesh(

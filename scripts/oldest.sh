@@ -13,7 +13,7 @@ fi
 if [[ ! -x "$venv/bin/python" || ! -f "$venv/.installed" ]]; then
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
-  "$venv/bin/python" -m pip install --quiet "torch==2.13.0"  # the CPU build, as in scripts/venv.sh
+  bash "$root/scripts/install_torch.sh" "$venv/bin/python"  # as in scripts/venv.sh
   "$venv/bin/python" -m pip install --quiet "lightning==2.4.*" "torchmetrics==1.1.*" "pytest>=7" "pytest-timeout>=2.1"
   "$venv/bin/python" -m pip install --quiet --no-deps -e "$root"
   touch "$venv/.installed"

@@ -11,8 +11,10 @@ fi
 if [[ ! -x "$venv/bin/python" || ! -f "$venv/.installed" ]]; then
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
-  # The CPU build first: a bare `pip install torch` would pull a multi-GB CUDA build.
-  "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
+  # torch first, the build that fits this machine (CPU where there is no GPU: a bare
+  # `pip install torch` on Linux pulls a multi-GB CUDA build); TORCH_REQUIREMENT and
+  # TORCH_INDEX_URL choose another (see scripts/install_torch.sh).
+  bash "$root/scripts/install_torch.sh" "$venv/bin/python"
   "$venv/bin/python" -m pip install --quiet -e "$root[dev]"
   touch "$venv/.installed"
 fi

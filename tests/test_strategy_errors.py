@@ -170,6 +170,11 @@ def test_setup_errors_name_the_fix(single: dict[str, Any], case: str, pattern: s
             r"^timeout must be a positive .* got -5; e\.g\.",
         ),
         ({"timeout": "soon"}, r"^timeout must be a positive .* got 'soon'"),
+        (
+            {"shard_parameters": True, "data_parallel_size": 4, "data_parallel_replicate_size": 3},
+            r"^data_parallel_replicate_size=3 does not divide data_parallel_size=4: HSDP splits the 4 "
+            r"data-parallel ranks into replicas of equal shard groups\. Use one of \[1, 2, 4\]\.$",
+        ),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], pattern: str) -> None:
@@ -197,8 +202,14 @@ def test_constructor_rejects_bad_arguments(kwargs: dict[str, Any], pattern: str)
             2,
             r"^partition=\[3, 2, 1\] gives 3 stages their layer counts, but the pipeline has 2 stages",
         ),
+        (
+            {"shard_parameters": True, "pipeline_parallel_size": 1, "data_parallel_replicate_size": 3},
+            4,
+            r"^pipe_tp cannot lay out 4 processes \(4 devices x 1 nodes\) as dp=4 x pp=1 x tp=1: "
+            r"data_parallel_replicate_size=3 does not divide data_parallel_size=4: .* Use one of \[1, 2, 4\]",
+        ),
     ],
-    ids=["pp3-on-2", "dp2xtp2-on-3", "partition-length"],
+    ids=["pp3-on-2", "dp2xtp2-on-3", "partition-length", "hsdp-replicas-on-4"],
 )
 def test_a_layout_that_cannot_fit_the_devices_is_refused_before_launch(
     kwargs: dict[str, Any], devices: int, pattern: str
@@ -210,18 +221,51 @@ def test_a_layout_that_cannot_fit_the_devices_is_refused_before_launch(
         L.Trainer(strategy=PipeTPStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
 
 
-def test_a_bad_value_from_lightning_cli_is_one_sentence(capsys: pytest.CaptureFixture[str]) -> None:
-    """LightningCLI lists the constructor's error among its own; it must be the one sentence."""
+@pytest.mark.parametrize(
+    ("arg", "option"),
+    [
+        ("pipeline_parallel_size=-1", "pipeline_parallel_size"),
+        ("data_parallel_size=-2", "data_parallel_size"),
+        ("tensor_parallel_size=0", "tensor_parallel_size"),
+        ("num_microbatches=0", "num_microbatches"),
+        ("virtual_stages=0", "virtual_stages"),
+        ("bucket_cap_mb=-1", "bucket_cap_mb"),
+        ("timeout=0", "timeout"),
+        ("timeline_steps=0", "timeline_steps"),
+        ("data_parallel_replicate_size=0", "data_parallel_replicate_size"),
+    ],
+)
+def test_lightning_cli_refuses_a_bad_size_while_parsing(
+    capsys: pytest.CaptureFixture[str], arg: str, option: str
+) -> None:
+    """The parser itself refuses the value (exit 2, its usage and one ``error:`` naming the option),
+    before the strategy is built: no traceback, no dump of every option."""
+    from lightning.pytorch.cli import LightningCLI
+
+    args = ["--trainer.accelerator=cpu", "--trainer.strategy=lightning_pipe.PipeTPStrategy"]
+    with pytest.raises(SystemExit) as exit_:
+        LightningCLI(Regressor, run=False, args=[*args, f"--trainer.strategy.{arg}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1, err
+    assert f'Parser key "{option}"' in err and "restriction v>0" in err, err
+    assert "Traceback" not in err and "init_args=Namespace" not in err, err
+
+
+def test_a_bad_value_the_parser_cannot_judge_is_the_constructors_one_sentence() -> None:
+    """A combination the types cannot see (virtual stages without the interleaved schedule) is
+    still the constructor's one sentence among LightningCLI's own."""
     from lightning.pytorch.cli import LightningCLI
 
     args = [
         "--trainer.strategy=lightning_pipe.PipeTPStrategy",
-        "--trainer.strategy.pipeline_parallel_size=-2",
+        "--trainer.strategy.virtual_stages=2",
     ]
     with pytest.raises(ValueError) as err:
         LightningCLI(Regressor, run=False, args=["--trainer.accelerator=cpu", *args])
-    assert "- pipeline_parallel_size must be an integer >= 1 or 'auto', got -2." in str(err.value), err.value
-    assert "world size" not in str(err.value)
+    assert "- virtual_stages=2 (several stages per pipeline rank) needs schedule='interleaved_1f1b'" in str(
+        err.value
+    ), err.value
 
 
 def test_the_former_name_of_recompute_still_works_and_says_its_new_name() -> None:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.execution.layers import apply_layers
 from lightning_pipe.faults.naming import CollectiveNaming
-from lightning_pipe.mesh import ParallelMesh, data_parallel_mesh
+from lightning_pipe.mesh import ParallelMesh, check_replicate_size, data_parallel_mesh
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.runtime.prepare import Preparation
 
@@ -71,11 +71,10 @@ def shard_parameters(
         return sharded
     if not options.shard_parameters:
         return None
-    if dp % replicate != 0:
-        raise ConfigurationError(
-            f"data_parallel_replicate_size={replicate} does not divide data_parallel_size={dp}: HSDP splits "
-            f"the {dp} data-parallel ranks into replicas of equal shard groups. Use a divisor of {dp}."
-        )
+    try:
+        check_replicate_size(replicate, dp)
+    except ValueError as err:
+        raise ConfigurationError(str(err)) from None
     if dp == 1:
         return None
     partition = done.partition

@@ -60,7 +60,7 @@ from lightning_pipe.data_parallel.sharded_optimizer import ShardingError
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.huggingface.export import METADATA_KEY as HF_METADATA
 from lightning_pipe.huggingface.export import model_metadata
-from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
+from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, check_replicate_size, init_mesh
 from lightning_pipe.partition.balance import measures_time
 from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
 from lightning_pipe.runtime.batch import count_microbatches
@@ -81,6 +81,7 @@ from lightning_pipe.strategy.compat import (
     weights_only_of_running_call,
 )
 from lightning_pipe.strategy.faults import FaultHandling
+from lightning_pipe.strategy.option_types import PositiveFloat, PositiveInt
 from lightning_pipe.strategy.pipeline_model import PipelineModel, Redirect, find_causal_lm, read_module
 from lightning_pipe.strategy.precision import GlobalNormClipping, PipeTPPrecision, with_global_clipping
 from lightning_pipe.strategy.recording import TimelineRecording
@@ -198,29 +199,29 @@ class PipeTPStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        pipeline_parallel_size: int | Literal["auto"] = "auto",
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int | Literal["auto"] = "auto",
-        num_microbatches: int | None = None,
+        pipeline_parallel_size: PositiveInt | Literal["auto"] = "auto",
+        tensor_parallel_size: PositiveInt = 1,
+        data_parallel_size: PositiveInt | Literal["auto"] = "auto",
+        num_microbatches: PositiveInt | None = None,
         schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b",
-        virtual_stages: int | None = None,
+        virtual_stages: PositiveInt | None = None,
         partition: Literal["parameters", "uniform", "time"] | list[int] = "parameters",
         recompute: Literal["never", "except_last", "always"] = "never",
         process_group_backend: str | None = None,
-        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        timeout: timedelta | PositiveFloat | None = DEFAULT_TIMEOUT,
         check_finite: bool = False,
         check_forward: bool = True,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: PositiveFloat = 25.0,
         shard_optimizer_state: bool = False,
         overlap_param_gather: bool = True,
         sequence_parallel: bool = False,
         layer_seeded_dropout: bool | None = None,
         shard_parameters: bool = False,
-        data_parallel_replicate_size: int = 1,
+        data_parallel_replicate_size: PositiveInt = 1,
         reshard_after_forward: bool | None = None,
         tensor_parallel_plan: dict[str, str] | None = None,
         timeline: str | None = None,
-        timeline_steps: int = 1,
+        timeline_steps: PositiveInt = 1,
         save_distributed_checkpoint: bool = True,
         deferred_batch_norm: bool = True,
         pretrained: str | os.PathLike[str] | None = None,
@@ -304,6 +305,8 @@ class PipeTPStrategy(ParallelStrategy):
             check_forward=check_forward,
         )
         """The engine's options, checked before any process is launched."""
+        if data_parallel_size != "auto":  # else once the world size is known (_configure_launcher)
+            check_replicate_size(data_parallel_replicate_size, data_parallel_size)
         self.tensor_parallel_plan = tensor_parallel_plan
         self.save_distributed_checkpoint = save_distributed_checkpoint
         if pretrained is not None and not os.path.exists(pretrained):
@@ -445,6 +448,14 @@ class PipeTPStrategy(ParallelStrategy):
             raise MisconfigurationException(
                 f"pipe_tp cannot lay out {world} processes ({self.num_processes} devices x {self.num_nodes} "
                 f"nodes): {err}"
+            ) from None
+        try:
+            check_replicate_size(self.options.data_parallel_replicate_size, layout.data_parallel_size)
+        except ValueError as err:
+            raise MisconfigurationException(
+                f"pipe_tp cannot lay out {world} processes ({self.num_processes} devices x {self.num_nodes} "
+                f"nodes) as dp={layout.data_parallel_size} x pp={layout.pipeline_parallel_size} x "
+                f"tp={layout.tensor_parallel_size}: {err}"
             ) from None
         stages = layout.pipeline_parallel_size * self.virtual_stages
         if isinstance(self.partition, list | tuple) and len(self.partition) != stages:
