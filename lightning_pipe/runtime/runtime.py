@@ -57,7 +57,7 @@ from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages, ShardedStateView
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer
-from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers
+from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers, normalising_by_batch
 from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.p2p import PipelineCommunicationError
@@ -83,6 +83,7 @@ from lightning_pipe.runtime.notices import (
     PARAMETERS_ONE_REPLICA,
     SHARDING_ONE_REPLICA,
     batch_norm_mixes,
+    batch_norm_refused,
 )
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.runtime.prepare import Preparation, Preparer, other_stages_tensors, preparation_of
@@ -117,6 +118,8 @@ class ParallelRuntime:
         hooks: how to read a model that is more than its layers chained (what enters the first
             layer, how each layer is called, how ``forward`` is checked, the loss items of each
             sample); see :class:`~lightning_pipe.runtime.hooks.ModelHooks`.
+        trains: whether this runtime will train (``False``: evaluation only, where what only
+            training does unlike one device, BatchNorm under micro-batching, is not refused).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class ParallelRuntime:
         sample: Any = None,
         board: FaultBoard | None = None,
         hooks: ModelHooks | None = None,
+        trains: bool = True,
     ) -> None:
         self.module, self.mesh, self.device = module, mesh, device
         self.options = options or RuntimeOptions()
@@ -175,6 +179,10 @@ class ParallelRuntime:
         """Which layers each stage holds (tied weights and aliases included)."""
         self.stage_indices = partition.stages_of_rank(mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
         """The stages this rank holds; every stage-dependent choice reads this."""
+        mixed_batch_norms = self._batch_norms_mixing(partition)
+        if mixed_batch_norms and trains and not self.options.allow_batch_norm_microbatches:
+            # Refused before anything is split, sliced or trained.
+            raise ConfigurationError(batch_norm_refused(mixed_batch_norms, self.options.num_microbatches))
         tied = self._tied_groups(partition)  # collective (new_group): before the seed's broadcast
         materialized: frozenset[int] = frozenset()
         if done is None:
@@ -284,13 +292,11 @@ class ParallelRuntime:
                 "that alone, say layer_seeded_dropout=True."
             )
         self.batch_norm: DeferredBatchNorm | None = None
+        if mixed_batch_norms and self.options.allow_batch_norm_microbatches:
+            self.warnings.append(batch_norm_mixes(mixed_batch_norms))
         if batch_norm_layers(self.layers):
             if self.options.deferred_batch_norm:
                 self.batch_norm = DeferredBatchNorm(batch_norm_layers(own))
-                if self.options.num_microbatches != 1:  # one micro-batch: the batch's statistics
-                    names = {id(m): n for n, m in module.named_modules()}
-                    held = [names[id(m)] for m in batch_norm_layers(self.layers)]
-                    self.warnings.append(batch_norm_mixes(held))
             else:
                 self.warnings.append(BATCH_NORM_NOT_DEFERRED)
         for text in self.warnings:
@@ -303,6 +309,15 @@ class ParallelRuntime:
         self.training_batches = 0
         """Training batches run so far: the batch key of layer-seeded dropout when ``train_batch``
         is given none (the Lightning adapter gives the loop's count, which a resumed run restores)."""
+
+    def _batch_norms_mixing(self, partition: PipelinePartition) -> list[str]:
+        """The names of the BatchNorm modules in the pipeline's layers when a batch is split into
+        several micro-batches (each then normalised by its own statistics); none with one."""
+        if self.options.num_microbatches == 1:
+            return []
+        layers = [self.module.get_submodule(name) for name in partition.layer_names]
+        names = {id(m): n for n, m in self.module.named_modules()}
+        return [names[id(m)] for m in normalising_by_batch(layers)]
 
     # ------------------------------------------------------------------ what this rank holds
     @property
