@@ -32,6 +32,7 @@ Its public API, what both call:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,6 +79,7 @@ from lightning_pipe.runtime.batch import (
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.holdings import Holdings
 from lightning_pipe.runtime.hooks import ModelHooks
+from lightning_pipe.runtime.model_recompute import ModelCheckpointing, take_over_checkpointing
 from lightning_pipe.runtime.notices import (
     BATCH_NORM_NOT_DEFERRED,
     PARAMETERS_ONE_REPLICA,
@@ -148,6 +150,16 @@ class ParallelRuntime:
         layout, v = mesh.layout, self.options.virtual_stages
         done = preparation_of(module, layout, self.options.partition, v)
         self.first_setup = done is None
+        asked = self.options.recompute_mode
+        taken = take_over_checkpointing(module.named_modules())
+        if done is not None and done.model_checkpointing is not None:
+            taken = done.model_checkpointing.merged(taken)
+        self.model_checkpointing: ModelCheckpointing | None = taken
+        """The model's own gradient checkpointing that this runtime took over (turned off inside the
+        stages, honoured by ``recompute``), if the model had it on."""
+        self._asked_recompute = asked
+        if taken is not None:
+            self.options = dataclasses.replace(self.options, recompute=taken.mode(asked))
         # The model's own layers inside any Stash / Pop wrappers; later setups get no layers and
         # keep the first one's skips.
         layers, skips = SkipLayers.of(layers)
@@ -204,6 +216,7 @@ class ParallelRuntime:
             done.skips = skips
             self.warnings += preparer.warnings
         self.preparation: Preparation = done
+        done.model_checkpointing = taken
         skips = done.skips or skips
         """How the module was split and sliced (kept on the module for later runtimes)."""
         self.layers: list[nn.Module] = [module.get_submodule(name) for name in partition.layer_names]
@@ -403,10 +416,12 @@ class ParallelRuntime:
         m = num_microbatches or self.options.num_microbatches or f"auto (2 x {layout.pipeline_parallel_size})"
         v = self.options.virtual_stages
         virtual = f" ({v} stages per rank)" if v > 1 else ""
+        taken = self.model_checkpointing
+        recompute_note = taken.describe(self._asked_recompute) if taken is not None else ""
         text = (
             f"pipe_tp: layout {layout} (world {layout.world_size}), schedule "
             f"{self.options.schedule_kind.value}{virtual}, micro-batches {m}, recompute "
-            f"{self.executor.recompute.value}\n"
+            f"{self.executor.recompute.value}{recompute_note}\n"
             + self.partition.describe(self.layers, per_rank, layout.pipeline_parallel_size)
         )
         if done.slicing:

@@ -1,0 +1,141 @@
+"""Hugging Face habits a Lightning module brings along, told and honoured by pipe_tp (issue 41).
+
+* ``model.gradient_checkpointing_enable()`` (default arguments, ``use_reentrant=False``,
+  ``use_reentrant=True``): pipe_tp turns the model's own checkpoint off inside its stages and
+  recomputes the stages itself (``recompute="always"``), which the layout log says; training
+  equals the model's own checkpointed training on one device (losses and weights, 1e-5), and the
+  model's checkpoint function never runs under pipe_tp (no double recomputation, no reentrant
+  checkpoint inside the executor's backward), while each held layer does run twice per training
+  micro-batch (its recomputation).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_pipe import PipeTPStrategy
+from lightning_pipe.checkpoint.full import gather_model_state
+from tests.distributed import run_distributed
+from tests.hf_families import batches, build
+from tests.trainers import fit
+
+pytestmark = pytest.mark.distributed
+
+TOL = 1e-5
+STEPS, BATCH, MICRO = 3, 8, 4
+FAMILY = "llama"  # tied embeddings across the two stages
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "default": None,
+    "non_reentrant": {"use_reentrant": False},
+    "reentrant": {"use_reentrant": True},
+}
+SCHEDULES = {"default": "1f1b", "non_reentrant": "gpipe", "reentrant": "zb_h1"}
+
+
+class Checkpointed(L.LightningModule):
+    """A Hugging Face model with its own gradient checkpointing on, trained by its own loss; counts
+    the calls of the model's checkpoint function and the training forwards of each decoder layer."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.model = build(FAMILY)
+        kwargs = VARIANTS[variant]
+        if kwargs is None:
+            self.model.gradient_checkpointing_enable()
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.checkpoint_calls = 0
+        self.forwards: dict[int, int] = {}
+        for i, layer in enumerate(self.model.model.layers):
+            own = layer._gradient_checkpointing_func
+
+            def counted(*args: Any, own: Any = own, **kwargs: Any) -> Any:
+                self.checkpoint_calls += 1
+                return own(*args, **kwargs)
+
+            layer._gradient_checkpointing_func = counted
+            layer.register_forward_pre_hook(lambda m, a, i=i: self._count(i))
+        self.losses: list[float] = []
+
+    def _count(self, i: int) -> None:
+        if torch.is_grad_enabled() and self.training:
+            self.forwards[i] = self.forwards.get(i, 0) + 1
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+ROWS = [{k: v[i] for k, v in b.items()} for b in batches("padded", STEPS, BATCH) for i in range(BATCH)]
+
+
+def _fit(variant: str, strategy: Any, devices: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = Checkpointed(variant)
+    sampler = DistributedSampler(ROWS, num_replicas=1, rank=0, seed=0) if devices == 1 else None
+    trainer = fit(model, strategy, devices, DataLoader(ROWS, batch_size=BATCH, sampler=sampler), max_epochs=1)
+    if devices > 1:
+        state = gather_model_state(model, trainer.strategy.runtime.partition, trainer.strategy.mesh)
+    else:
+        state = model.state_dict()
+    return {
+        "losses": model.losses,
+        "state": {k: v.detach().clone() for k, v in state.items()},
+        "checkpoint_calls": model.checkpoint_calls,
+        "forwards": dict(model.forwards),
+        "flags": [layer.gradient_checkpointing for layer in model.model.model.layers],
+    }
+
+
+def checkpointing_worker() -> dict[str, dict[str, Any]]:
+    results = {}
+    for variant, schedule in SCHEDULES.items():
+        strategy = PipeTPStrategy(
+            pipeline_parallel_size=2, num_microbatches=MICRO, schedule=schedule, timeout=timedelta(seconds=60)
+        )
+        result = _fit(variant, strategy, 2)
+        result["log"] = strategy.runtime.describe()
+        result["recompute"] = strategy.runtime.executor.recompute.value
+        results[variant] = result
+    return results
+
+
+def test_hugging_face_gradient_checkpointing_becomes_pipe_tp_recomputation() -> None:
+    got = run_distributed(checkpointing_worker, 2, timeout=400, init_group=False)
+    for variant in VARIANTS:
+        expected = _fit(variant, "auto", 1)
+        # The reference is the model's own checkpointed training: its function ran, per layer.
+        assert expected["checkpoint_calls"] >= STEPS * 4, expected["checkpoint_calls"]
+        assert len(expected["losses"]) == STEPS
+        for rank, results in enumerate(got):
+            result = results[variant]
+            where = f"{variant}, rank {rank}"
+            assert result["losses"] == pytest.approx(expected["losses"], abs=TOL), where
+            assert result["checkpoint_calls"] == 0, where  # the model's own checkpoint never ran
+            assert result["flags"] == [False] * 4, where
+            assert result["recompute"] == "always", where
+            first = result["log"].splitlines()[0]
+            assert "recompute always (as the model asked: its own gradient checkpointing" in first, first
+            assert "model.model.layers.0, model.model.layers.1, model.model.layers.2 and 1 more" in first
+            # Each held decoder layer: a forward and its recomputation per training micro-batch.
+            assert result["forwards"] and all(n == 2 * STEPS * MICRO for n in result["forwards"].values()), (
+                where,
+                result["forwards"],
+            )
+        state = got[0][variant]["state"]
+        assert state.keys() == expected["state"].keys()
+        for key, value in expected["state"].items():
+            torch.testing.assert_close(state[key], value, atol=TOL, rtol=0, msg=f"{variant}: {key}")
