@@ -7,6 +7,10 @@
   model's checkpoint function never runs under pipe_tp (no double recomputation, no reentrant
   checkpoint inside the executor's backward), while each held layer does run twice per training
   micro-batch (its recomputation).
+* Dropout on in the config (``attention_dropout=0.1``, drawn by functional dropout inside the
+  attention modules): the layout log says once which modules draw, that the masks differ from
+  one device's by design, and ``layer_seeded_dropout=True``; with that option on, it says the
+  masks are layer-seeded; a model without dropout gets no such line.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import transformers
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
 from tests.distributed import run_distributed
-from tests.hf_families import batches, build
+from tests.hf_families import batches, build, config
 from tests.trainers import fit
 
 pytestmark = pytest.mark.distributed
@@ -100,8 +105,33 @@ def _fit(variant: str, strategy: Any, devices: int) -> dict[str, Any]:
     }
 
 
-def checkpointing_worker() -> dict[str, dict[str, Any]]:
-    results = {}
+class WithDropout(L.LightningModule):
+    """The family's model with ``attention_dropout=0.1`` in its config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        made = config(FAMILY)
+        made.attention_dropout = 0.1
+        self.model = transformers.LlamaForCausalLM(made)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def checkpointing_worker() -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for seeded in (False, True):
+        strategy = PipeTPStrategy(
+            pipeline_parallel_size=2,
+            num_microbatches=2,
+            layer_seeded_dropout=seeded,
+            timeout=timedelta(seconds=60),
+        )
+        fit(WithDropout(), strategy, 2, DataLoader(ROWS, batch_size=BATCH), max_steps=1)
+        results[f"dropout_seeded={seeded}"] = strategy.runtime.describe()
     for variant, schedule in SCHEDULES.items():
         strategy = PipeTPStrategy(
             pipeline_parallel_size=2, num_microbatches=MICRO, schedule=schedule, timeout=timedelta(seconds=60)
@@ -113,8 +143,29 @@ def checkpointing_worker() -> dict[str, dict[str, Any]]:
     return results
 
 
-def test_hugging_face_gradient_checkpointing_becomes_pipe_tp_recomputation() -> None:
+def test_gradient_checkpointing_becomes_recomputation_and_dropout_is_said() -> None:
     got = run_distributed(checkpointing_worker, 2, timeout=400, init_group=False)
+    for rank, results in enumerate(got):
+        for seeded in (False, True):
+            log = results[f"dropout_seeded={seeded}"]
+            lines = [line for line in log.splitlines() if "dropout" in line]
+            assert len(lines) == 1, (rank, log)
+            (line,) = lines
+            assert (
+                "dropout in training, drawn by 4 modules: "
+                "model.model.layers.0.self_attn (attention_dropout=0.1)" in line
+            )
+            if seeded:
+                assert (
+                    "layer-seeded (layer_seeded_dropout): the same masks on every pipeline and tensor layout"
+                    in line
+                )
+            else:
+                assert (
+                    "masks differ from one device's by design" in line and "layer_seeded_dropout=True" in line
+                )
+        for variant in VARIANTS:  # no dropout in the family's config: nothing said
+            assert "dropout" not in results[variant]["log"], results[variant]["log"]
     for variant in VARIANTS:
         expected = _fit(variant, "auto", 1)
         # The reference is the model's own checkpointed training: its function ran, per layer.

@@ -76,6 +76,7 @@ from lightning_pipe.runtime.batch import (
     count_microbatches,
     default_pipeline_input,
 )
+from lightning_pipe.runtime.dropout_notice import describe_dropout, dropout_sources
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.holdings import Holdings
 from lightning_pipe.runtime.hooks import ModelHooks
@@ -431,6 +432,7 @@ class ParallelRuntime:
                 f"{r.producer} -> {r.consumer} ({', '.join(r.names)})" for r in self.skip_routes
             )
             text += f"\n  skip connections sent between stages: {routes}"
+        text += describe_dropout(dropout_sources(self.module, self.layers), self.options.seeds_layers)
         text += describe_sharding(self.options, layout.data_parallel_size, self.fully_sharded)
         if done.built_on_meta:
             text += (
