@@ -6,7 +6,8 @@
   equals the model's own checkpointed training on one device (losses and weights, 1e-5), and the
   model's checkpoint function never runs under pipe_tp (no double recomputation, no reentrant
   checkpoint inside the executor's backward), while each held layer does run twice per training
-  micro-batch (its recomputation).
+  micro-batch (its recomputation). Turned on after setup (in ``on_train_start``), it is taken
+  over at the first training batch the same way, with a warning (the layout log is out by then).
 * Dropout on in the config (``attention_dropout=0.1``, drawn by functional dropout inside the
   attention modules): the layout log says once which modules draw, that the masks differ from
   one device's by design, and ``layer_seeded_dropout=True``; with that option on, it says the
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +42,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "non_reentrant": {"use_reentrant": False},
     "reentrant": {"use_reentrant": True},
 }
-SCHEDULES = {"default": "1f1b", "non_reentrant": "gpipe", "reentrant": "zb_h1"}
+SCHEDULES = {"default": "1f1b", "non_reentrant": "gpipe", "reentrant": "zb_h1", "late": "1f1b"}
+"""The schedule each variant runs under; ``"late"``: default arguments, turned on in
+``on_train_start``, after the strategy's setup."""
 
 
 class Checkpointed(L.LightningModule):
@@ -50,14 +54,26 @@ class Checkpointed(L.LightningModule):
     def __init__(self, variant: str) -> None:
         super().__init__()
         self.model = build(FAMILY)
-        kwargs = VARIANTS[variant]
+        self.variant = variant
+        self.checkpoint_calls = 0
+        self.forwards: dict[int, int] = {}
+        for i, layer in enumerate(self.model.model.layers):
+            layer.register_forward_pre_hook(lambda m, a, i=i: self._count(i))
+        self.losses: list[float] = []
+        if variant != "late":
+            self._enable()
+
+    def on_train_start(self) -> None:
+        if self.variant == "late":  # after the strategy's setup, before the first batch
+            self._enable()
+
+    def _enable(self) -> None:
+        kwargs = VARIANTS.get(self.variant)
         if kwargs is None:
             self.model.gradient_checkpointing_enable()
         else:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        self.checkpoint_calls = 0
-        self.forwards: dict[int, int] = {}
-        for i, layer in enumerate(self.model.model.layers):
+        for layer in self.model.model.layers:
             own = layer._gradient_checkpointing_func
 
             def counted(*args: Any, own: Any = own, **kwargs: Any) -> Any:
@@ -65,8 +81,6 @@ class Checkpointed(L.LightningModule):
                 return own(*args, **kwargs)
 
             layer._gradient_checkpointing_func = counted
-            layer.register_forward_pre_hook(lambda m, a, i=i: self._count(i))
-        self.losses: list[float] = []
 
     def _count(self, i: int) -> None:
         if torch.is_grad_enabled() and self.training:
@@ -136,7 +150,10 @@ def checkpointing_worker() -> dict[str, Any]:
         strategy = PipeTPStrategy(
             pipeline_parallel_size=2, num_microbatches=MICRO, schedule=schedule, timeout=timedelta(seconds=60)
         )
-        result = _fit(variant, strategy, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = _fit(variant, strategy, 2)
+        result["warnings"] = [str(w.message) for w in caught if "gradient checkpointing" in str(w.message)]
         result["log"] = strategy.runtime.describe()
         result["recompute"] = strategy.runtime.executor.recompute.value
         results[variant] = result
@@ -164,9 +181,9 @@ def test_gradient_checkpointing_becomes_recomputation_and_dropout_is_said() -> N
                 assert (
                     "masks differ from one device's by design" in line and "layer_seeded_dropout=True" in line
                 )
-        for variant in VARIANTS:  # no dropout in the family's config: nothing said
+        for variant in SCHEDULES:  # no dropout in the family's config: nothing said
             assert "dropout" not in results[variant]["log"], results[variant]["log"]
-    for variant in VARIANTS:
+    for variant in SCHEDULES:
         expected = _fit(variant, "auto", 1)
         # The reference is the model's own checkpointed training: its function ran, per layer.
         assert expected["checkpoint_calls"] >= STEPS * 4, expected["checkpoint_calls"]
@@ -178,8 +195,17 @@ def test_gradient_checkpointing_becomes_recomputation_and_dropout_is_said() -> N
             assert result["checkpoint_calls"] == 0, where  # the model's own checkpoint never ran
             assert result["flags"] == [False] * 4, where
             assert result["recompute"] == "always", where
+            words = "recompute always (as the model asked: its own gradient checkpointing"
             first = result["log"].splitlines()[0]
-            assert "recompute always (as the model asked: its own gradient checkpointing" in first, first
+            if variant == "late" and rank == 0:  # the layout log was out before: a warning says it
+                (warned,) = result["warnings"]
+                assert warned.startswith(
+                    "pipe_tp: the model's gradient checkpointing was turned on after setup"
+                )
+                assert words in warned, warned
+            else:  # rank 0 warns for the job
+                assert result["warnings"] == [], where
+            assert words in first, first
             assert "model.model.layers.0, model.model.layers.1, model.model.layers.2 and 1 more" in first
             # Each held decoder layer: a forward and its recomputation per training micro-batch.
             assert result["forwards"] and all(n == 2 * STEPS * MICRO for n in result["forwards"].values()), (

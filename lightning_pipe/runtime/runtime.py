@@ -94,6 +94,7 @@ from lightning_pipe.runtime.sharding import describe_sharding, refuse_paralleliz
 from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import build_schedule
 from lightning_pipe.skip.plan import SkipLayers
+from lightning_pipe.tensor_parallel.dropout import RegionDropout
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.regions import sequence_parallel_suspended
 
@@ -319,6 +320,7 @@ class ParallelRuntime:
         """The kinds of first micro-batch (``ModelHooks.probe_kind``; one kind, ``None``, without
         it) whose forward has been checked."""
         self._warned_small_batch = False
+        self._late_checkpointing_checked = False
         self._batches = 0
         self.training_batches = 0
         """Training batches run so far: the batch key of layer-seeded dropout when ``train_batch``
@@ -489,6 +491,9 @@ class ParallelRuntime:
         """
         if training_batch is not None:
             self.training_batches = training_batch
+        if not self._late_checkpointing_checked:
+            self._late_checkpointing_checked = True
+            self._take_over_late_checkpointing()
         try:
             return self._run_batch(batch, head, True, final, loss_weight, step, scale_loss, recorder)
         finally:
@@ -782,6 +787,27 @@ class ParallelRuntime:
             self.batch_norm = None
 
     # ------------------------------------------------------------------ construction helpers
+    def _take_over_late_checkpointing(self) -> None:
+        """The model's own gradient checkpointing, turned on after setup (in a hook before the first
+        training batch): taken over as at setup, and said, since the layout log is already out."""
+        late = take_over_checkpointing(self.module.named_modules())
+        if late is None:
+            return
+        if any(isinstance(m, RegionDropout) for layer in self.layers for m in layer.modules()):
+            raise ConfigurationError(
+                "The model's gradient checkpointing was turned on after setup, which pipe_tp honours "
+                'as recompute="always", but recomputation cannot replay the per-rank random stream of '
+                'tensor-parallel "dropout" layers: call gradient_checkpointing_disable(), or drop the '
+                '"dropout" entries of the plan.'
+            )
+        taken = late.merged(self.model_checkpointing)
+        self.model_checkpointing = self.preparation.model_checkpointing = taken
+        self.executor.recompute = taken.mode(self.executor.recompute)
+        self._warn(
+            f"pipe_tp: the model's gradient checkpointing was turned on after setup; recompute "
+            f"{self.executor.recompute.value}{taken.describe(self._asked_recompute)}"
+        )
+
     def _warn(self, text: str) -> None:
         """A once-per-run warning, shown by global rank 0 for the job."""
         if self.mesh.rank == 0:
