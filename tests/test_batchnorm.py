@@ -6,6 +6,11 @@ after several steps must match one device's to 1e-5, with activation recomputati
 recomputed forwards must not count twice) and with data-parallel replicas (whose statistics one
 device would have seen as one batch). Evaluation then uses those statistics, so the validation
 loss matches too. ``deferred_batch_norm=False`` restores per-micro-batch updates.
+
+Training normalises each micro-batch by its own statistics, another model than one device's, so
+``fit`` refuses a pipeline holding a BatchNorm under several micro-batches unless the user chose
+(``num_microbatches=1``, or ``allow_batch_norm_microbatches=True``, which these statistics tests
+pass); evaluation alone is not refused.
 """
 
 from __future__ import annotations
