@@ -6,6 +6,11 @@ after several steps must match one device's to 1e-5, with activation recomputati
 recomputed forwards must not count twice) and with data-parallel replicas (whose statistics one
 device would have seen as one batch). Evaluation then uses those statistics, so the validation
 loss matches too. ``deferred_batch_norm=False`` restores per-micro-batch updates.
+
+Training normalises each micro-batch by its own statistics, another model than one device's, so
+``fit`` refuses a pipeline holding a BatchNorm under several micro-batches unless the user chose
+(``num_microbatches=1``, or ``allow_batch_norm_microbatches=True``, which these statistics tests
+pass); evaluation alone is not refused.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def bn_worker(pp: int, dp: int, checkpoint: str, deferred: bool) -> dict[str, An
         num_microbatches=3,
         recompute=checkpoint,
         deferred_batch_norm=deferred,
+        allow_batch_norm_microbatches=True,  # the statistics are compared, at a learning rate of 0
         timeout=timedelta(seconds=60),
     )
     result = _fit_and_validate(strategy, pp * dp, reference=False, batch_size=12 // dp)
@@ -131,7 +137,7 @@ def warning_worker(first: bool, dp: int, microbatches: int) -> list[str]:
     model = BatchNormFirst() if first else BatchNormNet()
     strategy = PipeTPStrategy(
         pipeline_parallel_size=2, data_parallel_size=dp, num_microbatches=microbatches,
-        timeout=timedelta(seconds=60),
+        allow_batch_norm_microbatches=microbatches != 1, timeout=timedelta(seconds=60),
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory() as root:
         warnings.simplefilter("always")
@@ -145,7 +151,7 @@ def warning_worker(first: bool, dp: int, microbatches: int) -> list[str]:
     [(False, 1, 4), (True, 1, 2), (True, 2, 2), (False, 1, 1)],
     ids=["pp2-last-stage", "pp2-first-stage", "dp2xpp2", "one-micro-batch"],
 )
-def test_every_pipeline_holding_a_batch_norm_warns_with_the_size_and_the_fixes(
+def test_every_pipeline_allowed_to_hold_a_batch_norm_warns_with_the_size_and_the_fixes(
     first: bool, dp: int, microbatches: int
 ) -> None:
     got = run_distributed(warning_worker, 2 * dp, first, dp, microbatches, init_group=False, timeout=150)
@@ -160,3 +166,44 @@ def test_every_pipeline_holding_a_batch_norm_warns_with_the_size_and_the_fixes(
     assert "losses up to 0.6 apart" in text and "running_var up to 25 apart" in text  # the size
     for fix in ("num_microbatches=1", "LayerNorm, GroupNorm", "eval mode with frozen statistics"):
         assert fix in text, text
+
+
+def refusal_worker() -> dict[str, Any]:
+    """``fit`` at pp=2 with two micro-batches and no choice made: the error; then ``validate`` of
+    the same kind of model, which evaluates with running statistics, as one device does."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from tests.trainers import quiet_trainer
+
+    def strategy() -> PipeTPStrategy:
+        return PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60))
+
+    result: dict[str, Any] = {}
+    model = BatchNormNet(lr=0.1)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    with tempfile.TemporaryDirectory() as root:
+        try:
+            fit(model, strategy(), 2, loader(TRAIN, 8, False), root, max_steps=2)
+        except MisconfigurationException as err:
+            result["error"] = str(err)
+        result["untouched"] = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+        trainer = quiet_trainer(strategy(), 2, root)
+        result["validated"] = trainer.validate(BatchNormNet(), loader(VAL, 8, False), verbose=False)
+    return result
+
+
+@pytest.mark.distributed
+def test_batch_norm_under_several_micro_batches_is_refused_at_setup_unless_chosen() -> None:
+    """Issue 41, item 6: a BatchNorm normalising each micro-batch by its own statistics trains
+    another model than one device (losses up to 0.89 apart): ``fit`` stops before any step, with
+    the size of the difference and the three choices; evaluation alone is not refused."""
+    got = run_distributed(refusal_worker, 2, init_group=False, timeout=150)
+    for rank, result in enumerate(got):
+        text = result.get("error")
+        assert text is not None, f"rank {rank} trained"
+        assert "the model holds BatchNorm layers (layers.3) and num_microbatches=2" in text, text
+        assert "losses up to 0.6 apart" in text and "up to 0.89 apart" in text and "running_var" in text
+        for fix in ("num_microbatches=1", "GroupNorm, LayerNorm", "allow_batch_norm_microbatches=True"):
+            assert fix in text, text
+        assert result["untouched"], f"rank {rank}: a step ran before the refusal"
+        assert len(result["validated"]) == 1 and "val_loss" in result["validated"][0], result["validated"]

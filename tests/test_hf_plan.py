@@ -4,7 +4,8 @@
 way (``colwise_gather_output`` for ``lm_head``, ``embedding_rowwise`` for the tied embedding); under
 pp=2 x tp=2 the embedding (stage 0) and the head (stage 1) are sharded the same way, stay tied, and
 training matches one device. Styles we do not support are refused naming the entry, and a plan
-that shards one side of a tied weight only is refused naming both sides.
+that shards one side of a tied weight only is refused naming both sides. A sliced module keeps the
+mode (``training``) of the module it replaces.
 """
 
 from __future__ import annotations
@@ -154,3 +155,34 @@ def test_a_meta_built_hugging_face_llama_trains_like_one_device_from_its_initial
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(got[0]["final"][key], value, atol=TOL, rtol=0, msg=key)
     assert all(r["held"] < 0.5 * r["whole"] for r in got), [(r["held"], r["whole"]) for r in got]
+
+
+def modes_worker() -> dict[str, list[str]]:
+    """A Hugging Face Qwen3 in eval mode (as ``from_pretrained`` gives it), a layer left in train
+    mode by hand, sliced by its own plan over a fake two-rank tensor group: which modules'
+    ``training`` flags differ from the unsliced model's, by name."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_pipe.huggingface.tensor_parallel import model_plan
+    from lightning_pipe.tensor_parallel.plan import apply_plan
+    from tests.hf_families import build
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = build("qwen3").eval()
+        model.model.layers[1].train()  # a mix: each replaced module keeps its own mode
+        expected = {n: m.training for n, m in model.named_modules()}
+        resolved = resolve_plan(model, model_plan(model), 2)
+        replaced = apply_plan(model, resolved, dist.group.WORLD, seed=0)
+        differ = [n for n, m in model.named_modules() if n in expected and m.training != expected[n]]
+        return {"replaced": replaced, "differ": differ}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_a_sliced_module_keeps_the_mode_of_the_module_it_replaces() -> None:
+    (got,) = run_distributed(modes_worker, 1, timeout=120, init_group=False)
+    assert any(n.endswith("self_attn.q_proj") for n in got["replaced"]), got["replaced"]
+    assert got["differ"] == [], got["differ"]

@@ -13,7 +13,8 @@ added over the replicas first, since one device would have seen their samples as
 
 What cannot be made equal: the *training-mode normalisation* of each micro-batch uses that
 micro-batch's statistics (the pipeline never has the whole batch in one place), so gradients differ
-from one device unless there is one micro-batch per batch. The strategy warns about it at setup.
+from one device unless there is one micro-batch per batch. The runtime refuses it at setup unless
+the user allows it (``allow_batch_norm_microbatches``), and then warns.
 
 Activation recomputation runs a layer's forward again during backward; those calls must not count
 twice, so the executor marks its backward passes with :func:`running_backward`.
@@ -54,6 +55,13 @@ def batch_norm_layers(layers: Sequence[nn.Module]) -> list[_BatchNorm]:
         for m in layer.modules()
         if isinstance(m, _BatchNorm) and m.track_running_stats and m.running_mean is not None
     }
+    return list(found.values())
+
+
+def normalising_by_batch(layers: Sequence[nn.Module]) -> list[_BatchNorm]:
+    """Every BatchNorm module inside ``layers`` (with or without running statistics): each one
+    normalises a training forward by the statistics of the samples it is given."""
+    found = {id(m): m for layer in layers for m in layer.modules() if isinstance(m, _BatchNorm)}
     return list(found.values())
 
 

@@ -84,6 +84,10 @@ class RuntimeOptions:
     """Raise at the first stage output or loss holding NaN/Inf, naming where."""
     deferred_batch_norm: bool = True
     """BatchNorm running statistics from the whole batch (torchgpipe's deferred batch norm)."""
+    allow_batch_norm_microbatches: bool = False
+    """Train a model holding BatchNorm layers with several micro-batches per batch, each normalised by
+    its own statistics (a different model than one device's, said once as a warning). ``False``: such
+    a model is refused at setup, naming the fixes (``num_microbatches=1``, GroupNorm/LayerNorm)."""
     check_forward: bool = True
     """On the first batch, check that the module's ``forward`` is its pipeline layers chained."""
 
@@ -108,6 +112,7 @@ class RuntimeOptions:
             "overlap_param_gather",
             "check_finite",
             "deferred_batch_norm",
+            "allow_batch_norm_microbatches",
             "check_forward",
             "sequence_parallel",
         ):

@@ -31,6 +31,7 @@ from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.runtime.holdings import Holdings, gather_holdings
+from lightning_pipe.runtime.model_recompute import ModelCheckpointing
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.skip.plan import SkipLayers
 from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, resolve_plan
@@ -68,6 +69,9 @@ class Preparation:
     fully_sharded: FullyShardedStages | None = None
     """This rank's stages under FSDP2 (``shard_parameters``), once a runtime has sharded them:
     sharding is not undone, so later runtimes reuse it."""
+    model_checkpointing: ModelCheckpointing | None = None
+    """The model's own gradient checkpointing, taken over by the first runtime (later runtimes
+    recompute as it did)."""
     skips: SkipLayers | None = None
     """The pipeline layers' skip connections (their declarations and :class:`Stash` / :class:`Pop`
     wrappers), read from the layers of the first setup, which later setups are not given."""

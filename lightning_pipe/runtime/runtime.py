@@ -32,6 +32,7 @@ Its public API, what both call:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,7 +58,7 @@ from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages, ShardedStateView
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer
-from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers
+from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers, normalising_by_batch
 from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.p2p import PipelineCommunicationError
@@ -75,14 +76,17 @@ from lightning_pipe.runtime.batch import (
     count_microbatches,
     default_pipeline_input,
 )
+from lightning_pipe.runtime.dropout_notice import describe_dropout, dropout_sources
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.holdings import Holdings
 from lightning_pipe.runtime.hooks import ModelHooks
+from lightning_pipe.runtime.model_recompute import ModelCheckpointing, take_over_checkpointing
 from lightning_pipe.runtime.notices import (
     BATCH_NORM_NOT_DEFERRED,
     PARAMETERS_ONE_REPLICA,
     SHARDING_ONE_REPLICA,
     batch_norm_mixes,
+    batch_norm_refused,
 )
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.runtime.prepare import Preparation, Preparer, other_stages_tensors, preparation_of
@@ -90,6 +94,7 @@ from lightning_pipe.runtime.sharding import describe_sharding, refuse_paralleliz
 from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import build_schedule
 from lightning_pipe.skip.plan import SkipLayers
+from lightning_pipe.tensor_parallel.dropout import RegionDropout
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.regions import sequence_parallel_suspended
 
@@ -117,6 +122,8 @@ class ParallelRuntime:
         hooks: how to read a model that is more than its layers chained (what enters the first
             layer, how each layer is called, how ``forward`` is checked, the loss items of each
             sample); see :class:`~lightning_pipe.runtime.hooks.ModelHooks`.
+        trains: whether this runtime will train (``False``: evaluation only, where what only
+            training does unlike one device, BatchNorm under micro-batching, is not refused).
     """
 
     def __init__(
@@ -133,6 +140,7 @@ class ParallelRuntime:
         sample: Any = None,
         board: FaultBoard | None = None,
         hooks: ModelHooks | None = None,
+        trains: bool = True,
     ) -> None:
         self.module, self.mesh, self.device = module, mesh, device
         self.options = options or RuntimeOptions()
@@ -144,6 +152,16 @@ class ParallelRuntime:
         layout, v = mesh.layout, self.options.virtual_stages
         done = preparation_of(module, layout, self.options.partition, v)
         self.first_setup = done is None
+        asked = self.options.recompute_mode
+        taken = take_over_checkpointing(module.named_modules())
+        if done is not None and done.model_checkpointing is not None:
+            taken = done.model_checkpointing.merged(taken)
+        self.model_checkpointing: ModelCheckpointing | None = taken
+        """The model's own gradient checkpointing that this runtime took over (turned off inside the
+        stages, honoured by ``recompute``), if the model had it on."""
+        self._asked_recompute = asked
+        if taken is not None:
+            self.options = dataclasses.replace(self.options, recompute=taken.mode(asked))
         # The model's own layers inside any Stash / Pop wrappers; later setups get no layers and
         # keep the first one's skips.
         layers, skips = SkipLayers.of(layers)
@@ -175,6 +193,10 @@ class ParallelRuntime:
         """Which layers each stage holds (tied weights and aliases included)."""
         self.stage_indices = partition.stages_of_rank(mesh.coordinates.pp_rank, layout.pipeline_parallel_size)
         """The stages this rank holds; every stage-dependent choice reads this."""
+        mixed_batch_norms = self._batch_norms_mixing(partition)
+        if mixed_batch_norms and trains and not self.options.allow_batch_norm_microbatches:
+            # Refused before anything is split, sliced or trained.
+            raise ConfigurationError(batch_norm_refused(mixed_batch_norms, self.options.num_microbatches))
         tied = self._tied_groups(partition)  # collective (new_group): before the seed's broadcast
         materialized: frozenset[int] = frozenset()
         if done is None:
@@ -196,6 +218,7 @@ class ParallelRuntime:
             done.skips = skips
             self.warnings += preparer.warnings
         self.preparation: Preparation = done
+        done.model_checkpointing = taken
         skips = done.skips or skips
         """How the module was split and sliced (kept on the module for later runtimes)."""
         self.layers: list[nn.Module] = [module.get_submodule(name) for name in partition.layer_names]
@@ -284,13 +307,11 @@ class ParallelRuntime:
                 "that alone, say layer_seeded_dropout=True."
             )
         self.batch_norm: DeferredBatchNorm | None = None
+        if mixed_batch_norms and self.options.allow_batch_norm_microbatches:
+            self.warnings.append(batch_norm_mixes(mixed_batch_norms))
         if batch_norm_layers(self.layers):
             if self.options.deferred_batch_norm:
                 self.batch_norm = DeferredBatchNorm(batch_norm_layers(own))
-                if self.options.num_microbatches != 1:  # one micro-batch: the batch's statistics
-                    names = {id(m): n for n, m in module.named_modules()}
-                    held = [names[id(m)] for m in batch_norm_layers(self.layers)]
-                    self.warnings.append(batch_norm_mixes(held))
             else:
                 self.warnings.append(BATCH_NORM_NOT_DEFERRED)
         for text in self.warnings:
@@ -299,10 +320,20 @@ class ParallelRuntime:
         """The kinds of first micro-batch (``ModelHooks.probe_kind``; one kind, ``None``, without
         it) whose forward has been checked."""
         self._warned_small_batch = False
+        self._late_checkpointing_checked = False
         self._batches = 0
         self.training_batches = 0
         """Training batches run so far: the batch key of layer-seeded dropout when ``train_batch``
         is given none (the Lightning adapter gives the loop's count, which a resumed run restores)."""
+
+    def _batch_norms_mixing(self, partition: PipelinePartition) -> list[str]:
+        """The names of the BatchNorm modules in the pipeline's layers when a batch is split into
+        several micro-batches (each then normalised by its own statistics); none with one."""
+        if self.options.num_microbatches == 1:
+            return []
+        layers = [self.module.get_submodule(name) for name in partition.layer_names]
+        names = {id(m): n for n, m in self.module.named_modules()}
+        return [names[id(m)] for m in normalising_by_batch(layers)]
 
     # ------------------------------------------------------------------ what this rank holds
     @property
@@ -388,10 +419,12 @@ class ParallelRuntime:
         m = num_microbatches or self.options.num_microbatches or f"auto (2 x {layout.pipeline_parallel_size})"
         v = self.options.virtual_stages
         virtual = f" ({v} stages per rank)" if v > 1 else ""
+        taken = self.model_checkpointing
+        recompute_note = taken.describe(self._asked_recompute) if taken is not None else ""
         text = (
             f"pipe_tp: layout {layout} (world {layout.world_size}), schedule "
             f"{self.options.schedule_kind.value}{virtual}, micro-batches {m}, recompute "
-            f"{self.executor.recompute.value}\n"
+            f"{self.executor.recompute.value}{recompute_note}\n"
             + self.partition.describe(self.layers, per_rank, layout.pipeline_parallel_size)
         )
         if done.slicing:
@@ -401,6 +434,7 @@ class ParallelRuntime:
                 f"{r.producer} -> {r.consumer} ({', '.join(r.names)})" for r in self.skip_routes
             )
             text += f"\n  skip connections sent between stages: {routes}"
+        text += describe_dropout(dropout_sources(self.module, self.layers), self.options.seeds_layers)
         text += describe_sharding(self.options, layout.data_parallel_size, self.fully_sharded)
         if done.built_on_meta:
             text += (
@@ -457,6 +491,9 @@ class ParallelRuntime:
         """
         if training_batch is not None:
             self.training_batches = training_batch
+        if not self._late_checkpointing_checked:
+            self._late_checkpointing_checked = True
+            self._take_over_late_checkpointing()
         try:
             return self._run_batch(batch, head, True, final, loss_weight, step, scale_loss, recorder)
         finally:
@@ -750,6 +787,27 @@ class ParallelRuntime:
             self.batch_norm = None
 
     # ------------------------------------------------------------------ construction helpers
+    def _take_over_late_checkpointing(self) -> None:
+        """The model's own gradient checkpointing, turned on after setup (in a hook before the first
+        training batch): taken over as at setup, and said, since the layout log is already out."""
+        late = take_over_checkpointing(self.module.named_modules())
+        if late is None:
+            return
+        if any(isinstance(m, RegionDropout) for layer in self.layers for m in layer.modules()):
+            raise ConfigurationError(
+                "The model's gradient checkpointing was turned on after setup, which pipe_tp honours "
+                'as recompute="always", but recomputation cannot replay the per-rank random stream of '
+                'tensor-parallel "dropout" layers: call gradient_checkpointing_disable(), or drop the '
+                '"dropout" entries of the plan.'
+            )
+        taken = late.merged(self.model_checkpointing)
+        self.model_checkpointing = self.preparation.model_checkpointing = taken
+        self.executor.recompute = taken.mode(self.executor.recompute)
+        self._warn(
+            f"pipe_tp: the model's gradient checkpointing was turned on after setup; recompute "
+            f"{self.executor.recompute.value}{taken.describe(self._asked_recompute)}"
+        )
+
     def _warn(self, text: str) -> None:
         """A once-per-run warning, shown by global rank 0 for the job."""
         if self.mesh.rank == 0:

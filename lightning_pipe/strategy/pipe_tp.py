@@ -182,6 +182,11 @@ class PipeTPStrategy(ParallelStrategy):
             from the statistics of the whole batch (summed over micro-batches and data-parallel
             replicas), so evaluation uses the statistics one device would have (torchgpipe's
             deferred batch norm). ``False``: they update once per micro-batch.
+        allow_batch_norm_microbatches: train a model holding BatchNorm layers with several
+            micro-batches per batch, each normalised in training by its own statistics (not the
+            batch's, as on one device: a different model, said once as a warning). ``False``
+            (default): ``fit`` refuses such a model at setup, naming the fixes
+            (``num_microbatches=1``, GroupNorm/LayerNorm, or this option).
         pretrained: initial weights for a model built in ``configure_model()`` or under
             ``trainer.init_module(empty_init=True)``, each rank reading only its own stage's
             tensors: a Hugging Face directory (``model.safetensors``, or sharded with
@@ -224,6 +229,7 @@ class PipeTPStrategy(ParallelStrategy):
         timeline_steps: PositiveInt = 1,
         save_distributed_checkpoint: bool = True,
         deferred_batch_norm: bool = True,
+        allow_batch_norm_microbatches: bool = False,
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -247,6 +253,7 @@ class PipeTPStrategy(ParallelStrategy):
             ("overlap_param_gather", overlap_param_gather),
             ("save_distributed_checkpoint", save_distributed_checkpoint),
             ("deferred_batch_norm", deferred_batch_norm),
+            ("allow_batch_norm_microbatches", allow_batch_norm_microbatches),
         ):
             check_flag(name, flag)
         if start_method not in _START_METHODS:
@@ -302,6 +309,7 @@ class PipeTPStrategy(ParallelStrategy):
             reshard_after_forward=reshard_after_forward,
             check_finite=check_finite,
             deferred_batch_norm=deferred_batch_norm,
+            allow_batch_norm_microbatches=allow_batch_norm_microbatches,
             check_forward=check_forward,
         )
         """The engine's options, checked before any process is launched."""
@@ -575,7 +583,7 @@ class PipeTPStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(module)
-        self._build_runtime(module)
+        self._build_runtime(module, trains=trainer.state.fn == TrainerFn.FITTING)
         runtime = self.runtime
         use_pipeline_summary(
             trainer,
@@ -594,13 +602,13 @@ class PipeTPStrategy(ParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
         self._install_global_clipping(trainer)
 
-    def _build_runtime(self, module: LightningModule) -> None:
+    def _build_runtime(self, module: LightningModule, trains: bool = True) -> None:
         """Build this call's runtime: on the module's first setup it splits, slices and
         materialises the model; later calls reuse that (see :mod:`lightning_pipe.runtime.prepare`)."""
         if self._runtime is not None:
             self._runtime.close()
         try:
-            self._runtime = self._new_runtime(module)
+            self._runtime = self._new_runtime(module, trains)
         except ConfigurationError as err:
             raise MisconfigurationException(str(err)) from err
         # torchmetrics sync over the data axis only: ranks of one pipeline hold the same state.
@@ -610,7 +618,7 @@ class PipeTPStrategy(ParallelStrategy):
         if self._runtime.first_setup:
             rank_zero_info(self._runtime.describe())
 
-    def _new_runtime(self, module: LightningModule) -> ParallelRuntime:
+    def _new_runtime(self, module: LightningModule, trains: bool) -> ParallelRuntime:
         layout = self.mesh.layout
         first = preparation_of(module, layout, self.partition, self.virtual_stages) is None
         view = read_module(
@@ -648,7 +656,7 @@ class PipeTPStrategy(ParallelStrategy):
         return ParallelRuntime(
             module, view.layers, self.mesh, self.root_device, options,
             seed=int(env) if env is not None else None, init=view.init,
-            weights=weights, sample=sample, board=self.faults.board, hooks=view.hooks,
+            weights=weights, sample=sample, board=self.faults.board, hooks=view.hooks, trains=trains,
         )  # fmt: skip
 
     @override

@@ -556,6 +556,9 @@ def apply_plan(
             sequence = "gathered" if inside else "shard"
         build = _builder(style, group, name, stream, sequence)
         new = build(module)
+        # A fresh module is in train mode; it takes the mode of the one it replaces (a model loaded
+        # by from_pretrained is in eval mode, and must stay all eval, as on one device).
+        new.train(module.training)
         # A module built on the meta device is sliced on the meta device (no storage); when the
         # rank materialises it, the full module is initialised and cut by this same builder.
         if any(t.is_meta for t in module.parameters()):
