@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -75,6 +76,7 @@ from lightning_pipe.runtime.batch import (
     count_microbatches,
     default_pipeline_input,
 )
+from lightning_pipe.runtime.batch_faults import batch_collectives_named
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.holdings import Holdings
 from lightning_pipe.runtime.hooks import ModelHooks
@@ -458,7 +460,8 @@ class ParallelRuntime:
         if training_batch is not None:
             self.training_batches = training_batch
         try:
-            return self._run_batch(batch, head, True, final, loss_weight, step, scale_loss, recorder)
+            with self._collectives_named():
+                return self._run_batch(batch, head, True, final, loss_weight, step, scale_loss, recorder)
         finally:
             self.training_batches += 1
 
@@ -472,7 +475,16 @@ class ParallelRuntime:
     ) -> BatchResult:
         """Forward of ``batch`` over the pipeline; ``head(output, microbatch)`` runs on the last
         stage (its returns are the result's ``outputs`` there)."""
-        return self._run_batch(batch, head, False, False, 1.0, step, None, recorder)
+        with self._collectives_named():
+            return self._run_batch(batch, head, False, False, 1.0, step, None, recorder)
+
+    def _collectives_named(self) -> AbstractContextManager[None]:
+        """A peer lost inside a collective the layers drive (tensor parallelism's, FSDP2's) is
+        named like one lost in the runtime's own collectives (:mod:`.batch_faults`)."""
+        data = None
+        if self.fully_sharded is not None:
+            data = dist.get_process_group_ranks(self.mesh.group(MeshAxis.DATA))
+        return batch_collectives_named(self.naming, data)
 
     def _layer_seeds(self) -> Callable[[int, int], list[int]]:
         """This training batch's seeds for each layer of a stage on a micro-batch (by the layers'
