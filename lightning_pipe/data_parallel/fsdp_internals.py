@@ -12,6 +12,7 @@ uses, so that a torch upgrade that renames one fails here, in one module, with a
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import torch
@@ -95,3 +96,37 @@ def reduce_gradients(root: nn.Module) -> None:
         for param_group in unit_state._fsdp_param_groups:
             param_group.post_backward()
     state._root_post_backward_final_callback()
+
+
+_GATHERING = "all-gathering parameters over the data-parallel group (FSDP2)"
+_REDUCING = "reduce-scattering gradients over the data-parallel group (FSDP2)"
+_COLLECTIVE_FRAMES = {
+    # FSDP2's functions (torch/distributed/fsdp/_fully_shard/) that run or wait for a collective.
+    "foreach_all_gather": _GATHERING,
+    "foreach_all_gather_copy_out": _GATHERING,
+    "wait_for_unshard": _GATHERING,
+    "unshard": _GATHERING,
+    "_prefetch_unshard": _GATHERING,
+    "_backward_prefetch": _GATHERING,
+    "pre_forward": _GATHERING,
+    "pre_backward": _GATHERING,
+    "_reset_iter_state": _GATHERING,
+    "finalize_backward": _GATHERING,
+    "foreach_reduce": _REDUCING,
+    "post_backward": _REDUCING,
+    "_root_post_backward_final_callback": _REDUCING,
+}
+
+
+def collective_of(err: BaseException) -> str | None:
+    """What FSDP2 was doing when ``err`` was raised inside it ("all-gathering parameters over the
+    data-parallel group (FSDP2)", or reduce-scattering gradients), from the innermost of its
+    functions on the error's traceback; ``None`` when the error did not come from FSDP2.
+
+    FSDP2 runs its collectives inside module and autograd hooks, where no caller can name them;
+    the traceback still holds its frames (autograd re-raises a hook's Python error with them)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    for frame in reversed(frames):
+        if "_fully_shard" in frame.filename.replace("\\", "/") and frame.name in _COLLECTIVE_FRAMES:
+            return _COLLECTIVE_FRAMES[frame.name]
+    return None

@@ -17,9 +17,12 @@ survivor name the rank that stopped and say why:
   leaves no log, so the survivors' words are all the user gets.
 
 The store lives in one process: global rank 0 under Lightning's launcher and ``env://`` (torchrun
-hosts it in its agent instead). That rank, when it fails, waits a few seconds for the others to
-read the board before its process (and the store) goes (:meth:`FaultBoard.linger`); if the store
-is unreachable anyway, its host is gone, and the message says so.
+hosts it in its agent instead). A rank blocked in an exchange or a collective with that host learns
+of a failure only when the host's process ends, and the store with it; so each heartbeat thread
+also reads the board (the first cause, the victims' reports) into a copy in its process, and marks
+that it did. The host, when it fails, waits until every other rank has reported, exited, gone
+silent or read the board (:meth:`FaultBoard.linger`, a few seconds at most) before its process
+goes; a rank that then finds the store gone names the failure from its copy.
 
 Plain torch: the engine's transport and the Lightning adapter both explain lost peers with it.
 """
@@ -79,12 +82,17 @@ def _agent_hosts_store() -> bool:
 
 
 class _Heartbeat:
-    """The process's heartbeat: one daemon thread, started once per process."""
+    """The process's heartbeat: one daemon thread, started once per process; it also keeps a copy
+    of the current board's failure records (:meth:`copied`), for when the store has gone."""
 
     _started: ClassVar[dict[int, _Heartbeat]] = {}  # rank -> the running heartbeat (one per process)
 
     def __init__(self, store: dist.Store, rank: int) -> None:
         self.rank = rank
+        self.prefix: str | None = None  # the board whose records are copied (the latest Trainer call's)
+        self._first: str | None = None
+        self._victims: list[str] = []
+        self._lock = threading.Lock()
         try:  # its own connection: the main thread's long store waits must not stall the beat
             self.store = store.clone()  # type: ignore[attr-defined]  # (torch >= 2.5; PrefixStore)
         except Exception:
@@ -99,13 +107,55 @@ class _Heartbeat:
         if rank not in cls._started:
             cls._started[rank] = cls(store, rank)
 
+    def watch(self, prefix: str) -> None:
+        """Copy the records of the board ``prefix`` from now on (those of an earlier one are
+        dropped: a failure an earlier Trainer call handled is no cause of a later one)."""
+        with self._lock:
+            if prefix != self.prefix:
+                self.prefix, self._first, self._victims = prefix, None, []
+
+    def copied(self) -> tuple[str | None, list[str]]:
+        """The board's first cause and victims' reports, as last read."""
+        with self._lock:
+            return self._first, list(self._victims)
+
+    def _text(self, key: str) -> str | None:
+        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+
     def _run(self) -> None:
         key = f"{_PROCESS}/beat/{self.rank}"
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self.store.add(key, 1)
+                self._read_board()
             except Exception:  # the store's host is gone: nobody can read the beat any more
                 return
+
+    def _read_board(self) -> None:
+        """Copy the board's new records, then mark that this rank holds them (two counter reads
+        a beat when nothing failed)."""
+        prefix = self.prefix
+        if prefix is None:
+            return
+        first, victims = self.copied()
+        new_first = first
+        # A record's counter moves before its text is written: read only texts already there (a
+        # get of a missing key would block the beat).
+        if first is None and int(self.store.add(f"{prefix}/count", 0)) > 0:
+            new_first = self._text(f"{prefix}/1")
+        new_victims: list[str] = []
+        for n in range(len(victims) + 1, int(self.store.add(f"{prefix}/lost", 0)) + 1):
+            text = self._text(f"{prefix}/lost/{n}")
+            if text is None:
+                break
+            new_victims.append(text)
+        if new_first == first and not new_victims:
+            return
+        with self._lock:
+            if prefix == self.prefix:
+                self._first = new_first
+                self._victims += new_victims
+        self.store.set(f"{prefix}/seen/{self.rank}", "1")
 
     def _exited(self) -> None:
         """A clean interpreter exit (the script ended), so a silent beat is not a vanished rank."""
@@ -138,9 +188,11 @@ class FaultBoard:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.describe = describe
         self.hosts_store = rank == 0 and not _agent_hosts_store()
+        self._lingered = False
         if store is not None:
             try:
                 _Heartbeat.ensure(store, rank)
+                _Heartbeat._started[rank].watch(prefix)
             except Exception:  # a store without counters: reports still work
                 pass
 
@@ -177,6 +229,9 @@ class FaultBoard:
             return
         try:
             self.store.set(f"{self.prefix}/victim/{self.rank}", what)
+            # Numbered too, for the heartbeats' copies (one counter read finds a new one).
+            number = self.store.add(f"{self.prefix}/lost", 1)
+            self.store.set(f"{self.prefix}/lost/{number}", f"{self.who(self.rank)} stopped after it {what}")
         except Exception:
             return
         self.linger()
@@ -197,10 +252,18 @@ class FaultBoard:
             return self._store_gone()
 
     def _store_gone(self) -> str:
+        """The store is unreachable: what this process's heartbeat read from the board before it
+        went, or, when it read nothing, that the store's host has stopped."""
+        heartbeat = _Heartbeat._started.get(self.rank)
+        first, victims = heartbeat.copied() if heartbeat is not None else (None, [])
+        read = victims[:2] + ([f"the first rank to fail: {first}"] if first is not None else [])
+        host = "torchrun's agent" if _agent_hosts_store() else self.who(0)
+        if read:
+            return "; ".join(read) + f" (read from the failure board before its host, {host}, stopped)"
         if _agent_hosts_store():
             return "the rendezvous store in torchrun's agent is unreachable: the launcher has stopped"
         return (
-            f"the rendezvous store is unreachable, so {self.who(0)}, the process that hosts it, has stopped; "
+            f"the rendezvous store is unreachable, so {host}, the process that hosts it, has stopped; "
             "its log names the cause (its own error, or the rank it lost), unless it was killed"
         )
 
@@ -293,10 +356,13 @@ class FaultBoard:
         )
 
     def linger(self) -> None:
-        """On the store's host, failing: wait (a few seconds at most) until every other rank has
-        reported, exited or gone silent, so that their explanations can still read the board."""
-        if self.store is None or not self.hosts_store:
+        """On the store's host, failing: wait (a few seconds at most, once) until every other rank
+        has reported, exited, gone silent or copied the board, so that their explanations can
+        still read it (a rank blocked with this one learns of the failure only when its process
+        ends, and then names it from its copy)."""
+        if self.store is None or not self.hosts_store or self._lingered:
             return
+        self._lingered = True  # once: a second wait would only wait for the same ranks again
         others = [r for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + _LINGER_S
         try:
@@ -309,6 +375,7 @@ class FaultBoard:
                     if self._get(f"{self.prefix}/report/{r}") is None
                     and self._get(f"{self.prefix}/victim/{r}") is None
                     and self._get(f"{_PROCESS}/exited/{r}") is None
+                    and self._get(f"{self.prefix}/seen/{r}") is None  # it holds a copy of the board
                     and time.monotonic() - moved_at[r] < _SILENT_S
                 ]
                 if not pending:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -76,6 +77,7 @@ from lightning_pipe.runtime.batch import (
     count_microbatches,
     default_pipeline_input,
 )
+from lightning_pipe.runtime.batch_faults import batch_collectives_named
 from lightning_pipe.runtime.dropout_notice import describe_dropout, dropout_sources
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.holdings import Holdings
@@ -495,7 +497,8 @@ class ParallelRuntime:
             self._late_checkpointing_checked = True
             self._take_over_late_checkpointing()
         try:
-            return self._run_batch(batch, head, True, final, loss_weight, step, scale_loss, recorder)
+            with self._collectives_named():
+                return self._run_batch(batch, head, True, final, loss_weight, step, scale_loss, recorder)
         finally:
             self.training_batches += 1
 
@@ -509,7 +512,16 @@ class ParallelRuntime:
     ) -> BatchResult:
         """Forward of ``batch`` over the pipeline; ``head(output, microbatch)`` runs on the last
         stage (its returns are the result's ``outputs`` there)."""
-        return self._run_batch(batch, head, False, False, 1.0, step, None, recorder)
+        with self._collectives_named():
+            return self._run_batch(batch, head, False, False, 1.0, step, None, recorder)
+
+    def _collectives_named(self) -> AbstractContextManager[None]:
+        """A peer lost inside a collective the layers drive (tensor parallelism's, FSDP2's) is
+        named like one lost in the runtime's own collectives (:mod:`.batch_faults`)."""
+        data = None
+        if self.fully_sharded is not None:
+            data = dist.get_process_group_ranks(self.mesh.group(MeshAxis.DATA))
+        return batch_collectives_named(self.naming, data)
 
     def _layer_seeds(self) -> Callable[[int, int], list[int]]:
         """This training batch's seeds for each layer of a stage on a micro-batch (by the layers'

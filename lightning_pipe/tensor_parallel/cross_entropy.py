@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_pipe.tensor_parallel.regions import gather_from_region
+from lightning_pipe.tensor_parallel.regions import gather_from_region, named
 
 _GROUP = "_lightning_pipe_vocab_group"
 _START = "_lightning_pipe_vocab_start"
@@ -48,17 +48,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # the softmax sums in fp32; float64 stays float64
+        doing = "computing the vocab-parallel cross entropy over the tensor-parallel group"
         peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        with named(doing, group):
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - peak.unsqueeze(-1)
         exp = shifted.exp()
         total = exp.sum(dim=-1)
-        dist.all_reduce(total, group=group)
+        with named(doing, group):
+            dist.all_reduce(total, group=group)
         local_vocab = logits.shape[-1]
         mine = (target >= vocab_start) & (target < vocab_start + local_vocab)
         local_target = torch.where(mine, target - vocab_start, torch.zeros_like(target))
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine
-        dist.all_reduce(target_logit, group=group)
+        with named(doing, group):
+            dist.all_reduce(target_logit, group=group)
         ctx.save_for_backward(exp / total.unsqueeze(-1), mine, local_target)
         return total.log() - target_logit
 

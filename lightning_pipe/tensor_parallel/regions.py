@@ -28,13 +28,21 @@ without sequence parallelism while its activations outside the regions are 1/tp 
 
 :class:`CommCounter` counts the collectives issued, so tests can check that a Megatron block does
 exactly two all-reduces in forward and two in backward.
+
+A peer lost inside one of these collectives would surface as the transport's bare error ("Connection
+closed by peer") from deep inside a layer's forward or an autograd backward. While a runtime runs a
+batch it installs its naming (:func:`collectives_named`), and every collective here runs inside it,
+saying what it was doing ("all-gathering the sequence over the tensor-parallel group (forward)") and
+with which ranks, so that the runtime's fault board turns the loss into its ``PeerLostError`` naming
+the rank that stopped. The engine's fault handling stays out of this package: it only gets a
+context-manager factory.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from typing import Any
 
@@ -65,12 +73,56 @@ def _note(kind: str) -> None:
         counter[kind] += 1
 
 
+CollectiveNamer = Callable[[str, Sequence[int]], AbstractContextManager[None]]
+"""``namer(what, ranks)``: a context in which a collective with the global ``ranks`` runs, doing
+``what``; a lost peer inside it becomes an error naming both (the runtime's ``CollectiveNaming``)."""
+
+_NAMERS: list[CollectiveNamer] = []
+
+_DOING = {
+    "all_reduce_forward": "all-reducing the row-parallel outputs over the tensor-parallel group (forward)",
+    "all_reduce_backward": "all-reducing the input gradients over the tensor-parallel group (backward)",
+    "all_gather_forward": "all-gathering the column-parallel outputs over the tensor-parallel group "
+    "(forward)",
+    "all_gather_backward": "all-gathering the input gradients over the tensor-parallel group (backward)",
+    "sequence_all_gather_forward": "all-gathering the sequence over the tensor-parallel group (forward)",
+    "sequence_all_gather_backward": "all-gathering the sequence's gradients over the tensor-parallel "
+    "group (backward)",
+    "sequence_all_gather_recompute": "all-gathering the sequence again over the tensor-parallel group "
+    "(backward)",
+    "sequence_reduce_scatter_forward": "reduce-scattering the sequence over the tensor-parallel group "
+    "(forward)",
+    "sequence_reduce_scatter_backward": "reduce-scattering the sequence's gradients over the "
+    "tensor-parallel group (backward)",
+}
+
+
+@contextmanager
+def collectives_named(namer: CollectiveNamer) -> Iterator[None]:
+    """Inside the block, every tensor-parallel collective (regions, sequence parallelism, the
+    vocab-parallel loss) runs inside ``namer(what, ranks)``."""
+    _NAMERS.append(namer)
+    try:
+        yield
+    finally:
+        _NAMERS.remove(namer)
+
+
+def named(what: str, group: dist.ProcessGroup) -> AbstractContextManager[None]:
+    """The installed namer's context for a collective over ``group`` doing ``what`` (or ``kind``,
+    a :func:`count_collectives` key), or nothing when none is installed (a layer used on its own)."""
+    if not _NAMERS:
+        return nullcontext()
+    return _NAMERS[-1](_DOING.get(what, what), dist.get_process_group_ranks(group))
+
+
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     _note(kind)
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    with named(kind, group):
+        dist.all_reduce(out, group=group)
     return out
 
 
@@ -87,7 +139,8 @@ def _gather_last(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.
         return x
     _note(kind)
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with named(kind, group):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 
@@ -210,14 +263,16 @@ def start_all_gather_sequence(
     # The ranks' parts, one after the other (dim 0 of the flat buffer), then the sequence put back
     # in dim 1: one copy, none when the batch is 1.
     flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    pending: list[Any] = [all_gather_flat(flat, x.contiguous(), group=group, async_op=True), flat]
+    with named(kind, group):
+        pending: list[Any] = [all_gather_flat(flat, x.contiguous(), group=group, async_op=True), flat]
     done: list[torch.Tensor] = []
     shape = x.shape
 
     def wait() -> torch.Tensor:  # the same tensor however often it is asked for
         if not done:
             work, buffer = pending
-            work.wait()
+            with named(kind, group):
+                work.wait()
             parts = buffer.view(size, *shape)
             done.append(parts.movedim(0, SEQUENCE_DIM).flatten(SEQUENCE_DIM, SEQUENCE_DIM + 1))
             # The flat buffer (and the work that holds it) is let go: with a batch above 1 the
@@ -249,10 +304,12 @@ def start_reduce_scatter_sequence(
     parts = x.reshape(shape).movedim(SEQUENCE_DIM, 0).contiguous()
     out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
     # The parts one after the other.
-    work = reduce_scatter_flat(out, parts.flatten(0, 1), group=group, async_op=True)
+    with named(kind, group):
+        work = reduce_scatter_flat(out, parts.flatten(0, 1), group=group, async_op=True)
 
     def wait() -> torch.Tensor:
-        work.wait()
+        with named(kind, group):
+            work.wait()
         return out
 
     return wait
