@@ -1,0 +1,200 @@
+"""LoRA with ``peft`` under pipe_tp, end to end: trained, checkpointed, exported.
+
+A plain LightningModule wraps a tiny Qwen3 (per-head query/key norms beside its column-split
+projections) with ``get_peft_model(model, LoraConfig(...))`` on every projection of attention
+and MLP, and trains only the adapters with AdamW for three steps, at pp=2 x tp=2 (the LoRA layers
+see-through: base layers sliced by the model's plan, ``lora_B`` of a column layer and ``lora_A``
+of a row layer sliced with them), and at dp=2 x pp=2 with ZeRO-1 and with FSDP2. Each run saves
+a sharded checkpoint; from it, the consolidated base weights are the initial ones bit for bit,
+the adapters equal those of the same module trained on one device (1e-5), and
+``export_huggingface`` writes the adapter directory, which ``PeftModel.from_pretrained`` loads on
+the base model with the one-device module's logits, and the merged model, which
+``AutoModelForCausalLM.from_pretrained`` loads with the same logits. The frozen base holds no
+gradient and no optimizer state on any rank.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_pipe import PipeTPStrategy
+from lightning_pipe.checkpoint.single_file import consolidate_checkpoint
+from lightning_pipe.huggingface import export_huggingface
+from lightning_pipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tests.distributed import run_distributed
+from tests.hf_families import batches, build
+from tests.trainers import fit
+
+peft = pytest.importorskip("peft")
+
+TOL = 1e-5
+BATCH = 8  # the global batch: each of dp replicas takes BATCH // dp samples of it
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TRAIN = [{k: v[i] for k, v in b.items()} for b in batches("padded", 3, BATCH) for i in range(BATCH)]
+
+
+def lora_model() -> Any:
+    """The tiny Qwen3 with LoRA adapters, equal in every process (``B`` drawn non-zero, so the
+    adapters change the output from the first step and every slice of them is exercised)."""
+    model = build("qwen3")
+    torch.manual_seed(1)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
+    )
+    return peft.get_peft_model(model, config)
+
+
+class LoraModule(L.LightningModule):
+    """What a user writes: the PEFT model as ``self.model``, its loss, AdamW on what trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = lora_model()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _train(strategy: Any, devices: int, root: str, batch: int) -> tuple[LoraModule, L.Trainer]:
+    module = LoraModule()
+    saving = ModelCheckpoint(dirpath=os.path.join(root, "checkpoints"), save_last=True)
+    # pipe_tp's injected DistributedSampler shuffles: one device gets the same order.
+    sampler = DistributedSampler(TRAIN, num_replicas=1, rank=0, seed=0) if devices == 1 else None
+    trainer = fit(
+        module,
+        strategy,
+        devices,
+        DataLoader(TRAIN, batch_size=batch, sampler=sampler),
+        root,
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[saving],
+    )
+    return module, trainer
+
+
+def _torch_optimizer(trainer: L.Trainer) -> Any:
+    """The torch optimizer that steps (ZeRO-1's holds this replica's slices as its parameters)."""
+    optimizer: Any = trainer.optimizers[0]
+    sharded = vars(optimizer).get("_sharded")
+    return sharded.optimizer if sharded is not None else optimizer
+
+
+def worker(root: str, pp: int, tp: int, dp: int, options: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+        num_microbatches=2,
+        timeout=timedelta(seconds=90),
+        **options,
+    )
+    module, trainer = _train(strategy, pp * tp * dp, root, BATCH // dp)
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    inner = _torch_optimizer(trainer)
+    held = [p for group in inner.param_groups for p in group["params"]]
+    sliced = [
+        n
+        for n, m in module.named_modules()
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear) and ".lora_" in n
+    ]
+    return {
+        "checkpoint": os.path.join(root, "checkpoints", "last.ckpt"),
+        "sliced_adapters": len(sliced),
+        "frozen": len(frozen),
+        "trainable_not_lora": [n for n in trainable if "lora_" not in n],
+        "frozen_with_grad": [n for n, p in frozen if p.grad is not None],
+        # Optimizer state elements: only the adapters' (a frozen parameter is never in a group).
+        "state_elements": sum(
+            t.numel() for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
+        ),
+        "optimizer_elements": sum(t.numel() for t in held),
+        "lora_elements": sum(p.numel() for n, p in module.named_parameters() if "lora_" in n),
+    }
+
+
+def _logits(model: Any, probe: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**{k: v for k, v in probe.items() if k != "labels"}).logits
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """The module trained on one device: its state and its logits on a probe batch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        module, _ = _train("auto", 1, tmp, BATCH)
+    model = module.model.eval()
+    probe = batches("padded", 1, 4)[0]
+    state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    return {"state": state, "logits": _logits(model, probe), "probe": probe}
+
+
+LAYOUTS = {
+    "pp2_tp2": (2, 2, 1, {}),
+    "dp2_pp2_zero1": (2, 1, 2, {"shard_optimizer_state": True}),
+    "dp2_pp2_fsdp2": (2, 1, 2, {"shard_parameters": True}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_trains_checkpoints_and_exports_like_one_device(
+    layout: str, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    pp, tp, dp, options = LAYOUTS[layout]
+    root = str(tmp_path / "run")
+    ranks = run_distributed(worker, pp * tp * dp, root, pp, tp, dp, options, timeout=300, init_group=False)
+    for rank in ranks:
+        # Each rank's stage: two decoder layers of seven LoRA layers, one adapter side sliced each.
+        assert rank["sliced_adapters"] == (2 * len(TARGETS) if tp > 1 else 0)
+        assert rank["frozen"] > 0
+        assert rank["trainable_not_lora"] == []  # slicing kept the base frozen
+        assert rank["frozen_with_grad"] == []
+        # The optimizer holds the adapters only (ZeRO-1: a slice of them), with state for no more.
+        assert 0 < rank["optimizer_elements"] <= rank["lora_elements"]
+        if options.get("shard_optimizer_state"):
+            assert rank["optimizer_elements"] < rank["lora_elements"]
+        assert rank["state_elements"] == 2 * rank["optimizer_elements"]  # AdamW's two moments
+    checkpoint = ranks[0]["checkpoint"]
+    assert os.path.isdir(checkpoint)
+
+    saved = consolidate_checkpoint(checkpoint, weights_only=True)["state_dict"]
+    initial = {f"model.{k}": v for k, v in lora_model().state_dict().items()}
+    expected = reference["state"]
+    assert set(saved) == set(expected)
+    base = [k for k in saved if "lora_" not in k]
+    assert base and all(torch.equal(saved[k], initial[k]) for k in base)  # bit for bit
+    adapters = [k for k in saved if "lora_" in k]
+    assert len(adapters) == 2 * len(TARGETS) * 4
+    for key in adapters:
+        torch.testing.assert_close(saved[key], expected[key], atol=TOL, rtol=0, msg=key)
+        assert not torch.equal(saved[key], initial[key])  # trained
+
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    export_huggingface(checkpoint, adapter_dir)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
+    loaded = peft.PeftModel.from_pretrained(build("qwen3"), str(adapter_dir)).eval()
+    probe = reference["probe"]
+    torch.testing.assert_close(_logits(loaded, probe), reference["logits"], atol=TOL, rtol=0)
+
+    export_huggingface(checkpoint, merged_dir, merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(_logits(merged, probe), reference["logits"], atol=TOL, rtol=0)
