@@ -65,10 +65,22 @@ class LoraModule(L.LightningModule):
         return self.model(**batch).loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
 
 
-def _train(strategy: Any, devices: int, root: str, batch: int) -> tuple[LoraModule, L.Trainer]:
+class _EpochStates(L.Callback):
+    """The module's state at the end of every training epoch (the one-device reference's)."""
+
+    def __init__(self) -> None:
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.states.append({k: v.detach().clone() for k, v in module.state_dict().items()})
+
+
+def _train(
+    strategy: Any, devices: int, root: str, batch: int, epochs: int, resume: str | None = None, *more: Any
+) -> tuple[LoraModule, L.Trainer]:
     module = LoraModule()
     saving = ModelCheckpoint(dirpath=os.path.join(root, "checkpoints"), save_last=True)
     # pipe_tp's injected DistributedSampler shuffles: one device gets the same order.
@@ -79,9 +91,10 @@ def _train(strategy: Any, devices: int, root: str, batch: int) -> tuple[LoraModu
         devices,
         DataLoader(TRAIN, batch_size=batch, sampler=sampler),
         root,
-        max_epochs=1,
+        ckpt_path=resume,
+        max_epochs=epochs,
         enable_checkpointing=True,
-        callbacks=[saving],
+        callbacks=[saving, *more],
     )
     return module, trainer
 
@@ -93,7 +106,9 @@ def _torch_optimizer(trainer: L.Trainer) -> Any:
     return sharded.optimizer if sharded is not None else optimizer
 
 
-def worker(root: str, pp: int, tp: int, dp: int, options: dict[str, Any]) -> dict[str, Any]:
+def worker(
+    root: str, pp: int, tp: int, dp: int, options: dict[str, Any], epochs: int, resume: str | None
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     strategy = PipeTPStrategy(
         pipeline_parallel_size=pp,
@@ -103,7 +118,7 @@ def worker(root: str, pp: int, tp: int, dp: int, options: dict[str, Any]) -> dic
         timeout=timedelta(seconds=90),
         **options,
     )
-    module, trainer = _train(strategy, pp * tp * dp, root, BATCH // dp)
+    module, trainer = _train(strategy, pp * tp * dp, root, BATCH // dp, epochs, resume)
     frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
     trainable = [n for n, p in module.named_parameters() if p.requires_grad]
     inner = _torch_optimizer(trainer)
@@ -133,68 +148,129 @@ def _logits(model: Any, probe: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(**{k: v for k, v in probe.items() if k != "labels"}).logits
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, Any]:
-    """The module trained on one device: its state and its logits on a probe batch."""
-    with tempfile.TemporaryDirectory() as tmp:
-        module, _ = _train("auto", 1, tmp, BATCH)
-    model = module.model.eval()
-    probe = batches("padded", 1, 4)[0]
-    state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    return {"state": state, "logits": _logits(model, probe), "probe": probe}
-
-
-LAYOUTS = {
-    "pp2_tp2": (2, 2, 1, {}),
-    "dp2_pp2_zero1": (2, 1, 2, {"shard_optimizer_state": True}),
-    "dp2_pp2_fsdp2": (2, 1, 2, {"shard_parameters": True}),
-}
+# (name, pp, tp, dp, options): each run trains one more epoch (three steps), resuming from the
+# previous run's checkpoint, saved at another layout: the adapters' tensor-parallel slices and
+# AdamW's moments move into ZeRO-1's buckets, then into FSDP2's shards.
+RUNS = [
+    ("pp2_tp2", 2, 2, 1, {}),
+    ("dp2_pp2_zero1", 2, 1, 2, {"shard_optimizer_state": True}),
+    ("dp2_pp2_fsdp2", 2, 1, 2, {"shard_parameters": True}),
+]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_lora_trains_checkpoints_and_exports_like_one_device(
-    layout: str, reference: dict[str, Any], tmp_path: Path
-) -> None:
+def test_lora_trains_reshards_and_exports_like_one_device(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    pp, tp, dp, options = LAYOUTS[layout]
-    root = str(tmp_path / "run")
-    ranks = run_distributed(worker, pp * tp * dp, root, pp, tp, dp, options, timeout=300, init_group=False)
-    for rank in ranks:
-        # Each rank's stage: two decoder layers of seven LoRA layers, one adapter side sliced each.
-        assert rank["sliced_adapters"] == (2 * len(TARGETS) if tp > 1 else 0)
-        assert rank["frozen"] > 0
-        assert rank["trainable_not_lora"] == []  # slicing kept the base frozen
-        assert rank["frozen_with_grad"] == []
-        # The optimizer holds the adapters only (ZeRO-1: a slice of them), with state for no more.
-        assert 0 < rank["optimizer_elements"] <= rank["lora_elements"]
-        if options.get("shard_optimizer_state"):
-            assert rank["optimizer_elements"] < rank["lora_elements"]
-        assert rank["state_elements"] == 2 * rank["optimizer_elements"]  # AdamW's two moments
-    checkpoint = ranks[0]["checkpoint"]
-    assert os.path.isdir(checkpoint)
-
-    saved = consolidate_checkpoint(checkpoint, weights_only=True)["state_dict"]
+    epochs = _EpochStates()
+    with tempfile.TemporaryDirectory() as tmp:
+        _train("auto", 1, tmp, BATCH, len(RUNS), None, epochs)
     initial = {f"model.{k}": v for k, v in lora_model().state_dict().items()}
-    expected = reference["state"]
-    assert set(saved) == set(expected)
-    base = [k for k in saved if "lora_" not in k]
-    assert base and all(torch.equal(saved[k], initial[k]) for k in base)  # bit for bit
-    adapters = [k for k in saved if "lora_" in k]
-    assert len(adapters) == 2 * len(TARGETS) * 4
-    for key in adapters:
-        torch.testing.assert_close(saved[key], expected[key], atol=TOL, rtol=0, msg=key)
-        assert not torch.equal(saved[key], initial[key])  # trained
+    probe = batches("padded", 1, 4)[0]
+    resume = None
+    for epoch, (name, pp, tp, dp, options) in enumerate(RUNS, start=1):
+        root = str(tmp_path / name)
+        ranks = run_distributed(
+            worker, pp * tp * dp, root, pp, tp, dp, options, epoch, resume, timeout=300, init_group=False
+        )
+        for rank in ranks:
+            # Each rank's stage: two decoder layers of seven LoRA layers, one adapter side sliced each.
+            assert rank["sliced_adapters"] == (2 * len(TARGETS) if tp > 1 else 0), name
+            assert rank["frozen"] > 0
+            assert rank["trainable_not_lora"] == [], name  # slicing kept the base frozen
+            assert rank["frozen_with_grad"] == [], name
+            # The optimizer holds the adapters only (ZeRO-1: a slice of them), with state for no more.
+            assert 0 < rank["optimizer_elements"] <= rank["lora_elements"], name
+            if options.get("shard_optimizer_state"):
+                assert rank["optimizer_elements"] < rank["lora_elements"], name
+            assert rank["state_elements"] == 2 * rank["optimizer_elements"], name  # AdamW's two moments
+        resume = checkpoint = ranks[0]["checkpoint"]
+        assert os.path.isdir(checkpoint)
 
-    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
-    export_huggingface(checkpoint, adapter_dir)
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
-    loaded = peft.PeftModel.from_pretrained(build("qwen3"), str(adapter_dir)).eval()
-    probe = reference["probe"]
-    torch.testing.assert_close(_logits(loaded, probe), reference["logits"], atol=TOL, rtol=0)
+        saved = consolidate_checkpoint(checkpoint, weights_only=True)["state_dict"]
+        expected = epochs.states[epoch - 1]
+        assert set(saved) == set(expected)
+        base = [k for k in saved if "lora_" not in k]
+        assert base and all(torch.equal(saved[k], initial[k]) for k in base), name  # bit for bit
+        adapters = [k for k in saved if "lora_" in k]
+        assert len(adapters) == 2 * len(TARGETS) * 4
+        for key in adapters:
+            torch.testing.assert_close(saved[key], expected[key], atol=TOL, rtol=0, msg=f"{name}: {key}")
+            assert not torch.equal(saved[key], initial[key])  # trained
 
-    export_huggingface(checkpoint, merged_dir, merge=True)
-    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()
-    assert not any("lora_" in n for n, _ in merged.named_parameters())
-    torch.testing.assert_close(_logits(merged, probe), reference["logits"], atol=TOL, rtol=0)
+        reference = lora_model().eval()
+        reference.load_state_dict({k[len("model.") :]: v for k, v in expected.items()})
+        logits = _logits(reference, probe)
+        adapter_dir, merged_dir = tmp_path / f"{name}-adapter", tmp_path / f"{name}-merged"
+        export_huggingface(checkpoint, adapter_dir)
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
+        loaded = peft.PeftModel.from_pretrained(build("qwen3"), str(adapter_dir)).eval()
+        torch.testing.assert_close(_logits(loaded, probe), logits, atol=TOL, rtol=0, msg=name)
+
+        export_huggingface(checkpoint, merged_dir, merge=True)
+        merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()
+        assert not any("lora_" in n for n, _ in merged.named_parameters())
+        torch.testing.assert_close(_logits(merged, probe), logits, atol=TOL, rtol=0, msg=name)
+
+
+PREFIX = "model.base_model.model.model.layers.*."
+
+
+def _wrapped(config: Any) -> L.LightningModule:
+    module = L.LightningModule()
+    module.model = peft.get_peft_model(build("qwen3"), config)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("config", "plan", "sequence", "expected"),
+    [
+        (
+            peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True),
+            {f"{PREFIX}self_attn.q_proj": "colwise"},
+            False,
+            "'model.base_model.model.model.layers.0.self_attn.q_proj' (PEFT Linear) uses a LoRA variant",
+        ),
+        (
+            peft.LoraConfig(r=2, target_modules=["o_proj"]),
+            {f"{PREFIX}self_attn.o_proj": "rowwise"},
+            True,
+            "is a LoRA layer under sequence_parallel=True, where its adapters would see this rank's part",
+        ),
+        (
+            peft.LoraConfig(r=2, target_modules=["lm_head"]),
+            {"model.base_model.model.lm_head": "colwise_logits"},
+            False,
+            "is given the style 'colwise_logits'; pipe_tp slices LoRA adapters with a 'colwise' or 'rowwise'",
+        ),
+        (
+            peft.IA3Config(target_modules=["down_proj"], feedforward_modules=["down_proj"]),
+            {f"{PREFIX}mlp.down_proj": "rowwise"},
+            False,
+            "(PEFT Linear) is a PEFT tuner layer other than LoRA, whose extra weights pipe_tp cannot slice",
+        ),
+    ],
+    ids=["dora", "sequence_parallel", "logits_head", "ia3"],
+)
+def test_peft_layers_the_plan_cannot_slice_are_refused_naming_them(
+    config: Any, plan: dict[str, str], sequence: bool, expected: str
+) -> None:
+    from lightning_pipe.tensor_parallel.plan import resolve_plan
+
+    with pytest.raises(ValueError) as refusal:
+        resolve_plan(_wrapped(config), plan, 2, sequence_parallel=sequence)
+    assert expected in str(refusal.value)
+
+
+def test_the_plan_applies_to_the_layer_lora_wraps() -> None:
+    from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, lora_region_dropouts, resolve_plan
+
+    module = _wrapped(peft.LoraConfig(r=2, target_modules=["q_proj", "o_proj"], lora_dropout=0.1))
+    plan = {f"{PREFIX}self_attn.q_proj": "colwise", f"{PREFIX}self_attn.o_proj": "rowwise"}
+    resolved = resolve_plan(module, plan, 2)
+    assert resolved[f"{PREFIX.replace('*', '0')}self_attn.q_proj"] is TensorParallelStyle.COLWISE
+    # The dropout of a row layer's adapter sees a tensor rank's slice: its own stream, which
+    # recomputation cannot replay (refused with recompute); a column layer's sees the whole input.
+    assert lora_region_dropouts(module, resolved) == [
+        f"model.base_model.model.model.layers.{i}.self_attn.o_proj.lora_dropout" for i in range(4)
+    ]

@@ -170,6 +170,20 @@ _EXPECTED: dict[TensorParallelStyle, type[nn.Module]] = {
 }
 
 
+def lora_region_dropouts(model: nn.Module, resolved: Mapping[str, TensorParallelStyle]) -> list[str]:
+    """The LoRA dropouts of ``resolved`` that will draw from a tensor rank's own random stream
+    (which activation recomputation cannot replay): an adapter's dropout on a ``rowwise`` base, which
+    sees this rank's slice of the features."""
+    names = []
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        if style is TensorParallelStyle.ROWWISE and lora_base(module) is not None:
+            dropouts: Any = getattr(module, "lora_dropout", {})
+            if any(isinstance(d, nn.Dropout) and d.p > 0 for d in dropouts.values()):
+                names.append(f"{name}.lora_dropout")
+    return names
+
+
 _LORA_STYLES = frozenset(
     {
         TensorParallelStyle.COLWISE,
