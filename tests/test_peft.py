@@ -274,3 +274,26 @@ def test_the_plan_applies_to_the_layer_lora_wraps() -> None:
     assert lora_region_dropouts(module, resolved) == [
         f"model.base_model.model.model.layers.{i}.self_attn.o_proj.lora_dropout" for i in range(4)
     ]
+
+
+def test_a_frozen_weight_stays_frozen_once_sliced() -> None:
+    """A base layer under a LoRA adapter is frozen; its tensor-parallel slices must be too, or an
+    optimizer over the trainable parameters would train the base (one process: a group of one)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed import HashStore
+
+    from lightning_pipe.tensor_parallel.layers import VocabParallelEmbedding
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+        frozen, trainable = nn.Linear(4, 4).requires_grad_(False), nn.Linear(4, 4)
+        for layer in (ColumnParallelLinear, RowParallelLinear):
+            assert not any(p.requires_grad for p in layer(frozen, group).parameters())
+            assert all(p.requires_grad for p in layer(trainable, group).parameters())
+        embedding = nn.Embedding(4, 2).requires_grad_(False)
+        assert not VocabParallelEmbedding(embedding, group).weight.requires_grad
+    finally:
+        dist.destroy_process_group()
