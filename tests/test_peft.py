@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.single_file import consolidate_checkpoint
+from lightning_pipe.consolidate import main as consolidate
 from lightning_pipe.huggingface import export_huggingface
 from lightning_pipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.distributed import run_distributed
@@ -207,7 +208,10 @@ def test_lora_trains_reshards_and_exports_like_one_device(tmp_path: Path) -> Non
         loaded = peft.PeftModel.from_pretrained(build("qwen3"), str(adapter_dir)).eval()
         torch.testing.assert_close(_logits(loaded, probe), logits, atol=TOL, rtol=0, msg=name)
 
-        export_huggingface(checkpoint, merged_dir, merge=True)
+        if epoch < len(RUNS):
+            export_huggingface(checkpoint, merged_dir, merge=True)
+        else:  # the command line's way
+            assert consolidate([checkpoint, str(merged_dir), "--to-huggingface", "--merge"]) == 0
         merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()
         assert not any("lora_" in n for n, _ in merged.named_parameters())
         torch.testing.assert_close(_logits(merged, probe), logits, atol=TOL, rtol=0, msg=name)
@@ -297,3 +301,32 @@ def test_a_frozen_weight_stays_frozen_once_sliced() -> None:
         assert not VocabParallelEmbedding(embedding, group).weight.requires_grad
     finally:
         dist.destroy_process_group()
+
+
+def test_a_peft_model_built_on_the_meta_device_is_refused() -> None:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_pipe.strategy.pipeline_model import read_module
+
+    with torch.device("meta"):
+        module = _wrapped(peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(MisconfigurationException, match="'model' is a PEFT model built on the meta device"):
+        read_module(module, True, 1, None, None)
+    read_module(_wrapped(peft.LoraConfig(r=2, target_modules=["q_proj"])), True, 1, None, None)
+
+
+def test_merge_needs_a_model_trained_with_adapters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_pipe import CheckpointError
+    from lightning_pipe.huggingface.export import model_metadata
+
+    model = build("qwen3")
+    path = tmp_path / "plain.ckpt"
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"state_dict": state, "huggingface": model_metadata(model, "model.")}, path)
+    with pytest.raises(CheckpointError, match="records no PEFT adapters to merge"):
+        export_huggingface(path, tmp_path / "out", merge=True)
+    with pytest.raises(SystemExit):
+        consolidate([str(path), str(tmp_path / "out"), "--merge"])
+    assert "--merge applies to --to-huggingface" in capsys.readouterr().err

@@ -42,6 +42,25 @@ def find_peft_model(root: nn.Module, causal_lm_name: str) -> tuple[str, Any] | N
     return None
 
 
+def check_peft_materialised(root: nn.Module, causal_lm_name: str) -> None:
+    """Refuse a PEFT model built on the meta device: each rank would initialise the adapters with
+    the model's own initialiser, not peft's (``lora_B`` zero: the adapted model starting as the
+    base), and the pretrained files name the base layers without PEFT's ``base_layer``. (A model
+    built with its weights, then wrapped, is what one device trains.)"""
+    found = find_peft_model(root, causal_lm_name)
+    if found is None:
+        return
+    name, peft_model = found
+    if any(p.is_meta for p in peft_model.parameters()):
+        raise ValueError(
+            f"{name!r} is a PEFT model built on the meta device (in configure_model() or under "
+            "trainer.init_module(empty_init=True)), whose adapters pipe_tp cannot initialise as peft does "
+            "nor load from the base model's files. Build the base model with its weights in __init__ "
+            "(AutoModelForCausalLM.from_pretrained(DIR)) and wrap it there with get_peft_model, without "
+            "pretrained=."
+        )
+
+
 def _plain(value: Any) -> Any:
     """A config value as JSON holds it (sets as sorted lists, enums as their values)."""
     if isinstance(value, set | frozenset):
