@@ -44,13 +44,13 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 TRAIN = [{k: v[i] for k, v in b.items()} for b in batches("padded", 3, BATCH) for i in range(BATCH)]
 
 
-def lora_model() -> Any:
+def lora_model(dropout: float = 0.0) -> Any:
     """The tiny Qwen3 with LoRA adapters, equal in every process (``B`` drawn non-zero, so the
     adapters change the output from the first step and every slice of them is exercised)."""
     model = build("qwen3")
     torch.manual_seed(1)
     config = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
+        r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=dropout, init_lora_weights=False
     )
     return peft.get_peft_model(model, config)
 
@@ -58,9 +58,9 @@ def lora_model() -> Any:
 class LoraModule(L.LightningModule):
     """What a user writes: the PEFT model as ``self.model``, its loss, AdamW on what trains."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
-        self.model = lora_model()
+        self.model = lora_model(dropout)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(**batch).loss
@@ -330,3 +330,27 @@ def test_merge_needs_a_model_trained_with_adapters(
     with pytest.raises(SystemExit):
         consolidate([str(path), str(tmp_path / "out"), "--merge"])
     assert "--merge applies to --to-huggingface" in capsys.readouterr().err
+
+
+def dropout_worker() -> dict[str, torch.Tensor]:
+    """tp=2 with LoRA dropout: the whole adapter halves (``lora_A`` of a column layer, ``lora_B`` of
+    a row layer) after two steps, as this tensor rank holds them."""
+    torch.set_num_threads(1)
+    module = LoraModule(dropout=0.3)
+    strategy = PipeTPStrategy(tensor_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=90))
+    fit(module, strategy, 2, DataLoader(TRAIN[: 2 * BATCH], batch_size=BATCH), max_epochs=1)
+    whole = (".self_attn.q_proj.lora_A.", ".mlp.down_proj.lora_B.")
+    return {n: p.detach().clone() for n, p in module.named_parameters() if any(w in n for w in whole)}
+
+
+@pytest.mark.distributed
+def test_lora_dropout_keeps_the_whole_adapter_halves_equal_on_the_tensor_ranks() -> None:
+    """A column layer's LoRA dropout sees the replicated input and draws equal masks on the tensor
+    ranks (the default generator); a row layer's sees each rank's slice and draws from the rank's
+    own stream. Either way the halves kept whole get equal gradients: they must not drift apart."""
+    ranks = run_distributed(dropout_worker, 2, timeout=240, init_group=False)
+    assert len(ranks[0]) == 2 * 4 and set(ranks[0]) == set(ranks[1])
+    initial = dict(LoraModule().named_parameters())
+    for name, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][name]), name
+        assert not torch.equal(value, initial[name]), name  # trained
