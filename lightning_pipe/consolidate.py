@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokenizer", help="with --to-huggingface: a directory to copy tokenizer files from")
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --to-huggingface, for a model trained with PEFT adapters: write the merged model "
+        "(from_pretrained) instead of the adapter directory (adapter_config.json, adapter_model.safetensors)",
+    )
+    parser.add_argument(
         "--weights-only",
         action="store_true",
         help="leave out the optimizer, LR-scheduler and callback states (smaller; for inference)",
@@ -54,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         "use it only for checkpoints you trust",
     )
     args = parser.parse_args(argv)
+    if args.merge and not args.to_huggingface:
+        parser.error("--merge applies to --to-huggingface (a model trained with PEFT adapters)")
     if args.to_huggingface:
         from lightning_pipe.huggingface.export import export_huggingface
 
@@ -65,11 +73,13 @@ def main(argv: list[str] | None = None) -> int:
                 prefix=args.prefix,
                 tokenizer=args.tokenizer,
                 trust_pickle=args.trust_pickle,
+                merge=args.merge,
             )
         except CheckpointError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-        print(f"{out}: a Hugging Face model directory ({', '.join(sorted(p.name for p in out.iterdir()))})")
+        kind = "PEFT adapter" if (out / "adapter_config.json").is_file() else "Hugging Face model"
+        print(f"{out}: a {kind} directory ({', '.join(sorted(p.name for p in out.iterdir()))})")
         return 0
     try:
         # The layout first: OUTPUT may be the checkpoint directory itself, which consolidating replaces.

@@ -6,7 +6,9 @@ model's config and that prefix (``checkpoint["huggingface"]``). :func:`export_hu
 checkpoint of any layout (a sharded directory, or one file) into what
 ``AutoModelForCausalLM.from_pretrained`` reads: ``config.json``, safetensors shards with their
 index (transformers' own ``save_pretrained``, which also drops the copies of tied weights), and the
-tokenizer files of the directory the model came from, when there was one.
+tokenizer files of the directory the model came from, when there was one. A model trained with
+PEFT adapters (recorded at save) is exported as its adapter directory, or merged on request (see
+:mod:`~lightning_pipe.huggingface.adapters`).
 """
 
 from __future__ import annotations
@@ -36,16 +38,20 @@ TOKENIZER_FILES = (
 )
 
 
-def model_metadata(model: Any, prefix: str) -> dict[str, Any]:
-    """What a checkpoint records to be exported later (JSON-like: safe to load)."""
+def model_metadata(model: Any, prefix: str, peft: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint records to be exported later (JSON-like: safe to load); ``peft``: the
+    PEFT model's prefix and adapter configs, when PEFT wraps the model (``peft_metadata``)."""
     config = model.config
     source = getattr(config, "_name_or_path", "") or ""
-    return {
+    recorded = {
         "config": config.to_dict(),
         "prefix": prefix,
         "architecture": type(model).__name__,
         "source": str(source),
     }
+    if peft is not None:
+        recorded["peft"] = peft
+    return recorded
 
 
 def _read(checkpoint: str | Path, trust_pickle: bool) -> dict[str, Any]:
@@ -68,6 +74,7 @@ def export_huggingface(
     tokenizer: str | Path | None = None,
     max_shard_size: str = "5GB",
     trust_pickle: bool = False,
+    merge: bool = False,
 ) -> Path:
     """Write ``checkpoint``'s Hugging Face model to the directory ``output``; returns it.
 
@@ -80,6 +87,10 @@ def export_huggingface(
             ``"model."``).
         tokenizer: a directory to copy tokenizer files from (default: the model's source
             directory, when the checkpoint records one that exists).
+        merge: for a model trained with PEFT adapters: write the merged model
+            (``AutoModelForCausalLM.from_pretrained`` loads it) instead of the adapter directory
+            (``adapter_config.json`` and ``adapter_model.safetensors``, which
+            ``PeftModel.from_pretrained`` loads on the base model).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -97,6 +108,22 @@ def export_huggingface(
         )
     # Trained without a key/value cache (CausalLMModule turns it off); generation wants it back.
     made.use_cache = True
+    out = Path(output)
+    if recorded.get("peft") and prefix is None:
+        from lightning_pipe.huggingface.adapters import export_peft
+
+        out.mkdir(parents=True, exist_ok=True)
+        export_peft(
+            state["state_dict"], recorded["peft"], made, out,
+            merge=merge, max_shard_size=max_shard_size, source=str(checkpoint),
+        )  # fmt: skip
+        _copy_tokenizer(tokenizer, recorded, out)
+        return out
+    if merge:
+        raise CheckpointError(
+            f"{checkpoint} records no PEFT adapters to merge (merge=True / --merge applies to a model "
+            "trained with peft's get_peft_model); export it without."
+        )
     prefix = prefix if prefix is not None else recorded.get("prefix", "model.")
     weights = {k[len(prefix) :]: v for k, v in state["state_dict"].items() if k.startswith(prefix)}
     if not weights:
@@ -113,15 +140,18 @@ def export_huggingface(
             f"{checkpoint} lacks {len(missing)} tensors of {type(model).__name__} under the prefix "
             f"{prefix!r}, e.g. {missing[:3]}."
         )
-    out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, state_dict=weights, max_shard_size=max_shard_size)
+    _copy_tokenizer(tokenizer, recorded, out)
+    return out
+
+
+def _copy_tokenizer(tokenizer: str | Path | None, recorded: dict[str, Any], out: Path) -> None:
     source = Path(tokenizer) if tokenizer is not None else Path(recorded.get("source") or "")
     if str(source) and source.is_dir() and source.resolve() != out.resolve():
         for name in TOKENIZER_FILES:
             if (source / name).is_file() and not (out / name).exists():
                 shutil.copy2(source / name, out / name)
-    return out
 
 
 def _tied_copy(model: Any, key: str) -> bool:

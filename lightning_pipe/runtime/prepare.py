@@ -34,7 +34,7 @@ from lightning_pipe.runtime.holdings import Holdings, gather_holdings
 from lightning_pipe.runtime.model_recompute import ModelCheckpointing
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.skip.plan import SkipLayers
-from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, resolve_plan
+from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, lora_region_dropouts, resolve_plan
 from lightning_pipe.tensor_parallel.stage import count_slicing, slice_stage
 
 _PREPARED = "_lightning_pipe_prepared"
@@ -228,6 +228,13 @@ class Preparer:
             raise ConfigurationError(
                 f'recompute="{recompute.value}" cannot replay the per-rank random stream of '
                 'tensor-parallel "dropout" layers; use recompute="never" or drop the "dropout" entries.'
+            )
+        drawing = lora_region_dropouts(self.module, resolved)
+        if recompute is not RecomputeMode.NEVER and drawing:
+            raise ConfigurationError(
+                f'recompute="{recompute.value}" cannot replay the per-rank random stream that the LoRA '
+                f"dropout {drawing[0]!r} draws from on a row-parallel layer (it sees this tensor rank's "
+                'slice of the features); use recompute="never", or lora_dropout=0 in the LoraConfig.'
             )
         stage_of_layer = [partition.stage_of_layer(i) for i in range(len(layers))]
         counts = count_slicing(self.module, resolved, layers, stage_of_layer, partition.num_stages)

@@ -58,6 +58,7 @@ from lightning_pipe.construction.meta import meta_tensors_set_aside, parameters_
 from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.sharded_optimizer import ShardingError
 from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.huggingface.adapters import find_peft_model, peft_metadata
 from lightning_pipe.huggingface.export import METADATA_KEY as HF_METADATA
 from lightning_pipe.huggingface.export import model_metadata
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, check_replicate_size, init_mesh
@@ -942,7 +943,10 @@ class PipeTPStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         derived = self.pipeline_model.huggingface if self.pipeline_model is not None else None
         if derived is not None:  # what python -m lightning_pipe.consolidate --to-huggingface reads
-            checkpoint[HF_METADATA] = model_metadata(derived.model, derived.prefix)
+            root = self.lightning_module
+            wrapper = find_peft_model(root, derived.name) if root is not None else None
+            peft = peft_metadata(*wrapper) if wrapper is not None else None
+            checkpoint[HF_METADATA] = model_metadata(derived.model, derived.prefix, peft)
         checkpoints.save(self.runtime, checkpoint, path, self.save_distributed_checkpoint, self.faults.naming)
 
     @override

@@ -117,11 +117,16 @@ def read_module(
                 "causal LM, so the pipe_tp strategy cannot tell its layers: return the ordered list of "
                 "layers to split into stages, e.g. `def configure_pipeline(self): return list(self.layers)`."
             )
+        from lightning_pipe.huggingface.adapters import check_peft_materialised
         from lightning_pipe.huggingface.pipeline import CausalLMPipeline
 
         try:
             pipeline = CausalLMPipeline(found[1], found[0])
         except UnsupportedModelError as err:
+            raise MisconfigurationException(str(err)) from err
+        try:
+            check_peft_materialised(module, found[0])
+        except ValueError as err:
             raise MisconfigurationException(str(err)) from err
         module.__dict__[_DERIVED] = pipeline
     notes: list[str] = []

@@ -51,6 +51,12 @@ def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
     return param
 
 
+def _sliced(full: torch.Tensor, part: torch.Tensor) -> nn.Parameter:
+    """A parameter holding a copy of ``part`` of the parameter ``full``, trainable or frozen as
+    ``full`` is (a frozen base layer under a LoRA adapter stays frozen once sliced)."""
+    return nn.Parameter(part.detach().clone(), requires_grad=full.requires_grad)
+
+
 def tensor_parallel_dim(param: torch.Tensor) -> int | None:
     """The dim ``param`` is sharded along across the tensor group, or ``None`` if replicated."""
     return getattr(param, "tensor_parallel_dim", None)
@@ -68,11 +74,9 @@ class ColumnParallelLinear(nn.Module):
             linear.out_features, group, f"The output features of {name or 'a colwise Linear'}"
         )
         self.in_features, self.out_features = linear.in_features, end - start
-        self.weight = _mark(nn.Parameter(linear.weight.detach()[start:end].clone()), 0)
+        self.weight = _mark(_sliced(linear.weight, linear.weight[start:end]), 0)
         self.bias = (
-            _mark(nn.Parameter(linear.bias.detach()[start:end].clone()), 0)
-            if linear.bias is not None
-            else None
+            _mark(_sliced(linear.bias, linear.bias[start:end]), 0) if linear.bias is not None else None
         )
 
     sequence_input: str = "none"
@@ -110,8 +114,8 @@ class RowParallelLinear(nn.Module):
             linear.in_features, group, f"The input features of {name or 'a rowwise Linear'}"
         )
         self.in_features, self.out_features = end - start, linear.out_features
-        self.weight = _mark(nn.Parameter(linear.weight.detach()[:, start:end].clone()), 1)
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.weight = _mark(_sliced(linear.weight, linear.weight[:, start:end]), 1)
+        self.bias = _sliced(linear.bias, linear.bias) if linear.bias is not None else None
 
     sequence_output: bool = False
     """Under sequence parallelism: the partial outputs are summed and split along the sequence at
@@ -164,7 +168,7 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.padding_idx = embedding.padding_idx
-        self.weight = _mark(nn.Parameter(embedding.weight.detach()[self.start : self.end].clone()), 0)
+        self.weight = _mark(_sliced(embedding.weight, embedding.weight[self.start : self.end]), 0)
         self.embed_scale: torch.Tensor | None
         if isinstance(scale, torch.Tensor):
             self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.arguments import parse_option
+from lightning_pipe.tensor_parallel.adapters import adapter_parts, check_lora, lora_base
 from lightning_pipe.tensor_parallel.cross_entropy import tag_vocab_parallel
 from lightning_pipe.tensor_parallel.dropout import RegionDropout, RegionStream, SequenceDropout
 from lightning_pipe.tensor_parallel.layers import (
@@ -169,6 +170,30 @@ _EXPECTED: dict[TensorParallelStyle, type[nn.Module]] = {
 }
 
 
+def lora_region_dropouts(model: nn.Module, resolved: Mapping[str, TensorParallelStyle]) -> list[str]:
+    """The LoRA dropouts of ``resolved`` that will draw from a tensor rank's own random stream
+    (which activation recomputation cannot replay): an adapter's dropout on a ``rowwise`` base, which
+    sees this rank's slice of the features."""
+    names = []
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        if style is TensorParallelStyle.ROWWISE and lora_base(module) is not None:
+            dropouts: Any = getattr(module, "lora_dropout", {})
+            if any(isinstance(d, nn.Dropout) and d.p > 0 for d in dropouts.values()):
+                names.append(f"{name}.lora_dropout")
+    return names
+
+
+_LORA_STYLES = frozenset(
+    {
+        TensorParallelStyle.COLWISE,
+        TensorParallelStyle.COLWISE_GATHER,
+        TensorParallelStyle.ROWWISE,
+        TensorParallelStyle.ROWWISE_SPLIT,
+    }
+)
+"""The styles whose LoRA adapters are sliced with the base layer (see ``adapters``)."""
+
 _SHARDED = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RegionDropout)
 
 
@@ -230,6 +255,10 @@ def resolve_plan(
             )
         for name in names:
             module = modules[name]
+            base = lora_base(module)
+            if base is not None:  # a PEFT layer: the plan applies to the layer it wraps
+                check_lora(name, module, style.value, style in _LORA_STYLES, sequence_parallel)
+                module = base
             expected = _EXPECTED[style]
             if isinstance(module, _SHARDED):
                 raise TypeError(
@@ -535,6 +564,29 @@ def apply_plan(
             owner, _, attr = path.rpartition(".")
             holders.setdefault(id(sub), []).append((model.get_submodule(owner) if owner else model, attr))
     gathering = [n for n, style in resolved.items() if style is TensorParallelStyle.SEQUENCE_GATHER]
+
+    def replace(
+        module: nn.Module, build: Callable[[nn.Module], nn.Module], owner: nn.Module, attr: str
+    ) -> None:
+        """Replace ``module`` (held by ``owner.attr``, and by every other attribute holding it) by
+        ``build(module)``."""
+        new = build(module)
+        # A fresh module is in train mode; it takes the mode of the one it replaces (a model loaded
+        # by from_pretrained is in eval mode, and must stay all eval, as on one device).
+        new.train(module.training)
+        # A module built on the meta device is sliced on the meta device (no storage); when the
+        # rank materialises it, the full module is initialised and cut by this same builder.
+        if any(t.is_meta for t in module.parameters()):
+            record_source(new, module, build)
+        for weight in ("weight", "bias"):
+            old, fresh = getattr(module, weight, None), getattr(new, weight, None)
+            if isinstance(old, nn.Parameter) and isinstance(fresh, nn.Parameter):
+                shared = shards.setdefault(id(old), fresh)
+                if shared is not fresh and shared.shape == fresh.shape:
+                    setattr(new, weight, shared)
+        for holder, name in holders.get(id(module), [(owner, attr)]):
+            holder._modules[name] = new
+
     for name, style in resolved.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -555,22 +607,12 @@ def apply_plan(
             inside = any(name.startswith(f"{g}.") for g in gathering)
             sequence = "gathered" if inside else "shard"
         build = _builder(style, group, name, stream, sequence)
-        new = build(module)
-        # A fresh module is in train mode; it takes the mode of the one it replaces (a model loaded
-        # by from_pretrained is in eval mode, and must stay all eval, as on one device).
-        new.train(module.training)
-        # A module built on the meta device is sliced on the meta device (no storage); when the
-        # rank materialises it, the full module is initialised and cut by this same builder.
-        if any(t.is_meta for t in module.parameters()):
-            record_source(new, module, build)
-        for attr in ("weight", "bias"):
-            old, fresh = getattr(module, attr, None), getattr(new, attr, None)
-            if isinstance(old, nn.Parameter) and isinstance(fresh, nn.Parameter):
-                shared = shards.setdefault(id(old), fresh)
-                if shared is not fresh and shared.shape == fresh.shape:
-                    setattr(new, attr, shared)
-        for holder, attr in holders.get(id(module), [(parent, child)]):
-            holder._modules[attr] = new
+        base = lora_base(module)
+        if base is None:
+            replace(module, build, parent, child)
+        else:  # a PEFT LoRA layer: its base layer sliced as planned, its adapters with it
+            replace(base, build, module, "base_layer")
+            _slice_adapters(module, style, group, name, stream, replace)
         replaced.append(name)
     # A module the plan names but ``include`` left alone on this rank may hold a parameter that a
     # replaced module held too (an output head tied to the embedding, on the embedding's stage):
@@ -586,3 +628,37 @@ def apply_plan(
             if stale and param is not None and not param.is_meta:
                 sub._parameters[attr] = shards[id(param)]
     return replaced
+
+
+def _slice_adapters(
+    module: nn.Module,
+    style: TensorParallelStyle,
+    group: dist.ProcessGroup,
+    name: str,
+    stream: RegionStream,
+    replace: Callable[[nn.Module, Callable[[nn.Module], nn.Module], nn.Module, str], None],
+) -> None:
+    """Slice each LoRA adapter of ``module`` consistently with its base layer's ``style`` (see
+    :mod:`~lightning_pipe.tensor_parallel.adapters`): a column base's ``lora_B`` by its output
+    features, a row base's ``lora_A`` by its input features (its partial outputs summed over the
+    tensor ranks before ``lora_B``)."""
+    for adapter, lora_a, lora_b, dropouts in adapter_parts(module):
+        where = f"{name}.lora_{{}}.{adapter}"
+        if style.is_column:
+            gather = style is TensorParallelStyle.COLWISE_GATHER
+
+            def column(m: Any, label: str = where.format("B"), gather: bool = gather) -> nn.Module:
+                return ColumnParallelLinear(m, group, gather_output=gather, name=label)
+
+            replace(lora_b[adapter], column, lora_b, adapter)
+            continue
+        parallel = style is TensorParallelStyle.ROWWISE
+
+        def row(m: Any, label: str = where.format("A"), parallel: bool = parallel) -> nn.Module:
+            return RowParallelLinear(m, group, input_is_parallel=parallel, name=label)
+
+        replace(lora_a[adapter], row, lora_a, adapter)
+        dropout = dropouts[adapter]
+        if parallel and isinstance(dropout, nn.Dropout) and dropout.p > 0:
+            # It sees this rank's slice of the features: different data on each tensor rank.
+            dropouts[adapter] = RegionDropout(dropout.p, stream)
