@@ -15,6 +15,7 @@ then the step's own cross-entropy).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,12 +23,12 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
 from tests.distributed import run_distributed
-from tests.hf_families import batches, build
+from tests.hf_families import batches, build, train_reference
 from tests.trainers import fit
 
 pytestmark = pytest.mark.distributed
@@ -148,3 +149,161 @@ def test_huggingface_model_fits_validates_and_predicts_like_one_device(case: str
     # The weights moved: the comparison is not of two untouched initialisations.
     start = build(family).state_dict()
     assert max((expected["state"][f"model.{k}"] - v).abs().max().item() for k, v in start.items()) > 1e-3
+
+
+# ---------------------------------------------------------------- batches of any structure
+# The most common Lightning module around a Hugging Face model: a TensorDataset's tuple, unpacked
+# in the step, the model called with names. The strategy learns from the step which tensors are
+# the ids, the mask and the labels (and weighs micro-batches by those labels' tokens).
+
+TUPLE_FAMILIES = ["llama", "qwen3", "mistral", "gpt_neox"]
+TUPLE_LR = 0.5
+
+
+@dataclass
+class TokenBatch:
+    """A dataclass batch with its own field names (made by the DataLoader's collate_fn)."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    targets: torch.Tensor
+
+
+def _as_dataclass(rows: list[tuple[torch.Tensor, ...]]) -> TokenBatch:
+    return TokenBatch(*(torch.stack(column) for column in zip(*rows, strict=True)))
+
+
+def _as_renamed_dict(rows: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.stack(c) for k, c in zip(("ids", "mask", "targets"), zip(*rows, strict=True), strict=True)
+    }
+
+
+class TupleStep(L.LightningModule):
+    """``ids, mask, labels = batch``, then
+    ``self.model(input_ids=ids, attention_mask=mask, labels=labels)``."""
+
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.model = build(family)
+        self.losses: list[float] = []
+
+    def unpack(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, mask, labels = batch
+        return ids, mask, labels
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, mask, labels = self.unpack(batch)
+        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=TUPLE_LR)
+
+
+class DataclassStep(TupleStep):
+    def unpack(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return batch.tokens, batch.mask, batch.targets
+
+
+class RenamedDictStep(TupleStep):
+    """A dict with its own key names, and the model called positionally."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.model(batch["ids"], batch["mask"], labels=batch["targets"]).loss
+        self.log("train_loss", loss)
+        return loss
+
+
+class BuiltMaskStep(TupleStep):
+    """The step builds the mask itself: the first stage cannot, so it is refused."""
+
+    def unpack(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, _, labels = batch
+        return ids, (labels != -100).long(), labels
+
+
+STRUCTURES: dict[str, tuple[type[TupleStep], Any]] = {
+    "tuple": (TupleStep, None),
+    "dataclass": (DataclassStep, _as_dataclass),
+    "renamed_dict": (RenamedDictStep, _as_renamed_dict),
+    "built_mask": (BuiltMaskStep, None),
+}
+
+
+def _tuple_rows() -> TensorDataset:
+    steps = batches("padded", STEPS, BATCH)
+    return TensorDataset(
+        *(torch.cat([b[k] for b in steps]) for k in ("input_ids", "attention_mask", "labels"))
+    )
+
+
+def _fit_structure(family: str, structure: str, pp: int, tp: int) -> dict[str, Any]:
+    module_type, collate = STRUCTURES[structure]
+    model = module_type(family)
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=4, timeout=timedelta(seconds=60)
+    )
+    data = DataLoader(_tuple_rows(), batch_size=BATCH, collate_fn=collate)  # in order: the reference's
+    try:
+        trainer = fit(model, strategy, pp * tp, data, max_epochs=1, use_distributed_sampler=False)
+    except Exception as err:  # the refusal: its message is what the test checks
+        return {"error": f"{type(err).__name__}: {err}"}
+    state = gather_model_state(model, trainer.strategy.runtime.partition, trainer.strategy.mesh)
+    if trainer.global_rank != 0:
+        return {"losses": model.losses}
+    return {"losses": model.losses, "state": {k: v.detach().clone() for k, v in state.items()}}
+
+
+def structures_worker(pp: int, tp: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {f"{family}/{structure}": _fit_structure(family, structure, pp, tp) for family, structure in cases}
+
+
+STRUCTURE_LAYOUTS = {
+    "pp2": (
+        2,
+        1,
+        [(f, "tuple") for f in TUPLE_FAMILIES]
+        + [("qwen3", "dataclass"), ("mistral", "renamed_dict"), ("llama", "built_mask")],
+    ),
+    "pp2_tp2": (2, 2, [(f, "tuple") for f in TUPLE_FAMILIES]),
+}
+
+
+@pytest.mark.parametrize("layout", list(STRUCTURE_LAYOUTS))
+def test_tuple_dataclass_and_renamed_batches_train_like_the_models_own_forward(layout: str) -> None:
+    """Four families fed a TensorDataset's padded tuples (mask zeros, labels -100 at the padding)
+    and called with names, then a dataclass batch and a dict with its own key names called
+    positionally: the logged losses of three SGD steps and every weight after them equal those
+    of the model's own forward on whole batches in one process. A step that builds its mask is
+    refused, naming the tuple and pipeline_input."""
+    pp, tp, cases = STRUCTURE_LAYOUTS[layout]
+    got = run_distributed(structures_worker, pp * tp, pp, tp, cases, timeout=600, init_group=False)
+    refusals = [result.pop("llama/built_mask", None) for result in got]
+    if refusals[0] is not None:
+        assert all(r == refusals[0] for r in refusals), refusals  # every rank refuses alike
+        message = refusals[0]["error"]
+        assert "BatchRolesError" in message, message
+        assert "attention_mask= a tensor that is not one of the batch's" in message, message
+        # A TensorDataset's rows collate to a list: the message names it so.
+        assert "the batch is a list holding batch[0] [8, 10] int64, batch[1]" in message, message
+        assert "add it to the list" in message and "pipeline_input(self, batch)" in message, message
+    gaps = {}
+    for case in got[0]:
+        family = case.split("/")[0]
+        expected = train_reference(build(family), batches("padded", STEPS, BATCH), TUPLE_LR)
+        for rank, result in enumerate(got):
+            assert "error" not in result[case], f"{case} rank {rank}: {result[case].get('error')}"
+            assert result[case]["losses"] == pytest.approx(expected["losses"], abs=TOL), f"{case} rank {rank}"
+        state = got[0][case]["state"]
+        assert state.keys() == {f"model.{k}" for k in expected["last"]}, case
+        gaps[case] = max((state[f"model.{k}"] - v).abs().max().item() for k, v in expected["last"].items())
+        # The weights moved: the comparison is not of two untouched initialisations.
+        start = build(family).state_dict()
+        assert max((expected["last"][k] - v).abs().max().item() for k, v in start.items()) > 1e-3
+    assert all(gap <= TOL for gap in gaps.values()), gaps

@@ -1,7 +1,9 @@
 """Split a batch into micro-batches along dim 0, and describe micro-batches by their shapes.
 
-Supported batches are tensors and (nested) tuples, lists and dicts of them; any other leaf (a
-string, a number, ``None``) is copied unchanged into every micro-batch. A batch whose size does not
+Supported batches are tensors and (nested) tuples, lists, dicts and dataclass instances of them
+(a dataclass's fields that ``__init__`` takes are split, the micro-batch made with
+``dataclasses.replace``); any other leaf (a string, a number, ``None``) is copied unchanged into
+every micro-batch. A batch whose size does not
 divide by ``num_microbatches`` is split unevenly, like :func:`torch.tensor_split`: the first
 ``size % num_microbatches`` micro-batches get one extra sample. Losses are then weighted by each
 micro-batch's share of the samples, so the gradient is still that of the whole batch.
@@ -9,20 +11,32 @@ micro-batch's share of the samples, so the gradient is still that of the whole b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
 
 
+def is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def split_fields(obj: Any) -> list[str]:
+    """The fields of a dataclass instance that micro-batching splits (those ``__init__`` takes)."""
+    return [f.name for f in dataclasses.fields(obj) if f.init]
+
+
 def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) tuple, list or dict, in order."""
+    """The tensors in a (nested) tuple, list, dict or dataclass, in order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, Mapping):
         return [t for v in obj.values() for t in tensors_of(v)]
     if isinstance(obj, tuple | list):
         return [t for v in obj for t in tensors_of(v)]
+    if is_dataclass_instance(obj):
+        return [t for name in split_fields(obj) for t in tensors_of(getattr(obj, name))]
     return []
 
 
@@ -32,7 +46,7 @@ def batch_size(batch: Any) -> int:
     if not tensors:
         raise TypeError(
             f"Cannot split a batch of type {type(batch).__name__} into micro-batches: it holds no "
-            "tensor. Supported batches are tensors and tuples, lists or dicts of tensors (other "
+            "tensor. Supported batches are tensors and tuples, lists, dicts or dataclasses of tensors (other "
             "leaves are copied to every micro-batch)."
         )
     first = tensors[0]
@@ -61,6 +75,9 @@ def _split(obj: Any, sizes: list[int], size: int) -> list[Any]:
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
             return [type(obj)(*row) for row in rows]
         return [type(obj)(row) for row in rows]
+    if is_dataclass_instance(obj):
+        fields = {name: _split(getattr(obj, name), sizes, size) for name in split_fields(obj)}
+        return [dataclasses.replace(obj, **{k: v[i] for k, v in fields.items()}) for i in range(m)]
     return [obj] * m
 
 
@@ -95,6 +112,8 @@ def signature(obj: Any) -> Hashable:
         return ("D", tuple((k, signature(v)) for k, v in obj.items()))
     if isinstance(obj, tuple | list):
         return ("L", tuple(signature(v) for v in obj))
+    if is_dataclass_instance(obj):
+        return ("C", type(obj).__name__, tuple((k, signature(getattr(obj, k))) for k in split_fields(obj)))
     return ("O", type(obj).__name__)
 
 

@@ -20,6 +20,7 @@ Also here: what some families do outside every module, before the first layer (G
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,16 @@ IGNORE_INDEX = -100
 Carried = tuple[torch.Tensor, torch.Tensor]
 """What travels beside the hidden states: the padding mask (``[b, s]``, or ``[b, 0]`` for none)
 and the position ids (``[b, s]``)."""
+
+
+@functools.cache
+def _cache_argument() -> str:
+    """What ``create_masks_for_generate`` calls its cache: ``cache`` since transformers 5.2x,
+    ``past_key_values`` before (still accepted there, with a deprecation warning on every call)."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    names = inspect.signature(create_masks_for_generate).parameters
+    return "cache" if "cache" in names else "past_key_values"
 
 
 def no_mask(input_ids: torch.Tensor) -> torch.Tensor:
@@ -105,8 +116,8 @@ class LayerContext:
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=mask_or_none(mask),
-            past_key_values=None,
             position_ids=positions,
+            **{_cache_argument(): None},
         )
         self._masks = (key, value)
         return value

@@ -52,30 +52,49 @@ def causal_lm_loss(
     return cross_entropy(logits, shift_labels.to(logits.device), ignore_index=IGNORE_INDEX)
 
 
+def call_arguments(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call ``model(*args, **kwargs)`` by the names of the model's ``forward``
+    (positional ones named, the ``**kwargs`` catch-all flattened)."""
+    signature = inspect.signature(type(model).forward)
+    try:
+        bound = signature.bind(model, *args, **kwargs)
+    except TypeError as err:
+        raise ModelCallError(f"{type(model).__name__}(...) inside the step: {err}") from err
+    given = dict(bound.arguments)
+    given.pop("self", None)
+    extra = given.pop("kwargs", {}) if "kwargs" in signature.parameters else {}
+    given.update(extra)
+    return given
+
+
 class ModelCall:
-    """The causal LM's ``forward`` for one micro-batch whose pipeline output is ``logits``."""
+    """The causal LM's ``forward`` for one micro-batch whose pipeline output is ``logits``.
+
+    ``sources``: where the step takes each input (``{"attention_mask": "batch[1]"}``), for the
+    messages (default: the dict keys ``batch['attention_mask']``)."""
 
     def __init__(
-        self, pipeline: CausalLMPipeline, microbatch: Any, logits: torch.Tensor, items: float | None = None
+        self,
+        pipeline: CausalLMPipeline,
+        microbatch: Any,
+        logits: torch.Tensor,
+        items: float | None = None,
+        sources: dict[str, str] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.inputs = pipeline.pipeline_input(microbatch)
         self.logits = logits
         self.items = items
         """The micro-batch's loss items the runtime weighted it by (``None``: by samples)."""
-        self.signature = inspect.signature(type(pipeline.model).forward)
+        self.sources = sources or {}
+
+    def source(self, role: str) -> str:
+        return self.sources.get(role, f"batch[{role!r}]")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        try:
-            bound = self.signature.bind(self.pipeline.model, *args, **kwargs)
-        except TypeError as err:
-            raise ModelCallError(f"{type(self.pipeline.model).__name__}(...) inside the step: {err}") from err
-        given = dict(bound.arguments)
-        given.pop("self", None)
-        extra = given.pop("kwargs", {}) if "kwargs" in self.signature.parameters else {}
-        given.update(extra)
+        given = call_arguments(self.pipeline.model, args, kwargs)
         self._check_inputs(given)
         labels = given.get("labels")
         loss = None
@@ -107,10 +126,10 @@ class ModelCall:
                 raise ModelCallError(
                     f"The labels given to {name} inside the step ignore some tokens (-100), but pipe_tp "
                     "found no 'labels' in the batch to count them, so it weighs the micro-batches by "
-                    "samples and the batch's loss would not be its mean over tokens as on one device. Put "
-                    "the labels in the batch (a dict with 'labels'), return them from "
-                    "pipeline_input(self, batch), or define loss_items(self, batch) giving each sample's "
-                    "number of target tokens."
+                    "samples and the batch's loss would not be its mean over tokens as on one device. Pass "
+                    "the batch's own labels tensor to the call (pipe_tp finds it in the batch), return them "
+                    "from pipeline_input(self, batch), or define loss_items(self, batch) giving each "
+                    "sample's number of target tokens."
                 )
             return
         count = int((shifted != IGNORE_INDEX).sum())
@@ -118,8 +137,8 @@ class ModelCall:
             raise ModelCallError(
                 f"The labels given to {name} inside the step have {count} target tokens in this "
                 f"micro-batch, but the batch's labels have {round(self.items)}, which pipe_tp weighted it "
-                "by. Pass the batch's labels (labels=batch['labels']), or define loss_items(self, batch) "
-                "counting the tokens your loss averages over."
+                f"by. Pass the batch's labels (labels={self.source('labels')}), or define "
+                "loss_items(self, batch) counting the tokens your loss averages over."
             )
 
     def _check_inputs(self, given: dict[str, Any]) -> None:
@@ -147,26 +166,30 @@ class ModelCall:
             or not torch.equal(ids, input_ids)
         ):
             raise ModelCallError(
-                f"{name}(input_ids=...) inside the step was not given the micro-batch's input_ids, which are "
-                "what went through the pipeline. Call the model with the step's batch (self.model(**batch)); "
-                "to feed something else, return it from pipeline_input(self, batch)."
+                f"{name}(input_ids=...) inside the step was not given the micro-batch's input_ids, which "
+                f"are what went through the pipeline ({self.source('input_ids')} on this step's first "
+                "batch). Call the model with the batch's own tensors; to feed something else, return it from "
+                "pipeline_input(self, batch)."
             )
         theirs = given.get("attention_mask")
         ours = mask_or_none(mask)
         if (theirs is None) != (ours is None) or (
             theirs is not None and ours is not None and not torch.equal(theirs.to(ours.dtype), ours)
         ):
-            had = "with the batch's attention_mask" if ours is not None else "without an attention_mask"
-            got = "without one" if theirs is None else "with another one"
+            source = self.source("attention_mask")
+            had = f"with the attention_mask {source}" if ours is not None else "without an attention_mask"
+            got = "without one" if theirs is None else "with one" if ours is None else "with another one"
+            fix = f"Pass attention_mask={source}" if ours is not None else "Leave attention_mask out"
             raise ModelCallError(
                 f"The pipeline ran this micro-batch {had}, but the step calls {name} {got}: the logits would "
-                "not be what the call asks for. Pass attention_mask=batch['attention_mask'] (or leave it out "
-                "of the batch)."
+                f"not be what the call asks for. {fix} in every step, as on the step's first batch (or "
+                "return what the model needs from pipeline_input(self, batch))."
             )
         theirs_pos = given.get("position_ids")
         expected = default_positions(input_ids) if theirs_pos is None else theirs_pos
         if not torch.equal(expected.expand_as(positions).to(positions.dtype), positions):
             raise ModelCallError(
-                f"The pipeline ran this micro-batch with the batch's position_ids, but the step calls {name} "
-                "with other ones (or none). Pass position_ids=batch['position_ids']."
+                f"The pipeline ran this micro-batch with the position_ids {self.source('position_ids')}, but "
+                f"the step calls {name} with other ones (or none). Pass position_ids="
+                f"{self.source('position_ids')}."
             )

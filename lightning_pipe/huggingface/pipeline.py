@@ -11,10 +11,12 @@ layer's call rebuilds its mask and rotary table (:mod:`~lightning_pipe.huggingfa
 
 A batch is what Hugging Face's collators give (a dict with ``input_ids`` and optionally
 ``attention_mask``, ``position_ids`` and ``labels``), or a tensor of input ids, or a tuple whose
-first element is one. With ``labels`` in the batch, micro-batch losses are weighted by their
-share of the batch's predicted tokens (``labels[:, 1:] != -100``, the tokens Hugging Face's
-causal-LM loss averages over), so that the loss and gradients are the whole batch's mean, not a
-mean of micro-batch means.
+first element is one; under Lightning any other structure too, whose tensors the strategy finds
+by running the step once (:mod:`~lightning_pipe.huggingface.batch_roles`: :attr:`step_inputs`
+turns a batch into such a dict). With ``labels`` (or ``shift_labels``) in the batch, micro-batch
+losses are weighted by their share of the batch's predicted tokens (``labels[:, 1:] != -100``,
+the tokens Hugging Face's causal-LM loss averages over), so that the loss and gradients are the
+whole batch's mean, not a mean of micro-batch means.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.execution.layers import LayerCall
+from lightning_pipe.huggingface.batch_roles import StepInputs
 from lightning_pipe.huggingface.context import (
     IGNORE_INDEX,
     Epilogue,
@@ -61,6 +64,9 @@ class CausalLMPipeline:
         self.context = LayerContext(self.parts)
         self.prologue = Prologue.of(self.parts)
         self.epilogue = Epilogue.of(self.parts)
+        self.step_inputs = StepInputs()
+        """Which of a batch's tensors the step gives the model, learned from the step (set by the
+        strategy before each step; nothing learned: the batch as it is)."""
         self.scatter_after_embedding = False
         """Set by :meth:`tensor_parallel_plan` under sequence parallelism when the embedding is
         vocab-parallel: the embedding call then splits the hidden states along the sequence."""
@@ -145,8 +151,14 @@ class CausalLMPipeline:
 
     def loss_items(self, batch: Any) -> torch.Tensor | None:
         """Per sample, the tokens Hugging Face's causal-LM loss averages over (``labels`` shifted
-        by one, ``-100`` ignored); ``None`` for a batch without ``labels`` (weighted by samples)."""
-        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        by one, or ``shift_labels``; ``-100`` ignored); ``None`` for a batch without either
+        (weighted by samples)."""
+        if not isinstance(batch, Mapping):
+            return None
+        shifted = batch.get("shift_labels")  # already aligned with the logits: no shift
+        if isinstance(shifted, torch.Tensor):
+            return (shifted != IGNORE_INDEX).sum(dim=-1)
+        labels = batch.get("labels")
         if not isinstance(labels, torch.Tensor):
             return None
         return (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)

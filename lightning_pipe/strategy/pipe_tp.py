@@ -86,6 +86,7 @@ from lightning_pipe.strategy.option_types import PositiveFloat, PositiveInt
 from lightning_pipe.strategy.pipeline_model import PipelineModel, Redirect, find_causal_lm, read_module
 from lightning_pipe.strategy.precision import GlobalNormClipping, PipeTPPrecision, with_global_clipping
 from lightning_pipe.strategy.recording import TimelineRecording
+from lightning_pipe.strategy.step_inputs import learn_step_inputs
 from lightning_pipe.strategy.steps import run_step
 from lightning_pipe.strategy.summary import PipelineModelSummary
 
@@ -797,6 +798,25 @@ class PipeTPStrategy(ParallelStrategy):
             raise RuntimeError("The pipe_tp strategy runs steps only after its setup.")
         return self.pipeline_model.redirect
 
+    def _prepare_step(self, step_name: str, args: tuple[Any, ...]) -> None:
+        """A derived Hugging Face pipeline learns which batch tensors the step gives the model
+        (on each step kind's first batch; see :mod:`lightning_pipe.strategy.step_inputs`)."""
+        view = self.pipeline_model
+        if view is None or view.step_inputs is None:
+            return
+        learn_step_inputs(
+            self.module, step_name, args, view.huggingface.model, view.step_inputs, self._gather_objects
+        )
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        if not dist.is_initialized() or self.world_size == 1:
+            return [obj]
+        everyone: list[Any] = [None] * self.world_size
+        others = [r for r in range(self.world_size) if r != self.global_rank]
+        with self.faults.naming("agreeing on which batch tensors the step gives the model", others):
+            dist.all_gather_object(everyone, obj)
+        return everyone
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.module.trainer
@@ -815,24 +835,29 @@ class PipeTPStrategy(ParallelStrategy):
                 final=not should_accumulate(trainer), loss_weight=1.0 / trainer.accumulate_grad_batches,
                 scale_loss=self._loss_scaler(),
                 recorder=self.timeline.recorder_for(trainer.global_step, self.global_rank),
+                prepare=self._prepare_step,
             )  # fmt: skip
         run_hooks(trainer, "on_after_backward")
         return loss
 
+    def _eval_step(self, step_name: str, args: tuple[Any, ...]) -> Any:
+        redirect, prepare = self._redirect, self._prepare_step
+        return run_step(self.module, self.runtime, step_name, args, self.reduce, redirect, prepare=prepare)
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return run_step(self.module, self.runtime, "validation_step", args, self.reduce, self._redirect)
+            return self._eval_step("validation_step", args)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return run_step(self.module, self.runtime, "test_step", args, self.reduce, self._redirect)
+            return self._eval_step("test_step", args)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return run_step(self.module, self.runtime, "predict_step", args, self.reduce, self._redirect)
+            return self._eval_step("predict_step", args)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

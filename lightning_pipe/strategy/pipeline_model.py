@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_pipe.construction.materialize import InitFn
+from lightning_pipe.huggingface.batch_roles import ROLES, StepInputs
 from lightning_pipe.huggingface.parts import UnsupportedModelError, is_causal_lm
 from lightning_pipe.runtime.batch import Microbatch
 from lightning_pipe.runtime.hooks import ModelHooks
@@ -50,6 +51,9 @@ class PipelineModel:
     """Lines for the start-of-run log (what a derived tensor-parallel plan leaves whole)."""
     huggingface: Any = None
     """The derived :class:`~lightning_pipe.huggingface.CausalLMPipeline`, if any."""
+    step_inputs: StepInputs | None = None
+    """A derived pipeline's batch roles, learned from each step kind's first batch (``None`` when
+    the module defines ``pipeline_input``, or gives its own layers)."""
 
 
 def _own_reply(module: LightningModule) -> Redirect:
@@ -152,24 +156,33 @@ def _derived(
     from lightning_pipe.huggingface.outputs import ModelCall
 
     hooks = pipeline.hooks()
-    if user_input is not None or user_items is not None:
-        derived_input, derived_items = hooks.pipeline_input, hooks.loss_items
+    derived_input, derived_items = hooks.pipeline_input, hooks.loss_items
+    # Without the user's pipeline_input, the batch's tensors are those the step gives the model,
+    # learned from the step (the strategy's prepare_step sets them before each step).
+    learned: StepInputs | None = pipeline.step_inputs if user_input is None else None
+    if learned is not None:
+        learned.active = None  # until a step sets them (not e.g. for forward's example input)
 
-        def users(batch: Any) -> Any:
-            return user_input(batch) if user_input is not None else batch
+    def users(batch: Any) -> Any:
+        return user_input(batch) if user_input is not None else pipeline.step_inputs.select(batch)
 
-        # Tokens are counted on what the user's pipeline_input makes of the batch (labels may
-        # appear only there, e.g. from a tuple batch).
-        hooks = dataclasses.replace(
-            hooks,
-            pipeline_input=lambda batch: derived_input(users(batch)),
-            loss_items=user_items if user_items is not None else lambda batch: derived_items(users(batch)),
-        )
+    # Tokens are counted on what the user's pipeline_input (or the learned roles) make of the
+    # batch (labels may appear only there, e.g. from a tuple batch).
+    hooks = dataclasses.replace(
+        hooks,
+        pipeline_input=lambda batch: derived_input(users(batch)),
+        loss_items=user_items if user_items is not None else lambda batch: derived_items(users(batch)),
+    )
     model = pipeline.model
 
     def redirect(microbatch: Microbatch, output: Any) -> tuple[nn.Module, Callable[..., Any], str]:
-        data = user_input(microbatch.data) if user_input is not None else microbatch.data
-        return model, ModelCall(pipeline, data, output, microbatch.items), f"self.{pipeline.name}(...)"
+        data = users(microbatch.data)
+        if user_input is not None:
+            sources = {role: f"pipeline_input(batch)[{role!r}]" for role in ROLES}
+        else:
+            sources = pipeline.step_inputs.sources()
+        reply = ModelCall(pipeline, data, output, microbatch.items, sources)
+        return model, reply, f"self.{pipeline.name}(...)"
 
     return PipelineModel(
         layers=pipeline.layers() if first else [],
@@ -180,4 +193,5 @@ def _derived(
         pretrained_prefix=pipeline.prefix if prefix_option is None else prefix_option,
         notes=notes,
         huggingface=pipeline,
+        step_inputs=learned,
     )

@@ -101,9 +101,14 @@ def run_step(
     loss_weight: float = 1.0,
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     recorder: TimelineRecorder | None = None,
+    prepare: Callable[[str, tuple[Any, ...]], None] | None = None,
 ) -> Any:
     """One engine call for Lightning's ``step_name`` of the batch ``args[0]``; returns what the
-    step returns on every rank (the loss tensor when training, the predictions when predicting)."""
+    step returns on every rank (the loss tensor when training, the predictions when predicting).
+    ``prepare(step_name, args)`` runs first, on every rank (a derived pipeline learns there which
+    batch tensors the step gives the model)."""
+    if prepare is not None:
+        prepare(step_name, args)
     trainer = module.trainer
     training = step_name == "training_step"
     batch, rest = args[0], args[1:]
