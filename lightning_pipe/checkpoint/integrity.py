@@ -29,10 +29,11 @@ _CHUNK = 1 << 24
 def tensor_crc32(value: torch.Tensor) -> int | None:
     """The CRC32 of ``value``'s elements' bytes in row-major order (independent of its strides and
     storage offset, hence the same before saving and after loading); ``None`` for a tensor whose
-    bytes are not plain memory (sparse, quantized, meta)."""
-    if value.layout != torch.strided or value.is_quantized or value.is_meta:
-        return None
+    bytes are not plain memory (sparse, quantized, meta, a tensor subclass such as a DTensor shard:
+    savers hand plain tensors, gathered whole)."""
     data = value.detach()
+    if type(data) is not torch.Tensor or data.layout != torch.strided or data.is_quantized or data.is_meta:
+        return None
     if data.device.type != "cpu":
         data = data.cpu()
     data = data.contiguous()
