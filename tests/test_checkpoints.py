@@ -24,6 +24,7 @@ mis-cut optimizer state changes the weights), gradient accumulation and a per-st
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import logging
@@ -503,7 +504,7 @@ def test_mismatched_or_damaged_checkpoints_fail_on_every_rank_with_the_cause() -
     with tempfile.TemporaryDirectory() as root:
         ranks = run_distributed(bad_checkpoints_worker, 2, root, timeout=300, init_group=False)
         consolidating = _consolidation_errors(root)
-    notices = [eval(ranks[rank].pop("weights_only notices")[1]) for rank in (0, 1)]
+    notices = [ast.literal_eval(ranks[rank].pop("weights_only notices")[1]) for rank in (0, 1)]
     for case, (kind, message) in ranks[0].items():
         # Every rank raises the same error (a rank that read nothing wrong included), at once.
         assert ranks[1][case] == (kind, message), case
