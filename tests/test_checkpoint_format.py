@@ -13,7 +13,8 @@ What this file proves:
   still works for the next save.
 * The reader names the problem for a missing path, a directory without metadata, a missing or
   damaged shard file, an unknown format version, damaged JSON, a record shape that disagrees with
-  the stored tensor, an entry the metadata places in a file that lacks it.
+  the stored tensor, an entry the metadata places in a file that lacks it, bytes of one tensor
+  rank's slice changed (its own file's CRC32 of a value split over two files).
 * ``state.py`` cuts, checks and re-numbers state exactly: ``slice_for``, ``full_shape``,
   ``check_keys``, ``slice_optimizer_state``, ``model_part``, ``optimizer_part``,
   ``load_model_part`` (into another pipeline/tensor layout) and ``load_optimizer_part``.
@@ -60,7 +61,7 @@ from lightning_pipe.checkpoint.state import (
 )
 from lightning_pipe.checkpoint.writer import PartFile, write_checkpoint_directory
 from lightning_pipe.partition.model import PipelinePartition
-from tests.checkpoint_files import edit_metadata
+from tests.checkpoint_files import edit_metadata, flip_tensor_bytes
 from tests.distributed import run_distributed
 
 TP = 2
@@ -455,6 +456,11 @@ def no_lightning_state(path: Path) -> None:
     (path / LIGHTNING_STATE_FILE).unlink()
 
 
+def flipped_slice(path: Path) -> None:
+    """4 bytes of tensor rank 1's slice of a split weight XOR-ed: its file's (second) checksum."""
+    flip_tensor_bytes(path / part_file_name(0, 1), ("model", "0.weight"), count=4)
+
+
 DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "no metadata": (drop_metadata, "not a complete lightning_pipe checkpoint"),
     "missing shard": (drop_shard, r"is incomplete: .*shard-pp0-tp1\.pt"),
@@ -471,6 +477,10 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "wrong split dim": (wrong_split_dim, r"'0\.weight' in .* is \(2, 6\), but the metadata records \(4, 3\)"),
     "phantom entry": (phantom_entry, r"shard-pp0-tp0\.pt has no the model entry 'ghost'"),
     "no lightning state": (no_lightning_state, "has no lightning_state.pt"),
+    "flipped slice": (
+        flipped_slice,
+        r"shard-pp0-tp1\.pt is damaged: the bytes of the model entry '0\.weight' in it do not match",
+    ),
 }
 
 

@@ -14,16 +14,27 @@ mis-cut optimizer state changes the weights), gradient accumulation and a per-st
 * A mid-epoch resume at pp=2 behaves as plain Lightning's does on one device with the same loader.
 * Tied weights (embedding on stage 0, head on stage 1) resume exactly and on one device; a name
   outside the layer list for a layer (``self.head = self.layers[-1]``) is saved trained.
-* Mismatched or damaged checkpoints fail on every rank with the cause.
+* Mismatched or damaged checkpoints fail on every rank with the cause: 48 bytes flipped inside a
+  weight (resumed at the saving layout and at another, consolidated, exported, loaded) name the
+  file and the tensor; metadata that lost an entry is damaged (never "keys do not match", whatever
+  ``strict_loading`` is), as consolidation says; a checkpoint without checksums still resumes.
+* A fit, a ``save_checkpoint`` without ``weights_only`` and a resume print Lightning's
+  "`weights_only` was not set" once (rank 0), not on every rank.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import io
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,6 +51,9 @@ import lightning_pipe
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint import consolidate_checkpoint, is_checkpoint_directory
 from lightning_pipe.checkpoint.full import gather_model_state
+from lightning_pipe.checkpoint.metadata import CheckpointError
+from lightning_pipe.consolidate import main as consolidate_main
+from tests.checkpoint_files import drop_checksums, edit_metadata, flip_tensor_bytes
 from tests.distributed import run_distributed
 from tests.gpt_models import TinyGPT, token_data
 from tests.lightning_models import TOKENS, Regressor, TiedLM, dataset
@@ -351,9 +365,9 @@ class DeeperRegressor(Regressor):
         self.layers.append(torch.nn.Linear(self.layers[6].out_features, self.layers[6].out_features))
 
 
-def _fit_error(model: L.LightningModule, ckpt: str, root: str) -> tuple[str, str]:
-    """The exception fitting ``model`` from ``ckpt`` at pp=2 raises on this rank."""
-    trainer = quiet_trainer(_pipe(2), 2, root, max_epochs=1)
+def _fit_error(model: L.LightningModule, ckpt: str, root: str, pp: int = 2) -> tuple[str, str]:
+    """The exception fitting ``model`` from ``ckpt`` on two ranks at ``pp`` raises on this rank."""
+    trainer = quiet_trainer(_pipe(pp), 2, root, max_epochs=1)
     try:
         trainer.fit(model, DataLoader(REG_DATA, batch_size=8), ckpt_path=ckpt)
     except Exception as err:
@@ -394,23 +408,62 @@ def _save_errors(trainer: L.Trainer, root: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+class LooseRegressor(Regressor):
+    """The Regressor with ``strict_loading = False``: it loads the keys a checkpoint shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.strict_loading = False
+
+
+class WeightsOnlyNotices(logging.Handler):
+    """Lightning's log records and Python warnings that mention ``weights_only``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "weights_only" in record.getMessage():
+            self.seen.append(record.getMessage())
+
+
+def _damage(good: str, root: str) -> None:
+    """Copies of ``good``, each damaged one way (on rank 0, before the others read them)."""
+    names = ("truncated", "incomplete", "flipped", "lost entry", "no checksums")
+    copies = {name: os.path.join(root, f"{name}.ckpt") for name in names}
+    for copy in copies.values():
+        shutil.copytree(good, copy)
+    # Every rank reads every file's records (checking them against the metadata): all fail.
+    with open(os.path.join(copies["truncated"], "shard-pp1-tp0.pt"), "r+b") as f:
+        f.truncate(100)
+    os.remove(os.path.join(copies["incomplete"], "shard-pp0-tp0.pt"))
+    # A failing disk: 48 bytes of a stage-1 weight changed, the zip intact (torch.load loads it).
+    # At pp=2 only pp_rank 1 reads that tensor: rank 0 must fail with it, not wait for it.
+    flip_tensor_bytes(Path(copies["flipped"], "shard-pp1-tp0.pt"), ("model", "layers.4.weight"), 48)
+    # The metadata lost the record of a tensor that stage 1's file still holds.
+    edit_metadata(Path(copies["lost entry"]), lambda data: data["model"].pop("layers.4.bias"))
+    drop_checksums(Path(copies["no checksums"]))  # as written before checksums were recorded
+    saved = consolidate_checkpoint(good)
+    saved["state_dict"].update(WiderRegressor().state_dict())
+    torch.save(saved, os.path.join(root, "wide-plain.ckpt"))
+
+
 def bad_checkpoints_worker(root: str) -> dict[str, tuple[str, str]]:
+    notices = WeightsOnlyNotices()
+    logging.getLogger("lightning.pytorch").addHandler(notices)
     good = os.path.join(root, "good.ckpt")
-    trainer = fit(Regressor(), _pipe(2), 2, DataLoader(REG_DATA, batch_size=8), root, max_steps=1)
-    trainer.save_checkpoint(good)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(Regressor(), _pipe(2), 2, DataLoader(REG_DATA, batch_size=8), root, max_steps=1)
+        trainer.save_checkpoint(good)  # no weights_only: Lightning says so, once (rank 0)
+        resumed = _fit_error(Regressor(), good, root)
+    said = notices.seen + [str(w.message) for w in caught if "weights_only" in str(w.message)]
     if trainer.is_global_zero:
-        truncated, incomplete = os.path.join(root, "truncated.ckpt"), os.path.join(root, "incomplete.ckpt")
-        shutil.copytree(good, truncated)
-        shutil.copytree(good, incomplete)
-        # Only pp_rank 1 reads the stage-1 file: rank 0 must fail with it, not wait for it.
-        with open(os.path.join(truncated, "shard-pp1-tp0.pt"), "r+b") as f:
-            f.truncate(100)
-        os.remove(os.path.join(incomplete, "shard-pp0-tp0.pt"))
-        saved = consolidate_checkpoint(good)
-        saved["state_dict"].update(WiderRegressor().state_dict())
-        torch.save(saved, os.path.join(root, "wide-plain.ckpt"))
+        _damage(good, root)
     trainer.strategy.barrier()
     saving = _save_errors(trainer, root)
+    damaged = {name: os.path.join(root, f"{name}.ckpt") for name in ("flipped", "lost entry")}
     return {
         **saving,
         "shapes": _fit_error(WiderRegressor(), good, root),
@@ -418,17 +471,66 @@ def bad_checkpoints_worker(root: str) -> dict[str, tuple[str, str]]:
         "truncated": _fit_error(Regressor(), os.path.join(root, "truncated.ckpt"), root),
         "incomplete": _fit_error(Regressor(), os.path.join(root, "incomplete.ckpt"), root),
         "plain shapes": _fit_error(Regressor(), os.path.join(root, "wide-plain.ckpt"), root),
-        "good": _fit_error(Regressor(), good, root),
+        "flipped": _fit_error(Regressor(), damaged["flipped"], root),
+        "flipped, pp=1": _fit_error(Regressor(), damaged["flipped"], root, pp=1),
+        "lost entry": _fit_error(Regressor(), damaged["lost entry"], root),
+        "lost entry, not strict": _fit_error(LooseRegressor(), damaged["lost entry"], root),
+        "no checksums": _fit_error(Regressor(), os.path.join(root, "no checksums.ckpt"), root),
+        "good": resumed,
+        "weights_only notices": ("said", repr(said)),
     }
+
+
+def _consolidation_errors(root: str) -> dict[str, str]:
+    """What consolidating each damaged copy says, in this process: the function, the command
+    (also to Hugging Face) and ``lightning_pipe.load_from_checkpoint``."""
+    out = {}
+    for name in ("flipped", "lost entry"):
+        path = os.path.join(root, f"{name}.ckpt")
+        with pytest.raises(CheckpointError) as info:
+            consolidate_checkpoint(path)
+        out[name] = str(info.value)
+        with pytest.raises(CheckpointError, match=re.escape(out[name])):
+            lightning_pipe.load_from_checkpoint(Regressor, path)
+        for extra in ([], ["--to-huggingface"]):
+            errors = io.StringIO()
+            with contextlib.redirect_stderr(errors):
+                assert consolidate_main([path, os.path.join(root, "out"), *extra]) == 1
+            assert errors.getvalue() == f"error: {out[name]}\n"
+    return out
 
 
 def test_mismatched_or_damaged_checkpoints_fail_on_every_rank_with_the_cause() -> None:
     with tempfile.TemporaryDirectory() as root:
         ranks = run_distributed(bad_checkpoints_worker, 2, root, timeout=300, init_group=False)
+        consolidating = _consolidation_errors(root)
+    notices = [ast.literal_eval(ranks[rank].pop("weights_only notices")[1]) for rank in (0, 1)]
     for case, (kind, message) in ranks[0].items():
         # Every rank raises the same error (a rank that read nothing wrong included), at once.
         assert ranks[1][case] == (kind, message), case
     assert ranks[0]["good"] == ("no error", "")
+    # A fit, a save without weights_only and a resume: Lightning's notice once, not per rank.
+    assert notices == [["`weights_only` was not set, defaulting to `False`."], []], notices
+    # Bit flips inside a tensor, at the saving layout and at another: the file and the tensor named.
+    for case, failed in (("flipped", "rank 1:"), ("flipped, pp=1", "ranks [0, 1]:")):
+        kind, message = ranks[0][case]
+        assert kind == "CheckpointError" and f"failed on {failed}" in message, (case, message)
+        assert "shard-pp1-tp0.pt is damaged: the bytes of the model entry 'layers.4.weight'" in message
+        assert "CRC32" in message and "Use an earlier checkpoint" in message
+    assert (
+        "shard-pp1-tp0.pt is damaged: the bytes of the model entry 'layers.4.weight'"
+        in (consolidating["flipped"])
+    )
+    # Metadata that lost an entry: damaged, as consolidation says, whatever strict_loading is.
+    lost = "is damaged: its metadata (pipe_tp_metadata.json) does not record 1 value(s) its shard files hold"
+    for case in ("lost entry", "lost entry, not strict"):
+        kind, message = ranks[0][case]
+        assert kind == "CheckpointError" and lost in message, (case, message)
+        assert "'layers.4.bias' in shard-pp1-tp0.pt" in message and "earlier checkpoint" in message
+        assert "strict_loading" not in message and "does not match" not in message, message
+    assert lost in consolidating["lost entry"] and "strict_loading" not in consolidating["lost entry"]
+    # A checkpoint written before the checksums were recorded still resumes.
+    assert ranks[0]["no checksums"] == ("no error", "")
     kind, message = ranks[0]["shapes"]
     assert kind == "CheckpointError"
     assert (
@@ -440,7 +542,7 @@ def test_mismatched_or_damaged_checkpoints_fail_on_every_rank_with_the_cause() -
     assert "missing from the checkpoint: ['layers.7.weight', 'layers.7.bias']" in message, message
     kind, message = ranks[0]["truncated"]
     assert kind == "CheckpointError"
-    assert "failed on rank 1:" in message and "shard-pp1-tp0.pt cannot be read" in message
+    assert "failed on ranks [0, 1]:" in message and "shard-pp1-tp0.pt cannot be read" in message
     assert "damaged" in message
     kind, message = ranks[0]["incomplete"]
     assert kind == "CheckpointError" and "is incomplete" in message and "shard-pp0-tp0.pt" in message

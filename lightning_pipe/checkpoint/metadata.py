@@ -72,29 +72,40 @@ class TensorEntry:
     rank (in tensor-rank order) for a value split along ``tp_dim``. ``shape`` is the full
     (unsharded) shape and ``dtype`` the dtype name; both are ``None`` for a non-tensor value such
     as an optimizer's integer step count.
+
+    ``crc32`` holds, per file of ``files``, the CRC32 of the bytes of the value's piece in that file
+    (:func:`~lightning_pipe.checkpoint.integrity.tensor_crc32`), checked on every read; ``None``
+    for a non-tensor value and in checkpoints written before lightning_pipe recorded them (those
+    load as before, their files checked against the zip entries' own CRC32 instead). Two records
+    that differ only in it are equal: it describes the bytes, not where the value lives.
     """
 
     files: tuple[str, ...]
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
     tp_dim: int | None = None
+    crc32: tuple[int, ...] | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "files": list(self.files),
             "shape": None if self.shape is None else list(self.shape),
             "dtype": self.dtype,
             "tp_dim": self.tp_dim,
         }
+        if self.crc32 is not None:  # absent, not null: readers of version 1 ignore the key
+            out["crc32"] = list(self.crc32)
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TensorEntry:
-        shape = data.get("shape")
+        shape, crc32 = data.get("shape"), data.get("crc32")
         return cls(
             files=tuple(data["files"]),
             shape=None if shape is None else tuple(shape),
             dtype=data.get("dtype"),
             tp_dim=data.get("tp_dim"),
+            crc32=None if crc32 is None else tuple(int(c) for c in crc32),
         )
 
 

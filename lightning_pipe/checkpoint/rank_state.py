@@ -134,6 +134,9 @@ def read(
     ``optimizers`` (the views checkpoints see), its state for this rank's parameters, numbered
     for it and cut for this layout."""
     reader = CheckpointDirectory(path)
+    # Before the keys are compared with the model's: metadata that lost (or gained) an entry is a
+    # damaged checkpoint, not one of another model, and must not be told as a key mismatch.
+    reader.check_complete()
     c, tp = part.coordinates, part.layout.tensor_parallel_size
     checkpoint = reader.lightning_state(weights_only)
     checkpoint["state_dict"] = load_model_part(

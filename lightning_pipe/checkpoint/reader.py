@@ -5,15 +5,22 @@ its record, concatenated along the saved ``tp_dim``. Callers then cut the slice 
 needs. Shard files are opened once each with ``mmap=True``, so a rank that needs a few of a file's
 tensors reads those pages, not the file, and always with ``weights_only=True``: a shard file holds
 nothing but tensors, strings and numbers.
+
+Every read is checked (:mod:`~lightning_pipe.checkpoint.integrity`): each value's bytes against
+the CRC32 its record holds, each opened file's pickle against its zip entry's CRC32, and a file
+whose records hold no checksum (written before they were recorded) against all its zip CRC32s.
+A mismatch names the file and the value: the checkpoint is damaged.
 """
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_pipe.checkpoint.integrity import DamagedZipEntryError, check_zip_entries, tensor_crc32
 from lightning_pipe.checkpoint.metadata import (
     LIGHTNING_STATE_FILE,
     METADATA_FILE,
@@ -24,6 +31,7 @@ from lightning_pipe.checkpoint.metadata import (
 )
 
 _SHOWN = 8
+_EARLIER = "Use an earlier checkpoint."
 
 
 class CheckpointDirectory:
@@ -45,9 +53,28 @@ class CheckpointDirectory:
                 "which are not there. Copy the whole checkpoint directory, or use an earlier checkpoint."
             )
         self._files: dict[str, dict[str, Any]] = {}
+        self._whole_files_checked: set[str] = set()
+
+    def _check_zip(self, name: str, storages: bool) -> None:
+        """``name``'s zip entries against their CRC32: the tensors' data too (``storages``), or not."""
+        file = f"The {'shard ' if name != LIGHTNING_STATE_FILE else ''}file {self.path / name}"
+        try:
+            check_zip_entries(self.path / name, storages)
+        except DamagedZipEntryError as err:
+            raise CheckpointError(
+                f"{file} is damaged: its entry {err.entry!r} does not match the "
+                f"CRC32 recorded when it was written (torch.load does not check it). {_EARLIER}"
+            ) from None
+        except (OSError, zipfile.BadZipFile, EOFError) as err:
+            raise CheckpointError(
+                f"{file} cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged. {_EARLIER}"
+            ) from err
 
     def _file(self, name: str) -> dict[str, Any]:
         if name not in self._files:
+            # The pickle (non-tensor values, each tensor's layout) first: loading a damaged one
+            # may give wrong values without an error.
+            self._check_zip(name, storages=False)
             try:
                 self._files[name] = torch.load(
                     self.path / name, map_location="cpu", weights_only=True, mmap=True
@@ -55,9 +82,30 @@ class CheckpointDirectory:
             except Exception as err:
                 raise CheckpointError(
                     f"The shard file {self.path / name} cannot be read ({type(err).__name__}: {err}); the "
-                    "checkpoint is damaged. Use an earlier checkpoint."
+                    f"checkpoint is damaged. {_EARLIER}"
                 ) from err
         return self._files[name]
+
+    def _check_bytes(self, record: TensorEntry, index: int, name: str, node: Any, what: str) -> None:
+        """``node`` (the piece of a value read from the file ``name``) against its record's CRC32;
+        a file of a checkpoint that recorded none is checked whole, once, against its zip's."""
+        if record.crc32 is None:
+            if record.shape is not None and name not in self._whole_files_checked:
+                self._check_zip(name, storages=True)
+                self._whole_files_checked.add(name)
+            return
+        if not isinstance(node, torch.Tensor):
+            raise CheckpointError(
+                f"The shard file {self.path / name} holds a {type(node).__name__} as {what}, where the "
+                f"metadata records a tensor; the checkpoint is damaged. {_EARLIER}"
+            )
+        read, recorded = tensor_crc32(node), record.crc32[index]
+        if read is not None and read != recorded:
+            raise CheckpointError(
+                f"The shard file {self.path / name} is damaged: the bytes of {what} in it do not match "
+                f"the CRC32 recorded when it was saved (read {read:08x}, recorded {recorded:08x}), so "
+                f"loading it would give other values than were saved. {_EARLIER}"
+            )
 
     def _read(self, record: TensorEntry, where: tuple[str, ...], what: str) -> Any:
         if not record.files:
@@ -65,8 +113,13 @@ class CheckpointDirectory:
                 f"The metadata of {self.path} names no shard file for {what}; the checkpoint is damaged. "
                 "Use an earlier checkpoint."
             )
+        if record.crc32 is not None and len(record.crc32) != len(record.files):
+            raise CheckpointError(
+                f"The metadata of {self.path} records {len(record.crc32)} checksums for {what}, which it "
+                f"places in {len(record.files)} files; the checkpoint is damaged. {_EARLIER}"
+            )
         parts = []
-        for name in record.files:
+        for index, name in enumerate(record.files):
             node: Any = self._file(name)
             try:
                 for step in where:
@@ -76,6 +129,7 @@ class CheckpointDirectory:
                     f"The shard file {self.path / name} has no {what}, which the metadata places there; "
                     "the checkpoint is damaged. Use an earlier checkpoint."
                 ) from None
+            self._check_bytes(record, index, name, node, what)
             parts.append(node)
         value = parts[0] if record.tp_dim is None else torch.cat(parts, dim=record.tp_dim)
         if record.shape is not None and (
@@ -89,14 +143,15 @@ class CheckpointDirectory:
         return value
 
     def check_complete(self) -> None:
-        """Raise unless the metadata describes every value the shard files hold, and every shard
+        """Raise unless the metadata and the shard files describe the same values, and every shard
         file the saving layout wrote is there.
 
-        Resuming checks the keys against the model; an offline reader (consolidation) has no model,
-        so it checks against the files themselves: each rank of the first replica wrote one file
-        (``shard-pp{p}-tp{t}.pt``), and every model entry and optimizer entry in a file must be
-        recorded, with that file, in the metadata. A metadata file that lost an entry would
-        otherwise give a checkpoint without that tensor.
+        Each rank of the first replica wrote one file (``shard-pp{p}-tp{t}.pt``); every model and
+        optimizer entry in a file must be recorded, with that file, in the metadata, and every
+        file a record names must hold the entry. A metadata file that lost an entry would otherwise
+        give a checkpoint without that tensor, or, when resuming, look like a checkpoint of another
+        model ("keys do not match"), whose fix (loading fewer keys) would hide the damage. Reads
+        the files' pickles only (memory-mapped), not their tensors.
         """
         layout = self.metadata.layout
         expected = [
@@ -112,26 +167,38 @@ class CheckpointDirectory:
                 f"the shard files {expected}, and {absent} are not there. Copy the whole checkpoint "
                 "directory, or use an earlier checkpoint."
             )
-        unrecorded: list[str] = []
-        for name in expected:
+        held: set[tuple[str, ...]] = set()  # (file, "model", key) or (file, optimizer, param, key)
+        for name in sorted(set(expected) | self.metadata.files()):
             payload = self._file(name)
-            for key in payload.get("model", {}):
-                record = self.metadata.model.get(key)
-                if record is None or name not in record.files:
-                    unrecorded.append(f"model entry {key!r} in {name}")
+            held.update((name, "model", key) for key in payload.get("model", {}))
             for index, entries in enumerate(payload.get("optimizers", [])):
-                records = self.metadata.optimizers[index] if index < len(self.metadata.optimizers) else {}
-                for param, state in entries.items():
-                    for key in state:
-                        record = records.get(param, {}).get(key)
-                        if record is None or name not in record.files:
-                            unrecorded.append(f"optimizer {index}'s {key!r} for {param!r} in {name}")
+                held.update((name, str(index), p, k) for p, state in entries.items() for k in state)
+        recorded = {(f, "model", key) for key, r in self.metadata.model.items() for f in r.files} | {
+            (f, str(index), p, k)
+            for index, optimizer in enumerate(self.metadata.optimizers)
+            for p, entries in optimizer.items()
+            for k, r in entries.items()
+            for f in r.files
+        }
+        unrecorded = [_describe(item) for item in sorted(held - recorded)]
+        absent_values = [_describe(item) for item in sorted(recorded - held)]
+        problems = []
         if unrecorded:
-            more = f" and {len(unrecorded) - _SHOWN} more" if len(unrecorded) > _SHOWN else ""
+            problems.append(
+                f"does not record {len(unrecorded)} value(s) its shard files hold: {_shown(unrecorded)}"
+            )
+        if absent_values:
+            problems.append(
+                f"places {len(absent_values)} value(s) in shard files that do not hold them: "
+                f"{_shown(absent_values)}"
+            )
+        if problems:
             raise CheckpointError(
-                f"The checkpoint {self.path} is damaged: its metadata ({METADATA_FILE}) does not "
-                f"record {len(unrecorded)} value(s) its shard files hold: {unrecorded[:_SHOWN]}{more}. "
-                "Reading it would silently leave them out; use an earlier checkpoint."
+                f"The checkpoint {self.path} is damaged: its metadata ({METADATA_FILE}) "
+                + "; it ".join(problems)
+                + ". Reading it would silently leave values out or fail part-way; use an earlier "
+                "checkpoint. (It is not a checkpoint of another model: do not load it with fewer "
+                "keys.)"
             )
 
     def model_value(self, key: str) -> Any:
@@ -150,6 +217,8 @@ class CheckpointDirectory:
     def lightning_state(self, weights_only: bool | None = True) -> dict[str, Any]:
         """Everything Lightning saved besides the tensors: loops, callbacks, schedulers, hparams."""
         path = self.path / LIGHTNING_STATE_FILE
+        if path.is_file():  # loops, schedulers' and optimizers' settings: small, checked whole
+            self._check_zip(LIGHTNING_STATE_FILE, storages=True)
         try:
             state = torch.load(path, map_location="cpu", weights_only=weights_only is not False)
         except FileNotFoundError:
@@ -169,3 +238,14 @@ class CheckpointDirectory:
         if not isinstance(state, dict):
             raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dictionary.")
         return state
+
+
+def _describe(item: tuple[str, ...]) -> str:
+    if item[1] == "model":
+        return f"model entry {item[2]!r} in {item[0]}"
+    return f"optimizer {item[1]}'s {item[3]!r} for {item[2]!r} in {item[0]}"
+
+
+def _shown(items: list[str]) -> str:
+    more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+    return f"{items[:_SHOWN]}{more}"

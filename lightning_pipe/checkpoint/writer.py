@@ -4,7 +4,8 @@ The protocol keeps the previous checkpoint safe and never leaves a rank hanging:
 
 1. Global rank 0 checks that ``NAME`` is absent or something a save may replace (never a user's
    own directory), then creates a fresh temporary directory ``.NAME.tmp`` beside ``NAME``.
-2. Each writing rank saves its shard there; rank 0 also saves the Lightning state. A rank whose
+2. Each writing rank saves its shard there, with a CRC32 of each tensor's bytes in its records
+   (:mod:`~lightning_pipe.checkpoint.integrity`); rank 0 also saves the Lightning state. A rank whose
    write fails does not raise yet: all ranks exchange their outcome (and their small tensor
    records) in one ``all_gather_object``, so every rank raises the same error together instead of
    one rank raising while the others wait in a collective until the timeout.
@@ -19,10 +20,11 @@ The protocol keeps the previous checkpoint safe and never leaves a rank hanging:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_pipe.checkpoint.collective import describe_failures, error_text, exchange
@@ -32,6 +34,7 @@ from lightning_pipe.checkpoint.durable import (
     sync_directory,
     write_text_durably,
 )
+from lightning_pipe.checkpoint.integrity import tensor_crc32
 from lightning_pipe.checkpoint.metadata import (
     HOW_TO_LOAD,
     HOW_TO_LOAD_FILE,
@@ -67,6 +70,30 @@ class PartFile:
     model: dict[str, tuple[TensorEntry, int]] = field(default_factory=dict)
     optimizers: list[dict[str, dict[str, tuple[TensorEntry, int]]]] = field(default_factory=list)
 
+    def with_checksums(self) -> PartFile:
+        """These records with the CRC32 of each tensor value of the payload (the bytes this file
+        will hold for it), which every read compares."""
+
+        def checked(record: tuple[TensorEntry, int], value: Any) -> tuple[TensorEntry, int]:
+            entry, part = record
+            crc = tensor_crc32(value) if isinstance(value, torch.Tensor) else None
+            return (entry if crc is None else replace(entry, crc32=(crc,))), part
+
+        model = self.payload.get("model", {})
+        states = self.payload.get("optimizers", [])
+        return PartFile(
+            self.file_name,
+            self.payload,
+            {key: checked(record, model.get(key)) for key, record in self.model.items()},
+            [
+                {
+                    name: {k: checked(r, states[i].get(name, {}).get(k)) for k, r in entries.items()}
+                    for name, entries in optimizer.items()
+                }
+                for i, optimizer in enumerate(self.optimizers)
+            ],
+        )
+
 
 def _raise_if_failed(outcomes: list[tuple[str | None, Any]], path: Path, what: str) -> None:
     failures = describe_failures([error for error, _ in outcomes])
@@ -91,11 +118,14 @@ def _merge(
     for key in keys:
         pieces = sorted(found[key], key=lambda item: item[0])
         first = pieces[0][1]
+        checksums = [r.crc32 for _, r in pieces]
         merged[key] = TensorEntry(
             files=tuple(f for _, r in pieces for f in r.files),
             shape=first.shape,
             dtype=first.dtype,
             tp_dim=first.tp_dim,
+            # One per file, or none: a piece without one (not a tensor) leaves the value unchecked.
+            crc32=None if any(c is None for c in checksums) else tuple(c for cs in checksums for c in cs),  # type: ignore[union-attr]
         )
     return merged
 
@@ -134,6 +164,7 @@ def write_checkpoint_directory(
     error = None
     try:
         if shard is not None:
+            shard = shard.with_checksums()
             save_durably(shard.payload, tmp / shard.file_name)
         if rank == 0:
             save_durably(lightning_state, tmp / LIGHTNING_STATE_FILE)

@@ -70,6 +70,7 @@ class WeightFiles:
             raise FileNotFoundError(f"The pretrained weights {self.path} do not exist.")
         if self.path.is_dir() and is_checkpoint_directory(self.path):
             self._sharded = CheckpointDirectory(self.path)
+            self._sharded.check_complete()  # a damaged one is told so, not as keys it lacks
             self._keys = set(self._sharded.metadata.model)
         elif self.path.is_dir() and (self.path / _INDEX).is_file():
             self._read_index(self.path / _INDEX)

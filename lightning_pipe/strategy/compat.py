@@ -11,6 +11,7 @@ these shows up as a failing test that points here.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -67,8 +68,29 @@ def default_backend(device: torch.device) -> str:
 
 def set_rank_zero(rank: int) -> None:
     """Tell Lightning's ``rank_zero_*`` helpers this process's global rank (``DDPStrategy``'s
-    ``set_world_ranks`` does it the same way)."""
+    ``set_world_ranks`` does it the same way), and say Lightning's per-rank checkpoint notice once."""
     rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]
+    notices = logging.getLogger(_CHECKPOINT_CONNECTOR_LOGGER)
+    if not any(isinstance(f, _OnRankZero) for f in notices.filters):
+        notices.addFilter(_OnRankZero())
+
+
+_CHECKPOINT_CONNECTOR_LOGGER = "lightning.pytorch.trainer.connectors.checkpoint_connector"
+_WEIGHTS_ONLY_NOTICE = "`weights_only` was not set"
+
+
+class _OnRankZero(logging.Filter):
+    """``trainer.save_checkpoint(path)`` without ``weights_only`` logs "`weights_only` was not
+    set, defaulting to `False`." with ``log.info`` (not ``rank_zero_info``) in
+    ``_CheckpointConnector.dump_checkpoint`` (Lightning 2.5-2.6), before the strategy is asked
+    anything; under pipe_tp every rank saves, so every rank printed it. Python's logging filter
+    keeps it on global rank 0, as one device prints it (what it says holds: the whole state is
+    saved)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(_WEIGHTS_ONLY_NOTICE):
+            return True
+        return getattr(rank_zero_only, "rank", 0) == 0
 
 
 # ------------------------------------------------------------------ the training step (Lightning 2.4-2.6)
