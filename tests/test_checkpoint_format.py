@@ -475,7 +475,7 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "wrong shape": (wrong_shape, r"'0\.weight' in .* is \(4, 3\), but the metadata records \(5, 3\)"),
     "wrong split dim": (wrong_split_dim, r"'0\.weight' in .* is \(2, 6\), but the metadata records \(4, 3\)"),
-    "phantom entry": (phantom_entry, r"shard-pp0-tp0\.pt has no the model entry 'ghost'"),
+    "phantom entry": (phantom_entry, r"shard-pp0-tp0\.pt does not hold the model entry 'ghost'"),
     "no lightning state": (no_lightning_state, "has no lightning_state.pt"),
     "flipped slice": (
         flipped_slice,

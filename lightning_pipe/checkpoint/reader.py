@@ -126,8 +126,8 @@ class CheckpointDirectory:
                     node = node[step]
             except (KeyError, IndexError, TypeError):
                 raise CheckpointError(
-                    f"The shard file {self.path / name} has no {what}, which the metadata places there; "
-                    "the checkpoint is damaged. Use an earlier checkpoint."
+                    f"The shard file {self.path / name} does not hold {what}, which the metadata places "
+                    "there; the checkpoint is damaged. Use an earlier checkpoint."
                 ) from None
             self._check_bytes(record, index, name, node, what)
             parts.append(node)
