@@ -37,7 +37,8 @@ from _launch import emit_json, launch, median, print_table, warn_if_busy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipe import PipeTPStrategy, consolidate_checkpoint
+from lightning_pipe import PipeTPStrategy
+from lightning_pipe.checkpoint import consolidate_checkpoint
 
 
 class MLPStack(L.LightningModule):

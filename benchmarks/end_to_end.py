@@ -64,9 +64,10 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_pipe import PipeTPStrategy, cross_entropy
+from lightning_pipe import PipeTPStrategy
 from lightning_pipe.construction.materialize import materialize
 from lightning_pipe.partition.balance import compute_balance, split_layers
+from lightning_pipe.tensor_parallel import cross_entropy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "gpt"))
 from char_data import encode, stdlib_text

@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from _launch import emit_json, launch, print_table, warn_if_busy
 from torch import nn
 
-from lightning_pipe import build_schedule, signature
+from lightning_pipe.batches import signature
 from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.schedule import build_schedule
 from lightning_pipe.skip.plan import SkipPlan
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "skips" / "models.py"

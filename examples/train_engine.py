@@ -16,8 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe import MeshAxis, ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
 from lightning_pipe.construction.meta import parameters_on_meta
+from lightning_pipe.mesh import MeshAxis, ParallelLayout, init_mesh
+from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
 
 
 class Block(nn.Module):

@@ -1,57 +1,37 @@
 """lightning_pipe: pipeline, tensor and data parallelism for PyTorch Lightning.
 
-The public API is listed here once. The engine (mesh, schedules, partitioning, execution, runtime,
-checkpoint format) is plain torch, usable without a Trainer, and importing it does not import
-Lightning: :class:`PipeTPStrategy` (the adapter) is imported when it is first used, and the name
-``"pipe_tp"`` is registered with Lightning as soon as Lightning loads.
+The top level holds what a Lightning user and a model author need: the strategy, the ready
+Hugging Face module, the skip-connection helpers a ``configure_pipeline()`` may use, loading a
+checkpoint into a fresh module, and the errors worth catching. Everything else lives in the
+subpackage that owns it, each listing its public names in ``__all__``:
+
+* :mod:`lightning_pipe.runtime`: the Lightning-free engine (``ParallelRuntime``, ``RuntimeOptions``);
+* :mod:`lightning_pipe.mesh`: the layout and process groups (``ParallelLayout``, ``init_mesh``);
+* :mod:`lightning_pipe.schedule`: schedules as data (``build_schedule``, ``simulate``, ...);
+* :mod:`lightning_pipe.execution`: the interpreter of a schedule (``PipelineExecutor``);
+* :mod:`lightning_pipe.partition`, :mod:`lightning_pipe.batches`: stages and micro-batches;
+* :mod:`lightning_pipe.tensor_parallel`: Megatron layers, the plan, vocab-parallel loss;
+* :mod:`lightning_pipe.checkpoint`, :mod:`lightning_pipe.huggingface`: checkpoint tools, export;
+* :mod:`lightning_pipe.skip`: the whole skip-connection API.
+
+Importing the package does not import Lightning: :class:`PipeTPStrategy` (the adapter) and
+``CausalLMModule`` are imported when first used, and the name ``"pipe_tp"`` is registered with
+Lightning as soon as Lightning loads.
 """
 
-import warnings
 from typing import Any
 
 from lightning_pipe._registration import register_with_lightning
 from lightning_pipe.batches.agreement import StepCheckError
-from lightning_pipe.batches.microbatch import signature, split_microbatches
-from lightning_pipe.checkpoint import (
-    CheckpointDirectory,
-    CheckpointError,
-    consolidate_checkpoint,
-    is_checkpoint_directory,
-    load_from_checkpoint,
-)
-from lightning_pipe.execution.executor import PipelineExecutor, StepResult
-from lightning_pipe.execution.layers import apply_layers
-from lightning_pipe.execution.recompute import RecomputeMode
-from lightning_pipe.huggingface import CausalLMPipeline, export_huggingface
-from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, RankCoordinates, init_mesh
-from lightning_pipe.partition.balance import PartitionMethod, compute_balance, split_layers
-from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
-from lightning_pipe.runtime.batch import BatchResult, Microbatch
-from lightning_pipe.schedule.actions import Action, ActionType, PipelineSchedule, ScheduleError
-from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
-from lightning_pipe.schedule.render import render_schedule
-from lightning_pipe.schedule.simulate import SimulationResult, simulate
-from lightning_pipe.schedule.validate import validate_schedule
-from lightning_pipe.skip import Pop, SkipError, SkipRoute, Stash, pop, skip_scope, skippable, stash
-from lightning_pipe.tensor_parallel.cross_entropy import cross_entropy, gather_vocab
-from lightning_pipe.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
-from lightning_pipe.tensor_parallel.plan import TensorParallelStyle
+from lightning_pipe.checkpoint import CheckpointError, load_from_checkpoint
+from lightning_pipe.faults.board import PeerLostError
+from lightning_pipe.huggingface.outputs import ModelCallError
+from lightning_pipe.runtime.options import ConfigurationError
+from lightning_pipe.skip import Pop, Stash, pop, skippable, stash
 
 __version__ = "0.1.0"
 
 register_with_lightning()
-
-_DEPRECATED = {
-    "ShardStyle": ("TensorParallelStyle", TensorParallelStyle),
-    "ShardedCheckpoint": ("CheckpointDirectory", CheckpointDirectory),
-    "is_sharded_checkpoint": ("is_checkpoint_directory", is_checkpoint_directory),
-    "CheckpointMode": ("RecomputeMode", RecomputeMode),
-}
-"""Former names, kept for one minor release: each warns, naming its replacement."""
 
 
 def __getattr__(name: str) -> Any:
@@ -63,70 +43,21 @@ def __getattr__(name: str) -> Any:
         from lightning_pipe.modules import CausalLMModule
 
         return CausalLMModule
-    if name in _DEPRECATED:
-        new, value = _DEPRECATED[name]
-        warnings.warn(
-            f"lightning_pipe.{name} is deprecated: use lightning_pipe.{new} (one name per idea: "
-            "'checkpoint' means saved state, 'shard' the optimizer state's sharding).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return value
     raise AttributeError(f"module 'lightning_pipe' has no attribute {name!r}")
 
 
 __all__ = [
-    "Action",
-    "ActionType",
-    "BatchResult",
     "CausalLMModule",
-    "CausalLMPipeline",
-    "CheckpointDirectory",
     "CheckpointError",
-    "ColumnParallelLinear",
     "ConfigurationError",
-    "MeshAxis",
-    "Microbatch",
-    "ParallelLayout",
-    "ParallelMesh",
-    "ParallelRuntime",
-    "PartitionMethod",
+    "ModelCallError",
+    "PeerLostError",
     "PipeTPStrategy",
-    "PipelineExecutor",
-    "PipelineSchedule",
     "Pop",
-    "RankCoordinates",
-    "RecomputeMode",
-    "RowParallelLinear",
-    "RuntimeOptions",
-    "ScheduleError",
-    "ScheduleKind",
-    "SimulationResult",
-    "SkipError",
-    "SkipRoute",
     "Stash",
     "StepCheckError",
-    "StepResult",
-    "TensorParallelStyle",
-    "VocabParallelEmbedding",
-    "apply_layers",
-    "build_schedule",
-    "compute_balance",
-    "consolidate_checkpoint",
-    "cross_entropy",
-    "export_huggingface",
-    "gather_vocab",
-    "init_mesh",
-    "is_checkpoint_directory",
     "load_from_checkpoint",
     "pop",
-    "render_schedule",
-    "signature",
-    "simulate",
-    "skip_scope",
     "skippable",
-    "split_layers",
-    "split_microbatches",
     "stash",
-    "validate_schedule",
 ]

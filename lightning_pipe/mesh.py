@@ -20,6 +20,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_pipe.arguments import check_count
 
+__all__ = [
+    "MeshAxis",
+    "ParallelLayout",
+    "ParallelMesh",
+    "RankCoordinates",
+    "check_replicate_size",
+    "data_parallel_mesh",
+    "init_mesh",
+]
+
 
 class MeshAxis(enum.Enum):
     """The axes of the mesh, outermost first; values are the DeviceMesh dimension names."""

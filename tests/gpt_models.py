@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_pipe import cross_entropy
+from lightning_pipe.tensor_parallel import cross_entropy
 
 VOCAB, DIM, HEADS, SEQ = 16, 16, 4, 8
 

@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_pipe import PipelineExecutor, PipeTPStrategy, build_schedule
+from lightning_pipe import PipeTPStrategy
 from lightning_pipe.data_parallel.reducer import GradientReducer
+from lightning_pipe.execution import PipelineExecutor
+from lightning_pipe.schedule import build_schedule
 from tests.distributed import run_distributed
 from tests.lightning_models import TOKENS, Regressor, TiedLM, dataset, loader
 from tests.trainers import fit

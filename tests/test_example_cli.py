@@ -38,7 +38,7 @@ def test_cli_accepts_strategy_by_class_path() -> None:
     assert strategy.schedule.value == "gpipe"
     # The resolved config (what LightningCLI writes to config.yaml) names every strategy option.
     init_args = cli.config["trainer"]["strategy"]["init_args"]
-    for option in ("pipeline_parallel_size", "num_microbatches", "schedule", "partition", "checkpoint"):
+    for option in ("pipeline_parallel_size", "num_microbatches", "schedule", "partition", "recompute"):
         assert option in init_args
 
 
@@ -51,7 +51,7 @@ def test_cli_help_lists_strategy_options(capsys: pytest.CaptureFixture[str]) -> 
         "num_microbatches",
         "schedule",
         "partition",
-        "checkpoint",
+        "recompute",
         "timeout",
     ):
         assert f"--trainer.strategy.{option}" in out

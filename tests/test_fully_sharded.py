@@ -264,7 +264,7 @@ def test_what_fully_sharded_training_cannot_do_is_refused_with_the_fix() -> None
 
 
 def test_sharding_options_are_checked_when_made() -> None:
-    from lightning_pipe import RuntimeOptions
+    from lightning_pipe.runtime import RuntimeOptions
 
     with pytest.raises(ValueError, match="already shards the optimizer state"):
         RuntimeOptions(shard_parameters=True, shard_optimizer_state=True)
@@ -316,7 +316,8 @@ def _kinds_model() -> torch.nn.Module:
 def kinds_worker() -> dict[str, Any]:
     import torch.nn.functional as F
 
-    from lightning_pipe import ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
+    from lightning_pipe.mesh import ParallelLayout, init_mesh
+    from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
     from lightning_pipe.runtime.hooks import ModelHooks
 
     mesh = init_mesh(ParallelLayout(2, 1, 1), "cpu")

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_pipe import ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
 from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.huggingface import CausalLMPipeline
 from lightning_pipe.huggingface.outputs import causal_lm_loss
-from lightning_pipe.mesh import MeshAxis
+from lightning_pipe.mesh import MeshAxis, ParallelLayout, init_mesh
+from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
 from lightning_pipe.runtime.batch import Microbatch
 from lightning_pipe.tensor_parallel.regions import sequence_active
 from tests.distributed import run_distributed

@@ -274,8 +274,9 @@ def token_mixing_worker(mix: bool) -> str:
     over the sequence in their own forward, outside any module: the first step's answer."""
     from datetime import timedelta
 
-    from lightning_pipe import ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
     from lightning_pipe.huggingface.outputs import causal_lm_loss
+    from lightning_pipe.mesh import ParallelLayout, init_mesh
+    from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
     from tests.hf_families import padded_batch
 
     model = build("llama", torch.float64)

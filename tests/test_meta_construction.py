@@ -25,7 +25,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_human_re
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_pipe import PipeTPStrategy, consolidate_checkpoint
+from lightning_pipe import PipeTPStrategy
+from lightning_pipe.checkpoint import consolidate_checkpoint
 from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.construction.meta import ValueLostError, parameters_on_meta
 from lightning_pipe.strategy.summary import PipelineModelSummary

@@ -311,9 +311,9 @@ def test_fp16_with_sharding_is_refused_before_training() -> None:
 
 
 def second_optimizer_worker() -> str:
-    from lightning_pipe import ParallelLayout, init_mesh
     from lightning_pipe.data_parallel.sharded_optimizer import ShardingError
     from lightning_pipe.faults.naming import CollectiveNaming
+    from lightning_pipe.mesh import ParallelLayout, init_mesh
     from lightning_pipe.runtime.gradients import Gradients
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
@@ -346,7 +346,8 @@ def test_a_renamed_elementwise_optimizer_is_accepted() -> None:
 
 
 def one_replica_worker() -> tuple[list[str], str]:
-    from lightning_pipe import ParallelLayout, ParallelRuntime, RuntimeOptions, init_mesh
+    from lightning_pipe.mesh import ParallelLayout, init_mesh
+    from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
 
     mesh = init_mesh(ParallelLayout(1, 1, 1), "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))

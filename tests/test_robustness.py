@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe import PipelineExecutor, PipeTPStrategy, build_schedule
+from lightning_pipe import PipeTPStrategy
 from lightning_pipe.batches.microbatch import signature
+from lightning_pipe.execution import PipelineExecutor
 from lightning_pipe.execution.layers import apply_layers
+from lightning_pipe.schedule import build_schedule
 from lightning_pipe.schedule.actions import ActionType, PipelineSchedule
 from tests.distributed import Outcome, run_distributed_outcomes
 from tests.lightning_models import Regressor, dataset, loader

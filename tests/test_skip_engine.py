@@ -23,8 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe import Pop, Stash, build_schedule, skip_scope, skippable, stash
+from lightning_pipe import Pop, Stash, skippable, stash
 from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.schedule import build_schedule
+from lightning_pipe.skip import skip_scope
 from lightning_pipe.skip.plan import SkipLayers
 from tests.distributed import run_distributed
 

@@ -17,12 +17,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pipe import Pop, SkipError, Stash, build_schedule, pop, skip_scope, skippable, stash
+from lightning_pipe import Pop, Stash, pop, skippable, stash
 from lightning_pipe.batches.forward_contract import check_forward
+from lightning_pipe.schedule import build_schedule
 from lightning_pipe.schedule.actions import Action, ActionType, PipelineSchedule, ScheduleError
 from lightning_pipe.schedule.render import render_schedule
 from lightning_pipe.schedule.simulate import simulate
 from lightning_pipe.schedule.validate import validate_schedule
+from lightning_pipe.skip import SkipError, skip_scope
 from lightning_pipe.skip.plan import SkipLayers, SkipPlan
 from lightning_pipe.skip.scope import SkipScope
 

@@ -268,14 +268,6 @@ def test_a_bad_value_the_parser_cannot_judge_is_the_constructors_one_sentence() 
     ), err.value
 
 
-def test_the_former_name_of_recompute_still_works_and_says_its_new_name() -> None:
-    with pytest.warns(
-        DeprecationWarning, match=r"checkpoint='always'\) is deprecated: the option is now called `recompute`"
-    ):
-        strategy = PipeTPStrategy(checkpoint="always")
-    assert strategy.recompute.value == "always"
-
-
 def test_timeout_in_seconds_is_accepted() -> None:
     assert PipeTPStrategy(timeout=30)._timeout == timedelta(seconds=30)
     assert PipeTPStrategy(timeout=2.5)._timeout == timedelta(seconds=2.5)

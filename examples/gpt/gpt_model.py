@@ -24,7 +24,7 @@ import torchmetrics
 from char_data import VOCAB_SIZE
 from torch import nn
 
-from lightning_pipe import cross_entropy, gather_vocab
+from lightning_pipe.tensor_parallel import cross_entropy, gather_vocab
 
 # The model's vocabulary is the alphabet padded to a multiple of 8, so that tensor-parallel sizes
 # 2, 4 and 8 divide it (the padding classes are never targets and learn to stay unlikely).
@@ -137,7 +137,8 @@ class CharGPT(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, targets = batch
-        # lightning_pipe.cross_entropy: vocab-parallel on sharded logits, F.cross_entropy otherwise.
+        # lightning_pipe.tensor_parallel.cross_entropy: vocab-parallel on sharded logits,
+        # F.cross_entropy otherwise.
         loss = cross_entropy(self(ids), targets)
         self.log("train_loss", loss, prog_bar=True)
         return loss

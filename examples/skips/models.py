@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_pipe import Pop, Stash, pop, skip_scope, skippable, stash
+from lightning_pipe import Pop, Stash, pop, skippable, stash
+from lightning_pipe.skip import skip_scope
 
 # ----------------------------------------------------------------------------- U-Net
 

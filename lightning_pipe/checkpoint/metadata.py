@@ -50,7 +50,7 @@ This directory is one lightning_pipe (pipe_tp) sharded checkpoint. Ways to use i
       python -m lightning_pipe.consolidate "<this directory>" model.ckpt [--weights-only]
 * Of a Hugging Face model: into a directory AutoModelForCausalLM.from_pretrained reads:
       python -m lightning_pipe.consolidate "<this directory>" OUT_DIR --to-huggingface
-* Without Lightning (lightning_pipe.ParallelRuntime), at any layout:
+* Without Lightning (lightning_pipe.runtime.ParallelRuntime), at any layout:
       extra = runtime.load_checkpoint("<this directory>", [optimizer])
 """
 LAYOUT_KEYS = ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size")

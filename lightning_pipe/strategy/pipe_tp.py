@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -121,7 +120,6 @@ class PipeTPStrategy(ParallelStrategy):
             micro-batch of ``example_input_array``, layer by layer; the layout log shows each
             stage's time) or a list of layer counts per stage.
         recompute: activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``.
-        checkpoint: the former name of ``recompute`` (deprecated: it warns, naming the new one).
         process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
         timeout: deadline of every collective and point-to-point exchange (default 5 minutes), a
             ``timedelta`` or a number of seconds; ``None``: torch's default (30 minutes):
@@ -235,7 +233,6 @@ class PipeTPStrategy(ParallelStrategy):
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        checkpoint: Literal["never", "except_last", "always"] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -268,15 +265,6 @@ class PipeTPStrategy(ParallelStrategy):
                 "tensor_parallel_plan must map module-name patterns to style names (a dict of strings), got "
                 f"{tensor_parallel_plan!r}."
             )
-        if checkpoint is not None:
-            warnings.warn(
-                f"PipeTPStrategy(checkpoint={checkpoint!r}) is deprecated: the option is now called "
-                f"`recompute` (activation recomputation; 'checkpoint' means saved state only). Use "
-                f"recompute={checkpoint!r}; the old name will be removed in the next minor release.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            recompute = checkpoint
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

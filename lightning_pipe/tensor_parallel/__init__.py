@@ -1,3 +1,20 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al., 2019, arXiv:1909.08053): layers whose weights
 are split across the ranks of a tensor-parallel group, the four communication regions they are
 built from, a vocabulary-parallel cross entropy, and a plan that shards a plain model."""
+
+from lightning_pipe.tensor_parallel.cross_entropy import cross_entropy, gather_vocab
+from lightning_pipe.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from lightning_pipe.tensor_parallel.plan import TensorParallelStyle
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TensorParallelStyle",
+    "VocabParallelEmbedding",
+    "cross_entropy",
+    "gather_vocab",
+]
