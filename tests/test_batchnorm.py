@@ -189,6 +189,19 @@ def refusal_worker() -> dict[str, Any]:
         result["untouched"] = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
         trainer = quiet_trainer(strategy(), 2, root)
         result["validated"] = trainer.validate(BatchNormNet(), loader(VAL, 8, False), verbose=False)
+        # Frozen statistics (the BatchNorm in eval mode, which Lightning keeps): each micro-batch
+        # is normalised by the running statistics, exactly as one device: it trains.
+        frozen = BatchNormNet(lr=0.1)
+        for m in frozen.modules():
+            if isinstance(m, torch.nn.BatchNorm1d):
+                m.eval()
+        before = {k: v.clone() for k, v in frozen.state_dict().items()}
+        fit(frozen, strategy(), 2, loader(TRAIN, 8, False), root, max_steps=2)
+        after = frozen.state_dict()
+        result["frozen_trained"] = any(not torch.equal(v, after[k]) for k, v in before.items())
+        result["frozen_statistics_kept"] = all(
+            torch.equal(v, after[k]) for k, v in before.items() if "running" in k or "num_batches" in k
+        )
     return result
 
 
@@ -207,3 +220,4 @@ def test_batch_norm_under_several_micro_batches_is_refused_at_setup_unless_chose
             assert fix in text, text
         assert result["untouched"], f"rank {rank}: a step ran before the refusal"
         assert len(result["validated"]) == 1 and "val_loss" in result["validated"][0], result["validated"]
+        assert result["frozen_trained"] and result["frozen_statistics_kept"], result

@@ -30,6 +30,7 @@ from lightning_pipe.checkpoint.metadata import (
     LIGHTNING_STATE_FILE,
     CheckpointError,
     CheckpointMetadata,
+    TensorEntry,
     part_file_name,
 )
 from lightning_pipe.checkpoint.reader import CheckpointDirectory
@@ -156,3 +157,20 @@ def test_a_checksum_count_other_than_the_file_count_is_damaged(tmp_path: Path) -
     edit_metadata(path, lambda data: data["model"]["weight"].update(crc32=[1, 2]))
     with pytest.raises(CheckpointError, match=r"records 2 checksums for the model entry 'weight'"):
         consolidate_checkpoint(path)
+
+
+def test_checksumming_a_cpu_payload_copies_no_tensor() -> None:
+    """On the CPU the payload saved is the one checksummed, tensor for tensor (a device tensor is
+    copied to the CPU once, for both: not testable without a device)."""
+    weight, moment = torch.randn(3, 2), torch.randn(3, 2).t()  # a view with other strides too
+    entry = TensorEntry(files=["f.pt"], shape=[3, 2], dtype="float32", tp_dim=None)
+    moment_entry = TensorEntry(files=["f.pt"], shape=[2, 3], dtype="float32", tp_dim=None)
+    part = PartFile(
+        "f.pt",
+        {"model": {"w": weight}, "optimizers": [{"w": {"exp_avg": moment}}]},
+        {"w": (entry, 0)},
+        [{"w": {"exp_avg": (moment_entry, 0)}}],
+    ).with_checksums()
+    assert part.payload["model"]["w"] is weight
+    assert part.payload["optimizers"][0]["w"]["exp_avg"] is moment
+    assert part.model["w"][0].crc32 is not None and part.optimizers[0]["w"]["exp_avg"][0].crc32 is not None

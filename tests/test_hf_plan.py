@@ -176,6 +176,19 @@ def modes_worker() -> dict[str, list[str]]:
         resolved = resolve_plan(model, model_plan(model), 2)
         replaced = apply_plan(model, resolved, dist.group.WORLD, seed=0)
         differ = [n for n, m in model.named_modules() if n in expected and m.training != expected[n]]
+        # A PEFT model in eval mode: a row layer's LoRA dropout is replaced by a region dropout,
+        # which must stay in eval too (in train mode it would draw masks one device does not).
+        import peft
+
+        lora = peft.LoraConfig(r=2, target_modules=["q_proj", "o_proj"], lora_dropout=0.1)
+        wrapped = peft.get_peft_model(build("qwen3"), lora).eval()
+        expected = {n: m.training for n, m in wrapped.named_modules()}
+        layers = "base_model.model.model.layers.*.self_attn"
+        plan = {f"{layers}.q_proj": "colwise", f"{layers}.o_proj": "rowwise"}
+        replaced += apply_plan(wrapped, resolve_plan(wrapped, plan, 2), dist.group.WORLD, seed=0)
+        dropouts = [n for n, m in wrapped.named_modules() if n.endswith("o_proj.lora_dropout.default")]
+        assert dropouts and all(type(wrapped.get_submodule(n)).__name__ == "RegionDropout" for n in dropouts)
+        differ += [n for n, m in wrapped.named_modules() if n in expected and m.training != expected[n]]
         return {"replaced": replaced, "differ": differ}
     finally:
         dist.destroy_process_group()

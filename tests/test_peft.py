@@ -332,7 +332,7 @@ def test_merge_needs_a_model_trained_with_adapters(
     assert "--merge applies to --to-huggingface" in capsys.readouterr().err
 
 
-def dropout_worker() -> dict[str, torch.Tensor]:
+def dropout_worker() -> tuple[dict[str, torch.Tensor], str]:
     """tp=2 with LoRA dropout: the whole adapter halves (``lora_A`` of a column layer, ``lora_B`` of
     a row layer) after two steps, as this tensor rank holds them."""
     torch.set_num_threads(1)
@@ -340,7 +340,19 @@ def dropout_worker() -> dict[str, torch.Tensor]:
     strategy = PipeTPStrategy(tensor_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=90))
     fit(module, strategy, 2, DataLoader(TRAIN[: 2 * BATCH], batch_size=BATCH), max_epochs=1)
     whole = (".self_attn.q_proj.lora_A.", ".mlp.down_proj.lora_B.")
-    return {n: p.detach().clone() for n, p in module.named_parameters() if any(w in n for w in whole)}
+    got = {n: p.detach().clone() for n, p in module.named_parameters() if any(w in n for w in whole)}
+    # The same with the model's own gradient checkpointing on (honoured as recompute="always",
+    # which cannot replay the row layer's stream): refused naming what the user turned on.
+    checkpointed = LoraModule(dropout=0.3)
+    checkpointed.model.gradient_checkpointing_enable()
+    strategy = PipeTPStrategy(tensor_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=90))
+    try:
+        fit(checkpointed, strategy, 2, DataLoader(TRAIN[:BATCH], batch_size=BATCH), max_epochs=1)
+    except Exception as err:
+        refusal = str(err)
+    else:
+        refusal = "no error"
+    return got, refusal
 
 
 @pytest.mark.distributed
@@ -348,9 +360,13 @@ def test_lora_dropout_keeps_the_whole_adapter_halves_equal_on_the_tensor_ranks()
     """A column layer's LoRA dropout sees the replicated input and draws equal masks on the tensor
     ranks (the default generator); a row layer's sees each rank's slice and draws from the rank's
     own stream. Either way the halves kept whole get equal gradients: they must not drift apart."""
-    ranks = run_distributed(dropout_worker, 2, timeout=240, init_group=False)
-    assert len(ranks[0]) == 2 * 4 and set(ranks[0]) == set(ranks[1])
+    (rank0, refusal0), (rank1, refusal1) = run_distributed(dropout_worker, 2, timeout=240, init_group=False)
+    assert len(rank0) == 2 * 4 and set(rank0) == set(rank1)
     initial = dict(LoraModule().named_parameters())
-    for name, value in ranks[0].items():
-        assert torch.equal(value, ranks[1][name]), name
+    for name, value in rank0.items():
+        assert torch.equal(value, rank1[name]), name
         assert not torch.equal(value, initial[name]), name  # trained
+    for refusal in (refusal0, refusal1):
+        assert "The model's own gradient checkpointing (gradient_checkpointing_enable()" in refusal, refusal
+        assert "call gradient_checkpointing_disable(), or lora_dropout=0 in the LoraConfig" in refusal
+        assert 'use recompute="never"' not in refusal  # the user chose nothing: it would not help

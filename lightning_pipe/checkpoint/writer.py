@@ -72,18 +72,21 @@ class PartFile:
 
     def with_checksums(self) -> PartFile:
         """These records with the CRC32 of each tensor value of the payload (the bytes this file
-        will hold for it), which every read compares."""
+        will hold for it), which every read compares. The payload comes back on the CPU: a
+        device tensor is copied once, for its checksum and its save alike (every read maps to the
+        CPU anyway)."""
 
         def checked(record: tuple[TensorEntry, int], value: Any) -> tuple[TensorEntry, int]:
             entry, part = record
             crc = tensor_crc32(value) if isinstance(value, torch.Tensor) else None
             return (entry if crc is None else replace(entry, crc32=(crc,))), part
 
-        model = self.payload.get("model", {})
-        states = self.payload.get("optimizers", [])
+        payload = _on_cpu(self.payload)
+        model = payload.get("model", {})
+        states = payload.get("optimizers", [])
         return PartFile(
             self.file_name,
-            self.payload,
+            payload,
             {key: checked(record, model.get(key)) for key, record in self.model.items()},
             [
                 {
@@ -93,6 +96,18 @@ class PartFile:
                 for i, optimizer in enumerate(self.optimizers)
             ],
         )
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor on another device copied to the CPU (dicts and lists rebuilt
+    around them; CPU tensors and everything else as they are)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "cpu" else value.detach().to("cpu")
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
 
 
 def _raise_if_failed(outcomes: list[tuple[str | None, Any]], path: Path, what: str) -> None:

@@ -33,7 +33,8 @@ def _rate_names(module: nn.Module) -> list[str]:
 
 def dropout_sources(module: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
     """The modules inside ``layers`` (named as in ``module``) that draw dropout in training, each
-    with its rate."""
+    with its rate. A module in eval mode draws none (Lightning keeps a submodule's mode as the
+    user set it, e.g. a model ``from_pretrained`` left in eval)."""
     names = {id(m): n for n, m in module.named_modules()}
     seen: set[int] = set()
     sources = []
@@ -42,6 +43,8 @@ def dropout_sources(module: nn.Module, layers: Sequence[nn.Module]) -> list[str]
             if id(sub) in seen:
                 continue
             seen.add(id(sub))
+            if not sub.training:
+                continue
             p = getattr(sub, "p", None)
             if "Dropout" in type(sub).__name__ and isinstance(p, float | int) and p > 0:
                 sources.append(f"{names.get(id(sub), type(sub).__name__)} (p={p})")

@@ -117,6 +117,9 @@ class Preparer:
     splits_sequence: bool = False
     """The layer calls split the sequence (``ModelHooks.splits_sequence``): the plan needs no
     ``sequence_scatter`` entry."""
+    recompute_from_model: bool = False
+    """``options.recompute`` was set by the model's own gradient checkpointing (taken over), not
+    chosen: a refusal names ``gradient_checkpointing_disable()``, not ``recompute=``."""
     warnings: list[str] = field(default_factory=list)
     """Once-per-run warnings found while preparing (keys of the pretrained files nothing reads)."""
 
@@ -224,17 +227,25 @@ class Preparer:
             self.module, tp_plan, tp, sequence_parallel=sequence, split_elsewhere=self.splits_sequence
         )
         recompute = self.options.recompute_mode
+        if self.recompute_from_model:  # the user chose nothing: recompute="never" would not help
+            who = (
+                "The model's own gradient checkpointing (gradient_checkpointing_enable(), which pipe_tp "
+                'honours as recompute="always")'
+            )
+            undo = "call gradient_checkpointing_disable()"
+        else:
+            who, undo = f'recompute="{recompute.value}"', 'use recompute="never"'
         if recompute is not RecomputeMode.NEVER and TensorParallelStyle.DROPOUT in resolved.values():
             raise ConfigurationError(
-                f'recompute="{recompute.value}" cannot replay the per-rank random stream of '
-                'tensor-parallel "dropout" layers; use recompute="never" or drop the "dropout" entries.'
+                f"{who} cannot replay the per-rank random stream of tensor-parallel "
+                f'"dropout" layers; {undo} or drop the "dropout" entries.'
             )
         drawing = lora_region_dropouts(self.module, resolved)
         if recompute is not RecomputeMode.NEVER and drawing:
             raise ConfigurationError(
-                f'recompute="{recompute.value}" cannot replay the per-rank random stream that the LoRA '
+                f"{who} cannot replay the per-rank random stream that the LoRA "
                 f"dropout {drawing[0]!r} draws from on a row-parallel layer (it sees this tensor rank's "
-                'slice of the features); use recompute="never", or lora_dropout=0 in the LoraConfig.'
+                f"slice of the features); {undo}, or lora_dropout=0 in the LoraConfig."
             )
         stage_of_layer = [partition.stage_of_layer(i) for i in range(len(layers))]
         counts = count_slicing(self.module, resolved, layers, stage_of_layer, partition.num_stages)

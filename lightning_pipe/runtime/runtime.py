@@ -63,6 +63,7 @@ from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_lay
 from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.p2p import PipelineCommunicationError
+from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.execution.seeding import layer_seed
 from lightning_pipe.faults.board import FaultBoard, lost_connection
 from lightning_pipe.faults.naming import CollectiveNaming
@@ -215,6 +216,7 @@ class ParallelRuntime:
                 tied,
                 self.stage_indices,
                 splits_sequence=self.hooks.splits_sequence,
+                recompute_from_model=taken is not None and asked is RecomputeMode.NEVER,
             )
             done, materialized = preparer.run(partition, layers)
             done.skips = skips
@@ -330,12 +332,14 @@ class ParallelRuntime:
 
     def _batch_norms_mixing(self, partition: PipelinePartition) -> list[str]:
         """The names of the BatchNorm modules in the pipeline's layers when a batch is split into
-        several micro-batches (each then normalised by its own statistics); none with one."""
+        several micro-batches (each then normalised by its own statistics); none with one. A
+        BatchNorm in eval mode (frozen statistics, as fine-tuning often keeps them; Lightning
+        leaves a submodule's mode as the user set it) normalises by its running statistics: exact."""
         if self.options.num_microbatches == 1:
             return []
         layers = [self.module.get_submodule(name) for name in partition.layer_names]
         names = {id(m): n for n, m in self.module.named_modules()}
-        return [names[id(m)] for m in normalising_by_batch(layers)]
+        return [names[id(m)] for m in normalising_by_batch(layers) if m.training]
 
     # ------------------------------------------------------------------ what this rank holds
     @property

@@ -661,4 +661,4 @@ def _slice_adapters(
         dropout = dropouts[adapter]
         if parallel and isinstance(dropout, nn.Dropout) and dropout.p > 0:
             # It sees this rank's slice of the features: different data on each tensor rank.
-            dropouts[adapter] = RegionDropout(dropout.p, stream)
+            dropouts[adapter] = RegionDropout(dropout.p, stream).train(dropout.training)

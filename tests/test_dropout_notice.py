@@ -1,0 +1,40 @@
+"""The layout log's line on dropout (issue 41, item 5): which modules draw it in training."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_pipe.runtime.dropout_notice import describe_dropout, dropout_sources
+
+
+class Attention(nn.Module):
+    """Like a Hugging Face attention module: a rate from the config, applied functionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_dropout = 0.1
+        self.proj = nn.Linear(2, 2)
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Sequential(Attention(), nn.Dropout(0.2)), nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0))
+    )
+
+
+def test_modules_that_draw_dropout_are_named_with_their_rates() -> None:
+    model = _model()
+    sources = dropout_sources(model, list(model))
+    assert sources == ["0.0 (attention_dropout=0.1)", "0.1 (p=0.2)"]
+    line = describe_dropout(sources, layer_seeded=False)
+    assert "drawn by 2 modules" in line and "layer_seeded_dropout=True" in line
+
+
+def test_modules_in_eval_mode_draw_none() -> None:
+    """A model left in eval (``from_pretrained`` gives one; Lightning keeps submodules' modes)
+    draws no dropout in training: nothing to say."""
+    model = _model().eval()
+    assert dropout_sources(model, list(model)) == []
+    model[0][1].train()
+    assert dropout_sources(model, list(model)) == ["0.1 (p=0.2)"]
+    assert describe_dropout([], layer_seeded=False) == ""
