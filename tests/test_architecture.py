@@ -247,7 +247,7 @@ def test_one_engine_call_per_lightning_hook() -> None:
                 assert sum(calls.values()) <= 3
 
 
-PUBLIC = {
+TOP_LEVEL = {
     # What a Lightning user and a model author import from the top level; the rest from the
     # subpackage that owns it (lightning_pipe.runtime, .mesh, .schedule, ...).
     "PipeTPStrategy",
@@ -281,7 +281,7 @@ SUBPACKAGES = (
 def test_the_top_level_lists_what_users_and_model_authors_need() -> None:
     import lightning_pipe
 
-    assert set(lightning_pipe.__all__) == PUBLIC
+    assert set(lightning_pipe.__all__) == TOP_LEVEL
     for name in lightning_pipe.__all__:
         assert getattr(lightning_pipe, name) is not None, name
     # No former names kept for a release that never happened (ShardStyle, ShardedCheckpoint, ...).
