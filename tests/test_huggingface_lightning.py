@@ -221,11 +221,13 @@ class RenamedDictStep(TupleStep):
 
 
 class BuiltMaskStep(TupleStep):
-    """The step builds the mask itself: the first stage cannot, so it is refused."""
+    """The step builds a mask itself that no batch tensor holds (its values are not the batch's
+    mask's): the first stage cannot build it, so it is refused. (A mask built equal to the batch's,
+    e.g. ``labels != -100`` here, is found by its values and trains.)"""
 
     def unpack(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, _, labels = batch
-        return ids, (labels != -100).long(), labels
+        return ids, torch.ones_like(ids), labels
 
 
 def _as_dict(rows: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
@@ -319,7 +321,8 @@ def test_tuple_dataclass_and_renamed_batches_train_like_the_models_own_forward(l
     positionally, a dict whose labels the step pops, and an int32 dict whose tensors the step
     casts, clones or rebuilds (the default positions): the logged losses of three SGD steps and
     every weight after them equal those of the model's own forward on whole batches in one
-    process. A step that builds its mask is refused, naming the tuple and pipeline_input."""
+    process. A step that builds a mask the batch does not hold is refused, naming the tuple and
+    pipeline_input."""
     pp, tp, cases = STRUCTURE_LAYOUTS[layout]
     got = run_distributed(structures_worker, pp * tp, pp, tp, cases, timeout=600, init_group=False)
     refusals = [result.pop("llama/built_mask", None) for result in got]
