@@ -1,21 +1,36 @@
 """In one process: where a step finds the Hugging Face model's inputs in a batch of any structure
-(:mod:`lightning_pipe.huggingface.batch_roles`), a tensor the step builds refused with a message
-written for the batch's type, dataclass batches cut into micro-batches, the tokens of
-``shift_labels``, and no deprecation warning of transformers' from the pipeline's masks."""
+(:mod:`lightning_pipe.huggingface.batch_roles`), by identity or by equal values (tensors the step
+derives: a clone, a cast, the default positions; labels it builds are left to the model call), an
+input the step builds refused with a message written for the batch's type, dataclass batches cut
+into micro-batches, the tokens of ``shift_labels``, no deprecation warning of transformers' from the
+pipeline's masks; and the learning run (:mod:`lightning_pipe.strategy.step_inputs`): on a copy of
+the batch's containers, the random state kept, the ranks agreeing within their model replica."""
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
+import lightning as L
 import pytest
 import torch
 
+from lightning_pipe import PipeTPStrategy
 from lightning_pipe.batches.microbatch import batch_size, signature, split_microbatches
 from lightning_pipe.huggingface import CausalLMPipeline, ModelCallError
-from lightning_pipe.huggingface.batch_roles import BatchRolesError, learn_roles, structure
+from lightning_pipe.huggingface.batch_roles import (
+    BatchRolesError,
+    StepInputs,
+    learn_roles,
+    leaves,
+    structural_copy,
+    structure,
+)
 from lightning_pipe.huggingface.outputs import call_arguments
+from lightning_pipe.mesh import ParallelLayout, ParallelMesh
+from lightning_pipe.strategy.step_inputs import learn_step_inputs
 from tests.hf_families import build, padded_batch
 
 
@@ -133,3 +148,117 @@ def test_the_pipeline_masks_raise_no_deprecation_warning(family: str) -> None:
         for layer, call in zip(pipeline.layers(), pipeline.calls(), strict=True):
             x = call(layer, x)
     assert [str(w.message) for w in caught if "deprecated" in str(w.message)] == []
+
+
+# ---------------------------------------------------------------- the learning run leaves no trace
+class PoppingStep(L.LightningModule):
+    """Code ported from Hugging Face's Trainer: ``labels = batch.pop('labels')``; and a step that
+    counts its calls and draws a random number before its model call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = build("llama")
+        self.calls = 0
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        self.calls += 1
+        torch.rand(3)
+        labels = batch.pop("labels")
+        batch["attention_mask"] = batch["attention_mask"]  # reassigned: still the batch's tensor
+        return self.model(**batch, labels=labels)
+
+
+def test_the_learning_run_changes_neither_the_batch_nor_the_random_state() -> None:
+    module = PoppingStep()
+    module._trainer = SimpleNamespace(_active_loop=None)  # type: ignore[assignment]
+    ids, mask, labels = _tensors()
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    inputs = StepInputs()
+    rng = torch.get_rng_state()
+    gathered: list[Any] = []
+
+    def gather(obj: Any) -> dict[int, Any]:
+        gathered.append(obj)
+        return {0: obj}
+
+    learn_step_inputs(module, "training_step", (batch, 0), module.model, inputs, gather)
+    # The real batch is whole (the real run pops its labels again), with the same tensors.
+    assert list(batch) == ["input_ids", "attention_mask", "labels"]
+    assert batch["labels"] is labels and batch["input_ids"] is ids
+    assert torch.equal(torch.get_rng_state(), rng)  # the real run draws what it would have drawn
+    assert module.calls == 1  # documented: the step ran once more on the first batch
+    assert str(inputs.active) == "input_ids=batch['input_ids'], attention_mask=batch['attention_mask'], " + (
+        "labels=batch['labels']"
+    )
+    assert gathered == [(str(inputs.active), None)]
+
+
+def test_a_structural_copy_has_new_containers_and_the_same_tensors() -> None:
+    ids, mask, labels = _tensors()
+    batch = [{"a": (ids, Pair(mask, labels))}, Batch(ids, mask, labels)]
+    copy = structural_copy(batch)
+    assert type(copy) is list and copy is not batch and copy[0] is not batch[0]
+    assert type(copy[0]["a"][1]) is Pair and copy[0]["a"][1] is not batch[0]["a"][1]
+    assert type(copy[1]) is Batch and copy[1] is not batch[1] and copy[1].note == "kept"
+    assert [t for _, t in leaves(copy)] == [t for _, t in leaves(batch)]
+    assert all(a is b for (_, a), (_, b) in zip(leaves(copy), leaves(batch), strict=True))
+
+
+# ---------------------------------------------------------------- tensors the step derives
+def test_tensors_the_step_derives_from_the_batch_are_found_by_their_values() -> None:
+    ids, mask, labels = _tensors()
+    length = ids.shape[1]
+    narrow = {"input_ids": ids.int(), "attention_mask": mask.int(), "labels": labels}
+    built_labels = torch.where(mask.bool(), ids, -100)
+    cases: list[tuple[Any, dict[str, Any], str]] = [
+        # labels=ids.clone(): the ids' own values.
+        ((ids, mask), dict(input_ids=ids, attention_mask=mask, labels=ids.clone()),
+         "input_ids=batch[0], attention_mask=batch[1], labels=batch[0]"),
+        # An int32 batch cast by the step.
+        (narrow, dict(input_ids=narrow["input_ids"].long(), attention_mask=narrow["attention_mask"].long(),
+                      labels=labels.clone()),
+         "input_ids=batch['input_ids'], attention_mask=batch['attention_mask'], labels=batch['labels']"),
+        # The default positions, built by the step, in either shape.
+        ((ids, mask), dict(input_ids=ids, position_ids=torch.arange(length).expand_as(ids)),
+         "input_ids=batch[0]"),
+        ((ids, mask), dict(input_ids=ids, position_ids=torch.arange(length).unsqueeze(0)),
+         "input_ids=batch[0]"),
+        # Labels (or shift_labels) the step builds: left to the model call's checks.
+        ((ids, mask), dict(input_ids=ids, attention_mask=mask, labels=built_labels),
+         "input_ids=batch[0], attention_mask=batch[1]"),
+        ((ids, mask), dict(input_ids=ids, shift_labels=built_labels[:, 1:]), "input_ids=batch[0]"),
+    ]  # fmt: skip
+    for batch, given, expected in cases:
+        roles = learn_roles(batch, given, "step calls LlamaForCausalLM")
+        assert roles is not None and str(roles) == expected, (expected, roles)
+    # Positions that are not the model's own cannot be rebuilt by the first stage: refused.
+    with pytest.raises(BatchRolesError, match="position_ids= a tensor that is not one of the batch's"):
+        learn_roles(
+            (ids, mask), dict(input_ids=ids, position_ids=torch.arange(length).expand_as(ids) + 1), "c"
+        )
+    # Values that differ anywhere are not the batch's tensor.
+    other = mask.clone()
+    other[0, 0] = 1 - other[0, 0]
+    with pytest.raises(BatchRolesError, match="attention_mask= a tensor that is not one of the batch's"):
+        learn_roles((ids, mask), dict(input_ids=ids, attention_mask=other), "c")
+
+
+def test_the_ranks_agree_on_the_roles_within_their_model_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the ranks that share a batch (one replica's pipeline and tensor ranks) gather: another
+    replica may meet a new batch structure at another step, and must not be waited for."""
+    layout = ParallelLayout(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=1)
+    replica = object()
+    strategy = PipeTPStrategy(pipeline_parallel_size=2)
+    strategy._mesh = ParallelMesh(layout, 3, device_mesh=None, model_group=replica)  # type: ignore[arg-type]
+    monkeypatch.setattr(PipeTPStrategy, "world_size", property(lambda self: 4))
+    monkeypatch.setattr(PipeTPStrategy, "global_rank", property(lambda self: 3))
+    calls: list[tuple[int, Any]] = []
+
+    def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
+        calls.append((len(out), group))
+        out[:] = [f"from {rank}" if rank != 3 else obj for rank in (2, 3)]
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    assert strategy._gather_objects("mine") == {2: "from 2", 3: "mine"}
+    assert calls == [(2, replica)]

@@ -15,6 +15,7 @@ then the step's own cross-entropy).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -220,11 +221,46 @@ class RenamedDictStep(TupleStep):
 
 
 class BuiltMaskStep(TupleStep):
-    """The step builds the mask itself: the first stage cannot, so it is refused."""
+    """The step builds a mask itself that no batch tensor holds (its values are not the batch's
+    mask's): the first stage cannot build it, so it is refused. (A mask built equal to the batch's,
+    e.g. ``labels != -100`` here, is found by its values and trains.)"""
 
     def unpack(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, _, labels = batch
-        return ids, (labels != -100).long(), labels
+        return ids, torch.ones_like(ids), labels
+
+
+def _as_dict(rows: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
+    keys = ("input_ids", "attention_mask", "labels")
+    return {k: torch.stack(c) for k, c in zip(keys, zip(*rows, strict=True), strict=True)}
+
+
+def _as_int32_dict(rows: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
+    batch = _as_dict(rows)
+    return {**batch, "input_ids": batch["input_ids"].int(), "attention_mask": batch["attention_mask"].int()}
+
+
+class PoppedLabelsStep(TupleStep):
+    """Code ported from Hugging Face's Trainer: the step takes the labels out of the batch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        labels = batch.pop("labels")
+        loss = self.model(**batch, labels=labels).loss
+        self.log("train_loss", loss)
+        return loss
+
+
+class DerivedStep(TupleStep):
+    """Tensors derived from an int32 batch: ids and mask cast, the default positions built, the
+    labels cloned (all equal in value to the batch's, or to the model's own positions)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"].long()
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        mask, labels = batch["attention_mask"].long(), batch["labels"].clone()
+        loss = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss
+        self.log("train_loss", loss)
+        return loss
 
 
 STRUCTURES: dict[str, tuple[type[TupleStep], Any]] = {
@@ -232,6 +268,8 @@ STRUCTURES: dict[str, tuple[type[TupleStep], Any]] = {
     "dataclass": (DataclassStep, _as_dataclass),
     "renamed_dict": (RenamedDictStep, _as_renamed_dict),
     "built_mask": (BuiltMaskStep, None),
+    "popped_labels": (PoppedLabelsStep, _as_dict),
+    "derived": (DerivedStep, _as_int32_dict),
 }
 
 
@@ -269,7 +307,8 @@ STRUCTURE_LAYOUTS = {
         2,
         1,
         [(f, "tuple") for f in TUPLE_FAMILIES]
-        + [("qwen3", "dataclass"), ("mistral", "renamed_dict"), ("llama", "built_mask")],
+        + [("qwen3", "dataclass"), ("mistral", "renamed_dict"), ("llama", "built_mask")]
+        + [("llama", "popped_labels"), ("gpt_neox", "derived")],
     ),
     "pp2_tp2": (2, 2, [(f, "tuple") for f in TUPLE_FAMILIES]),
 }
@@ -279,9 +318,11 @@ STRUCTURE_LAYOUTS = {
 def test_tuple_dataclass_and_renamed_batches_train_like_the_models_own_forward(layout: str) -> None:
     """Four families fed a TensorDataset's padded tuples (mask zeros, labels -100 at the padding)
     and called with names, then a dataclass batch and a dict with its own key names called
-    positionally: the logged losses of three SGD steps and every weight after them equal those
-    of the model's own forward on whole batches in one process. A step that builds its mask is
-    refused, naming the tuple and pipeline_input."""
+    positionally, a dict whose labels the step pops, and an int32 dict whose tensors the step
+    casts, clones or rebuilds (the default positions): the logged losses of three SGD steps and
+    every weight after them equal those of the model's own forward on whole batches in one
+    process. A step that builds a mask the batch does not hold is refused, naming the tuple and
+    pipeline_input."""
     pp, tp, cases = STRUCTURE_LAYOUTS[layout]
     got = run_distributed(structures_worker, pp * tp, pp, tp, cases, timeout=600, init_group=False)
     refusals = [result.pop("llama/built_mask", None) for result in got]
@@ -307,3 +348,56 @@ def test_tuple_dataclass_and_renamed_batches_train_like_the_models_own_forward(l
         start = build(family).state_dict()
         assert max((expected["last"][k] - v).abs().max().item() for k, v in start.items()) > 1e-3
     assert all(gap <= TOL for gap in gaps.values()), gaps
+
+
+# ---------------------------------------------------------------- a replica meets a new structure alone
+class ExtraKeyCollate:
+    """A collate_fn that adds a key to the second batch of data-parallel replica 1 only (that
+    replica's ranks learn the new structure at a step where replica 0 does not)."""
+
+    def __init__(self, dp_rank: int) -> None:
+        self.dp_rank, self.calls = dp_rank, 0
+
+    def __call__(self, rows: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
+        batch = _as_dict(rows)
+        self.calls += 1
+        if self.dp_rank == 1 and self.calls == 2:
+            batch["sample_ids"] = torch.arange(len(rows))
+        return batch
+
+
+class NamedCallStep(TupleStep):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        loss = self.model(**inputs).loss
+        self.log("train_loss", loss)
+        return loss
+
+
+def extra_key_worker() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    dp_rank = int(os.environ["RANK"]) // 2
+    model = NamedCallStep("llama")
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=2, data_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=30)
+    )
+    rows = _tuple_rows()
+    # Replica r takes rows r, r+2, ...: its halves of the reference's batches, in order.
+    sampler = DistributedSampler(rows, num_replicas=2, rank=dp_rank, shuffle=False)
+    data = DataLoader(rows, batch_size=BATCH // 2, sampler=sampler, collate_fn=ExtraKeyCollate(dp_rank))
+    trainer = fit(model, strategy, 4, data, max_epochs=1, use_distributed_sampler=False)
+    state = gather_model_state(model, trainer.strategy.runtime.partition, trainer.strategy.mesh)
+    return {"state": {k: v.detach().clone() for k, v in state.items()}} if trainer.global_rank == 0 else {}
+
+
+def test_a_replica_that_meets_a_new_batch_structure_alone_does_not_wait_for_the_others() -> None:
+    """dp=2 x pp=2: replica 1's second batch carries an extra key, so its ranks learn the batch's
+    roles again at step 2 while replica 0's run the step: the ranks agree within their replica,
+    nothing hangs, and the weights after three steps are the model's own forward's on the whole
+    batches."""
+    got = run_distributed(extra_key_worker, 4, timeout=300, init_group=False)
+    expected = train_reference(build("llama"), batches("padded", STEPS, BATCH), TUPLE_LR)
+    state = got[0]["state"]
+    assert state.keys() == {f"model.{k}" for k in expected["last"]}
+    gap = max((state[f"model.{k}"] - v).abs().max().item() for k, v in expected["last"].items())
+    assert gap <= TOL, gap

@@ -7,14 +7,17 @@ ids before the step runs (on the last stage), and the runtime needs the labels t
 micro-batches by their tokens. So on the first batch of each step kind (and batch structure) the
 strategy runs the step once with the model's ``forward`` replaced by a recorder that stops the step
 at its model call (no layer computes, no rank needs other stages' weights), and the tensors given
-to the call are matched *by identity* to the batch's leaves (:func:`learn_roles`): the result,
+to the call are matched to the batch's leaves (:func:`learn_roles`; by identity, else by equal
+values, as a step's ``ids.clone()`` or ``.long()`` gives): the result,
 :class:`BatchRoles`, is where in the batch each role sits (``batch[1]``, ``batch['mask']``,
 ``batch.mask``), the same for every micro-batch, which is cut from the batch along dim 0 with its
-structure kept. Every rank learns it on its own batch and the ranks must agree.
+structure kept. Every rank of a model replica learns it on its own batch and they must agree.
 
-A tensor the step builds itself (``mask = ids != pad``, a slice ``ids[:, :-1]``) is not a leaf of
-the batch; the first stage cannot rebuild it, so it is refused, naming the batch as it is and
-``pipeline_input`` (the module's own hook that returns a collator's dict from any batch).
+An input the step builds itself (``mask = ids != pad``, a slice ``ids[:, :-1]``) is no leaf of the
+batch; the first stage cannot rebuild it, so it is refused, naming the batch as it is and
+``pipeline_input`` (the module's own hook that returns a collator's dict from any batch). Labels
+(and default positions) the step builds are left to the model call's own checks: the pipeline
+does not need them, they only choose how the micro-batches are weighted.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.huggingface.context import default_positions
 from lightning_pipe.huggingface.outputs import ModelCallError
 
 ROLES = ("input_ids", "attention_mask", "position_ids", "labels", "shift_labels")
@@ -126,10 +130,18 @@ def learn_roles(batch: Any, given: Mapping[str, Any], call: str) -> BatchRoles |
     """The roles of the tensors ``given`` to the model call (its bound arguments) in ``batch``;
     ``None`` when the call gives no ``input_ids`` tensor (the model call refuses it itself).
 
+    A given tensor is the batch leaf that *is* it, else one with equal values (a step's
+    ``ids.clone()``, or ``.long()`` of an int32 batch tensor: same shape and values, any dtype).
+    Labels, shift_labels, and position_ids equal to the default positions, that no leaf holds are
+    left out (the pipeline does not need them: the model call then checks them as it checks any
+    step's, on every micro-batch); input_ids, attention_mask or other positions that no leaf holds
+    are refused, since the first stage needs them before the step runs.
+
     Without labels in the call, a dict batch's ``'labels'`` still counts the tokens (a step that
     takes its own cross-entropy over them). ``call``: how messages name the call
     (``"training_step calls LlamaForCausalLM"``)."""
-    if not isinstance(given.get("input_ids"), torch.Tensor):
+    ids = given.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
         return None
     found = list(leaves(batch))
     paths: dict[str, Path] = {}
@@ -139,12 +151,55 @@ def learn_roles(batch: Any, given: Mapping[str, Any], call: str) -> BatchRoles |
             continue
         path = next((p for p, leaf in found if leaf is value), None)
         if path is None:
+            path = next((p for p, leaf in found if same_values(leaf, value)), None)
+        if path is not None:
+            paths[role] = path
+        elif role in ("labels", "shift_labels") or (role == "position_ids" and is_default(value, ids)):
+            continue
+        else:
             raise BatchRolesError(built_in_step(batch, found, role, call))
-        paths[role] = path
     if "labels" not in paths and "shift_labels" not in paths and isinstance(batch, Mapping):
         if isinstance(batch.get("labels"), torch.Tensor):
             paths["labels"] = (("item", "labels"),)
     return BatchRoles(tuple(paths.items()))
+
+
+def same_values(leaf: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``value`` holds ``leaf``'s values (what a step's ``.clone()``, ``.long()`` or
+    ``.to(device)`` of a batch tensor gives): same shape, equal in either's dtype."""
+    if leaf.shape != value.shape:
+        return False
+    value = value.to(leaf.device)
+    return torch.equal(leaf, value.to(leaf.dtype)) and torch.equal(leaf.to(value.dtype), value)
+
+
+def is_default(positions: torch.Tensor, input_ids: torch.Tensor) -> bool:
+    """Whether ``positions`` are the model's own (``arange`` of the sequence, for every sample)."""
+    try:
+        positions = positions.expand_as(input_ids)
+    except RuntimeError:
+        return False
+    return same_values(default_positions(input_ids), positions)
+
+
+def structural_copy(batch: Any) -> Any:
+    """``batch`` with new containers (dicts, lists, tuples, namedtuples, dataclasses) holding the
+    same tensor objects: a step may change the copy's containers (``batch.pop('labels')``) without
+    changing the batch, and its tensors are still found by identity."""
+    if isinstance(batch, Mapping):
+        items = {key: structural_copy(value) for key, value in batch.items()}
+        try:
+            return type(batch)(items)  # type: ignore[call-arg]
+        except TypeError:  # a mapping type that its items cannot build
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(structural_copy(value) for value in batch))
+    if isinstance(batch, tuple | list):
+        return type(batch)(structural_copy(value) for value in batch)
+    if is_dataclass_instance(batch):
+        fields = {name: structural_copy(getattr(batch, name)) for name in split_fields(batch)}
+        return dataclasses.replace(batch, **fields)
+    return batch
 
 
 def built_in_step(batch: Any, found: list[tuple[Path, torch.Tensor]], role: str, call: str) -> str:

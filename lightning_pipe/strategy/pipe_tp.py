@@ -796,14 +796,18 @@ class PipeTPStrategy(ParallelStrategy):
             self.module, step_name, args, view.huggingface.model, view.step_inputs, self._gather_objects
         )
 
-    def _gather_objects(self, obj: Any) -> list[Any]:
+    def _gather_objects(self, obj: Any) -> dict[int, Any]:
+        """``obj`` from every rank of this rank's model replica, by global rank: only the ranks
+        sharing a batch learn its roles together (another replica may learn at another step)."""
         if not dist.is_initialized() or self.world_size == 1:
-            return [obj]
-        everyone: list[Any] = [None] * self.world_size
-        others = [r for r in range(self.world_size) if r != self.global_rank]
+            return {self.global_rank: obj}
+        mesh = self.mesh
+        ranks = mesh.layout.replica_ranks(mesh.coordinates.dp_rank)
+        everyone: list[Any] = [None] * len(ranks)
+        others = [r for r in ranks if r != self.global_rank]
         with self.faults.naming("agreeing on which batch tensors the step gives the model", others):
-            dist.all_gather_object(everyone, obj)
-        return everyone
+            dist.all_gather_object(everyone, obj, group=mesh.model_group)
+        return dict(zip(ranks, everyone, strict=True))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
