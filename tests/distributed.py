@@ -8,11 +8,19 @@ seconds, not the CI limit. A child's exception is re-raised in the parent with i
 Such a test must carry ``@pytest.mark.distributed`` (``pytest -m "not distributed"`` is the fast,
 single-process loop): ``tests/conftest.py`` tells this module which test runs and whether it is
 marked (:func:`running_test`), and starting processes from an unmarked test is an error.
+
+Ranks are forked from a ``forkserver`` that imported torch, Lightning, transformers and this
+package once per pytest session (:data:`PRELOAD`), instead of each ``spawn``-ed rank importing
+them again: importing Lightning alone costs about 8 s of CPU, which was most of a 2-rank launch
+on the two-core CI machine. Each rank is still a fresh process with no process group and the
+parent's environment at launch time, as ``spawn`` gave it (:func:`_child` installs it, since a
+forked rank would otherwise see the server's).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import socket
 import sys
@@ -61,6 +69,61 @@ def _check_marked(world_size: int) -> None:
         )
 
 
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.nn.functional",
+    "torch.utils.data",
+    "lightning",
+    "lightning.pytorch",
+    "torchmetrics",
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+    "safetensors.torch",
+    "peft",
+    "lightning_pipe",
+    "lightning_pipe.strategy",
+    "lightning_pipe.huggingface",
+    "tests.distributed",
+    "tests.models",
+    "tests.lightning_models",
+    "tests.trainers",
+    "tests.gpt_models",
+    "tests.hf_models",
+)
+"""What the fork server imports once, so that no rank imports it again (a module that is missing
+is skipped by the server; a rank imports whatever else its function needs)."""
+
+_context: mp.context.BaseContext | None = None
+
+
+def _rank_context() -> mp.context.BaseContext:
+    """The ``forkserver`` context, its server started (once) with :data:`PRELOAD` imported.
+
+    The server starts with one OpenMP thread: a process forked after OpenMP has started its
+    thread pool can hang in its first parallel region (GNU libgomp is not fork-safe), and a pool
+    of one thread starts no threads at all. The ranks set their own thread count anyway.
+    """
+    global _context
+    if _context is None:
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(list(PRELOAD))
+        saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        _context = context
+    return _context
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -76,7 +139,11 @@ def _child(
     args: tuple,
     pg_timeout: float,
     init_group: bool,
+    environ: dict[str, str],
 ) -> None:
+    # The parent's environment at launch (a forked rank starts with the fork server's).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -141,13 +208,14 @@ def _launch(
     """Start the ranks, wait until all exit (or ``grace`` s after the first failure, or the
     deadline), kill what is left, and report every rank's outcome."""
     _check_marked(world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     port = free_port()
+    environ = dict(os.environ)
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, port, out_dir, args, pg_timeout, init_group),
+                args=(fn, r, world_size, port, out_dir, args, pg_timeout, init_group, environ),
                 daemon=True,
             )
             for r in range(world_size)
