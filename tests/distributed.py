@@ -14,7 +14,8 @@ package once per pytest session (:data:`PRELOAD`), instead of each ``spawn``-ed 
 them again: importing Lightning alone costs about 8 s of CPU, which was most of a 2-rank launch
 on the two-core CI machine. Each rank is still a fresh process with no process group and the
 parent's environment at launch time, as ``spawn`` gave it (:func:`_child` installs it, since a
-forked rank would otherwise see the server's).
+forked rank would otherwise see the server's). ``TESTS_START_METHOD=spawn`` starts every rank
+the old way (to compare, or to rule the fork server out when a launch misbehaves).
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def _rank_context() -> mp.context.BaseContext:
     of one thread starts no threads at all. The ranks set their own thread count anyway.
     """
     global _context
+    if os.environ.get("TESTS_START_METHOD") == "spawn":
+        return mp.get_context("spawn")
     if _context is None:
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(list(PRELOAD))
