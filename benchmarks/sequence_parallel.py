@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from _launch import emit_json, launch, print_table, warn_if_busy
 from torch import nn
 
+from lightning_pipe.tensor_parallel import apply_plan, resolve_plan
 from lightning_pipe.tensor_parallel.dropout import SequenceDropout
 from lightning_pipe.tensor_parallel.layers import ColumnParallelLinear
-from lightning_pipe.tensor_parallel.plan import apply_plan, resolve_plan
 
 GOALS = {2: 0.6, 4: 0.35}
 COVERED = ("norms", "dropout", "column inputs")

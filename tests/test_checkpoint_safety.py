@@ -53,7 +53,7 @@ from lightning_pipe.checkpoint.state import (
 from lightning_pipe.checkpoint.writer import PartFile, write_checkpoint_directory
 from lightning_pipe.consolidate import main as consolidate_main
 from lightning_pipe.partition.model import PipelinePartition, partition_model
-from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, apply_plan
+from lightning_pipe.tensor_parallel import TensorParallelStyle, apply_plan
 from tests.checkpoint_files import edit_metadata
 from tests.distributed import run_distributed
 

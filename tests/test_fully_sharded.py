@@ -36,7 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_pipe import PipeTPStrategy
-from lightning_pipe.data_parallel.fully_sharded import full
+from lightning_pipe.data_parallel.sharded_state import full
 from tests.distributed import run_distributed
 from tests.lightning_models import dataset, loader
 from tests.test_optimizer_sharding import (

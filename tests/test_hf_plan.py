@@ -22,7 +22,7 @@ from transformers import LlamaForCausalLM
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
-from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, resolve_plan
+from lightning_pipe.tensor_parallel import TensorParallelStyle, resolve_plan
 from tests.distributed import run_distributed
 from tests.hf_models import LlamaLM, MetaLlamaLM, llama_data, tiny_config
 from tests.trainers import fit
@@ -165,7 +165,7 @@ def modes_worker() -> dict[str, list[str]]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lightning_pipe.huggingface.tensor_parallel import model_plan
-    from lightning_pipe.tensor_parallel.plan import apply_plan
+    from lightning_pipe.tensor_parallel import apply_plan
     from tests.hf_families import build
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.huggingface import CausalLMPipeline, UnsupportedModelError
-from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, resolve_plan
+from lightning_pipe.tensor_parallel import TensorParallelStyle, resolve_plan
 from lightning_pipe.tensor_parallel.regions import sequence_active
 from tests.hf_families import SEQ, build, packed_batch, padded_batch
 

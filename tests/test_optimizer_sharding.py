@@ -217,7 +217,7 @@ def checkpoint_worker(root: str, mode: str, resume: str | None, distributed: boo
     """Fit (or resume) AdamRegressor at dp = the world size with a data axis that is ``"none"``
     (replicated), ``"zero1"`` (optimizer state sharded) or ``"fsdp"`` (shard_parameters), saving
     a checkpoint at each epoch's end; returns the whole weights."""
-    from lightning_pipe.data_parallel.fully_sharded import full
+    from lightning_pipe.data_parallel.sharded_state import full
 
     model = AdamRegressor()
     world = int(os.environ["WORLD_SIZE"])

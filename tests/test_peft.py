@@ -267,7 +267,8 @@ def test_peft_layers_the_plan_cannot_slice_are_refused_naming_them(
 
 
 def test_the_plan_applies_to_the_layer_lora_wraps() -> None:
-    from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, lora_region_dropouts, resolve_plan
+    from lightning_pipe.tensor_parallel import TensorParallelStyle, resolve_plan
+    from lightning_pipe.tensor_parallel.plan import lora_region_dropouts
 
     module = _wrapped(peft.LoraConfig(r=2, target_modules=["q_proj", "o_proj"], lora_dropout=0.1))
     plan = {f"{PREFIX}self_attn.q_proj": "colwise", f"{PREFIX}self_attn.o_proj": "rowwise"}

@@ -374,7 +374,7 @@ def _net_reference(bf16: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, to
 def net_worker(bf16: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_pipe.tensor_parallel.plan import apply_plan
+    from lightning_pipe.tensor_parallel import apply_plan
 
     group = dist.group.WORLD
     net = Net()
@@ -476,7 +476,7 @@ def recomputed_parts_worker() -> dict[bool, int]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_pipe.tensor_parallel.plan import apply_plan
+    from lightning_pipe.tensor_parallel import apply_plan
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     alive = {}

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint.optimizer_view import local_to_whole, whole_groups
 from lightning_pipe.checkpoint.state import parameter_names, writes_key
-from lightning_pipe.data_parallel.fully_sharded import full
+from lightning_pipe.data_parallel.sharded_state import full
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.tensor_parallel.layers import gather_slices, tensor_parallel_dim

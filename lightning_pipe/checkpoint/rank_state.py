@@ -41,7 +41,7 @@ from lightning_pipe.checkpoint.state import (
     slice_optimizer_state,
 )
 from lightning_pipe.checkpoint.writer import PartFile, write_checkpoint_directory
-from lightning_pipe.data_parallel.fully_sharded import gather_whole, shard_like
+from lightning_pipe.data_parallel.sharded_state import gather_whole, shard_like
 from lightning_pipe.mesh import ParallelLayout, RankCoordinates
 from lightning_pipe.partition.model import PipelinePartition
 

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages, local
+from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer, ShardingError
+from lightning_pipe.data_parallel.sharded_state import local
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim

@@ -34,8 +34,9 @@ from lightning_pipe.runtime.holdings import Holdings, gather_holdings
 from lightning_pipe.runtime.model_recompute import ModelCheckpointing
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.skip.plan import SkipLayers
-from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, lora_region_dropouts, resolve_plan
+from lightning_pipe.tensor_parallel.plan import lora_region_dropouts, resolve_plan
 from lightning_pipe.tensor_parallel.stage import count_slicing, slice_stage
+from lightning_pipe.tensor_parallel.styles import TensorParallelStyle
 
 _PREPARED = "_lightning_pipe_prepared"
 _SHOWN = 5  # unused keys named in the warning before "and N more"

@@ -56,9 +56,10 @@ from lightning_pipe.checkpoint import rank_state
 from lightning_pipe.checkpoint.optimizer_view import keep_own
 from lightning_pipe.construction.materialize import InitFn
 from lightning_pipe.construction.pretrained import WeightFiles
-from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages, ShardedStateView
+from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer
+from lightning_pipe.data_parallel.sharded_state import ShardedStateView
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers, normalising_by_batch
 from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
 from lightning_pipe.execution.layers import bind_layers

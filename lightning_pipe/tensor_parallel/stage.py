@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
-from lightning_pipe.tensor_parallel.plan import TensorParallelStyle, apply_plan
+from lightning_pipe.tensor_parallel.apply import apply_plan
+from lightning_pipe.tensor_parallel.styles import TensorParallelStyle
 
 
 @dataclass(frozen=True)
