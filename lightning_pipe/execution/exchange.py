@@ -15,8 +15,9 @@ import torch
 
 from lightning_pipe.execution.activation import as_tuple
 from lightning_pipe.execution.layers import Activation
-from lightning_pipe.execution.p2p import ActivationMeta, P2PTransport, RecvRequest, SendRequest
+from lightning_pipe.execution.p2p import P2PTransport, RecvRequest, SendRequest
 from lightning_pipe.execution.skip_routing import SkipRouting
+from lightning_pipe.execution.wire import ActivationMeta
 from lightning_pipe.schedule.actions import Action, ActionType, PipelineSchedule
 
 _WHAT = {

@@ -16,7 +16,8 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from lightning_pipe.execution.activation import carries_grad, leaf
-from lightning_pipe.execution.p2p import ActivationMeta, P2PTransport, RecvRequest
+from lightning_pipe.execution.p2p import P2PTransport, RecvRequest
+from lightning_pipe.execution.wire import ActivationMeta
 from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.skip.layers import SkipDeclaration
 from lightning_pipe.skip.plan import SkipRoute
