@@ -32,9 +32,9 @@ from _stages import FixedTimeLayer, square_loss
 
 from lightning_pipe.batches.microbatch import signature
 from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.execution.timeline import TimelineRecorder, gather_timeline
 from lightning_pipe.schedule.builders import build_schedule
 from lightning_pipe.schedule.simulate import simulate
-from lightning_pipe.schedule.timeline import TimelineRecorder, gather_timeline
 
 TARGET = 1.02
 
@@ -163,7 +163,7 @@ def main() -> None:
             if at_turn:
                 early_ratio[key] = measured / median(at_turn)
             if args.timeline is not None:
-                from lightning_pipe.schedule.timeline import plot_timeline, write_chrome_trace
+                from lightning_pipe.schedule.timeline_export import plot_timeline, write_chrome_trace
 
                 write_chrome_trace(events, args.timeline / f"{kind}_m{m}.json")
                 plot_timeline(

@@ -7,6 +7,8 @@ engine call per Lightning hook.
   LightningModules) import ``lightning``; no module of the package imports
   (directly or not) a module that imports it back; each package imports only what the map in
   ``docs/architecture.md`` allows it.
+* ``schedule/`` stays data in one process (no ``torch.distributed``), and no module of
+  ``execution/`` or ``schedule/`` holds more than a few hundred lines (one concept per module).
 * Under ``Trainer.fit``, the adapter calls the engine at most three times per training step
   (``begin_accumulation``, ``train_batch``, ``clip_grad_norm_``), and the engine holds no callback
   into the adapter but the head it is handed per batch.
@@ -298,3 +300,39 @@ def test_every_name_a_subpackage_lists_is_there(package: str) -> None:
     assert names, f"lightning_pipe.{package} lists no public names"
     for name in names:
         assert hasattr(module, name), f"lightning_pipe.{package}.{name}"
+
+
+def _imports_distributed(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = (
+            [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+            if isinstance(node, ast.ImportFrom)
+            else [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
+        if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+            return True
+    return False
+
+
+def test_schedules_are_data_in_one_process() -> None:
+    # Recording a run and syncing the ranks' clocks live beside the executor (execution/timeline.py,
+    # execution/clock.py); schedule/ builds, checks, simulates and draws without a process group.
+    offenders = [
+        str(p.relative_to(PACKAGE)) for p in (PACKAGE / "schedule").rglob("*.py") if _imports_distributed(p)
+    ]
+    assert offenders == [], offenders
+
+
+MAX_LINES = 400
+SMALL_PACKAGES = ("execution", "schedule")  # one concept per module: a few hundred lines at most
+
+
+@pytest.mark.parametrize("package", SMALL_PACKAGES)
+def test_modules_hold_a_few_hundred_lines_at_most(package: str) -> None:
+    sizes = {
+        str(p.relative_to(PACKAGE)): len(p.read_text().splitlines())
+        for p in (PACKAGE / package).rglob("*.py")
+    }
+    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}, "see docs/architecture.md"

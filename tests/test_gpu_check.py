@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lightning_pipe.data_parallel import replicas
 from lightning_pipe.execution.executor import receives_early
-from lightning_pipe.execution.p2p import check_sendable
+from lightning_pipe.execution.wire import check_sendable
 from lightning_pipe.schedule import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.execution.p2p import _DTYPES, ActivationMeta, P2PTransport, RecvRequest, SendRequest
+from lightning_pipe.execution.p2p import P2PTransport, RecvRequest, SendRequest
+from lightning_pipe.execution.wire import _DTYPES, ActivationMeta
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -21,20 +21,13 @@ import torch.nn.functional as F
 
 from lightning_pipe.batches.microbatch import signature
 from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.execution.timeline import TimelineRecorder, gather_timeline
 from lightning_pipe.partition.balance import compute_balance, split_layers
 from lightning_pipe.schedule.builders import build_schedule
 from lightning_pipe.schedule.cli import main as schedule_cli
 from lightning_pipe.schedule.simulate import simulate
-from lightning_pipe.schedule.timeline import (
-    SPAN,
-    TimelineEvent,
-    TimelineRecorder,
-    events_from_simulation,
-    gather_timeline,
-    plot_timeline,
-    timeline_stats,
-    write_chrome_trace,
-)
+from lightning_pipe.schedule.timeline import SPAN, TimelineEvent, events_from_simulation, timeline_stats
+from lightning_pipe.schedule.timeline_export import plot_timeline, write_chrome_trace
 from tests.distributed import run_distributed
 from tests.models import make_batch, tuple_net
 

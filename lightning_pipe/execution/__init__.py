@@ -1,5 +1,6 @@
-"""Running a schedule on one pipeline rank: the interpreter, point-to-point transport, the split
-of backward into input and weight gradients, activation recomputation and deferred BatchNorm."""
+"""Running a schedule on one pipeline rank: the interpreter (with its exchanges, skip routing and
+memory metering), point-to-point transport, the split of backward into input and weight
+gradients, activation recomputation, deferred BatchNorm, and recording the run's timeline."""
 
 from lightning_pipe.execution.executor import PipelineExecutor, StepResult
 from lightning_pipe.execution.layers import apply_layers

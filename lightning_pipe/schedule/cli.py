@@ -23,7 +23,8 @@ from lightning_pipe.schedule.actions import Action, ActionType
 from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
 from lightning_pipe.schedule.render import render_schedule
 from lightning_pipe.schedule.simulate import simulate
-from lightning_pipe.schedule.timeline import events_from_simulation, plot_timeline, write_chrome_trace
+from lightning_pipe.schedule.timeline import events_from_simulation
+from lightning_pipe.schedule.timeline_export import plot_timeline, write_chrome_trace
 
 __all__ = ["main", "parser"]
 

@@ -1,0 +1,84 @@
+"""Activation memory metering: how many bytes a rank holds for backward over the micro-batches
+alive at once (``PipelineExecutor.measure_activation_memory``).
+
+Two measures per micro-batch of a stage, kept from its forward until its backward frees them:
+what autograd saved (counted by a saved-tensor hook that keeps each tensor as it is), and what the
+step holds besides (its stage input, output and popped skip tensors, which a layer that only
+passes a tensor on never saves). A tensor held by several live micro-batches (a weight kept for
+the input gradient) exists once, so the totals count distinct tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from lightning_pipe.execution.activation import as_tuple
+
+Counted = dict[tuple[int, int], int]
+"""Distinct tensors, keyed by (data pointer, bytes) -> their bytes."""
+
+
+def _counting_pack(saved: Counted) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A saved-tensor hook that records each distinct saved tensor's bytes and keeps the tensor."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[(tensor.data_ptr(), tensor.nbytes)] = tensor.nbytes
+        return tensor
+
+    return pack
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def counting_saved(saved: Counted) -> AbstractContextManager[None]:
+    """Inside the block, every tensor autograd saves is counted into ``saved`` (and kept as is)."""
+    return torch.autograd.graph.saved_tensors_hooks(_counting_pack(saved), _identity)
+
+
+def _live(counted: dict[tuple[int, int], Counted]) -> int:
+    return sum({k: v for d in counted.values() for k, v in d.items()}.values())
+
+
+class ActivationMeter:
+    """One step's counts per (stage, micro-batch) alive; :meth:`measure` after each forward,
+    :meth:`release` when its backward frees it."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._saved: dict[tuple[int, int], Counted] = {}
+        self._held: dict[tuple[int, int], Counted] = {}
+
+    def measure(
+        self,
+        key: tuple[int, int],
+        saved: Counted,
+        kept: Iterable[torch.Tensor],
+        recomputed: bool = False,
+        stage_input: Any = None,
+    ) -> tuple[int, int]:
+        """Keep micro-batch ``key``'s counts: ``saved`` by autograd in its forward, and the tensors
+        ``kept`` until its backward. A ``recomputed`` micro-batch keeps only its ``stage_input``
+        (what autograd saved is freed). Returns the bytes saved and held over all the
+        micro-batches alive now."""
+        if recomputed:  # recomputation keeps only the stage input
+            saved = {
+                (t.data_ptr(), t.nbytes): t.nbytes
+                for t in as_tuple(stage_input)
+                if isinstance(t, torch.Tensor)
+            }
+        self._saved[key] = saved
+        self._held[key] = {**saved, **{(t.data_ptr(), t.nbytes): t.nbytes for t in kept}}
+        return _live(self._saved), _live(self._held)
+
+    def release(self, key: tuple[int, int]) -> None:
+        """Micro-batch ``key``'s backward freed what it held."""
+        self._saved.pop(key, None)
+        self._held.pop(key, None)

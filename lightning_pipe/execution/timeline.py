@@ -1,0 +1,102 @@
+"""Recording a timeline while pipeline steps run: a :class:`TimelineRecorder` is given to the
+executor (``PipelineExecutor.run(..., recorder=...)``); it keeps one event per action (a
+communication batch reports each of its actions with the batch's span) and any extra named span
+(``with recorder.span("optimizer step"): ...``). :func:`gather_timeline` collects every rank's
+events on one rank; :mod:`lightning_pipe.schedule.timeline_export` writes them (Chrome trace, PNG).
+
+Plain torch and Python only (no Lightning), so the engine can be profiled without a Trainer. Times
+are ``time.perf_counter()`` seconds relative to the recorder's origin. :meth:`TimelineRecorder.start`
+gives all ranks one origin (:mod:`.clock`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_pipe.execution.clock import common_origin
+from lightning_pipe.schedule.actions import Action
+from lightning_pipe.schedule.timeline import SPAN, TimelineEvent, in_order
+
+
+class TimelineRecorder:
+    """Collects this rank's events; pass it as ``PipelineExecutor.run(..., recorder=...)``.
+
+    Args:
+        rank: the rank its events belong to (default: the global rank, or 0 without a group).
+        t0: origin of the times, in ``time.perf_counter()`` seconds (default: now).
+    """
+
+    def __init__(self, rank: int | None = None, t0: float | None = None) -> None:
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = rank
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.events: list[TimelineEvent] = []
+        self.origin_error = 0.0
+        """How far this rank's origin may be from the group's first rank's, at most, in seconds
+        (half the shortest round trip of :meth:`start`'s estimate; 0 on that rank)."""
+
+    def __call__(self, action: Action, start: float, end: float) -> None:
+        """The executor's hook: record ``action`` run from ``start`` to ``end`` (perf_counter s)."""
+        self.events.append(TimelineEvent.of_action(self.rank, action, start - self.t0, end - self.t0))
+
+    def start(self, group: dist.ProcessGroup | None = None) -> None:
+        """Forget recorded events and set a common origin on every rank of ``group``.
+
+        A collective (call it on every rank of the group at the same point, e.g. before a step).
+        Ranks leave a barrier up to milliseconds apart, so the origin is not "now" on each rank:
+        every rank estimates its clock's offset to the group's first rank by a few ping-pong
+        exchanges (keeping the one with the shortest round trip, so the error is at most half of
+        it) and takes that rank's "now" as the origin. Without a process group it is just "now".
+        """
+        self.events.clear()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+            self.t0, self.origin_error = time.perf_counter(), 0.0
+            return
+        self.t0, self.origin_error = common_origin(group)
+
+    def add_span(self, name: str, start: float, end: float) -> None:
+        """Record a named span (``perf_counter`` seconds) that is not a schedule action."""
+        self.events.append(TimelineEvent(self.rank, name, SPAN, start - self.t0, end - self.t0))
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Record the time spent in the ``with`` block as a span called ``name``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_span(name, start, time.perf_counter())
+
+
+def gather_timeline(
+    recorder: TimelineRecorder | Sequence[TimelineEvent],
+    group: dist.ProcessGroup | None = None,
+    dst: int = 0,
+    all_ranks: bool = False,
+) -> list[TimelineEvent]:
+    """Every rank's events, sorted by start time, on global rank ``dst`` (``[]`` elsewhere).
+
+    A collective over ``group`` (default: the world): every rank of it must call it. With
+    ``all_ranks=True`` every rank gets the whole timeline. Without an initialised process group it
+    returns the local events.
+    """
+    local = list(recorder.events if isinstance(recorder, TimelineRecorder) else recorder)
+    if not (dist.is_available() and dist.is_initialized()):
+        return in_order(local)
+    size = dist.get_world_size(group)
+    if all_ranks:
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, local, group=group)
+    else:
+        is_dst = dist.get_rank() == dst
+        parts = [None] * size if is_dst else []
+        dist.gather_object(local, parts if is_dst else None, dst=dst, group=group)
+        if not is_dst:
+            return []
+    return in_order(e for part in parts for e in (part or []))
