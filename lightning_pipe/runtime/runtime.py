@@ -82,6 +82,11 @@ class ParallelRuntime:
       host after a teardown), :meth:`abandon_pending_work` (after an exception, where a peer may
       be gone), :meth:`close` at the end of a run.
 
+    The parts it keeps (``options``, ``hooks``, ``preparation``, ``model_checkpointing``,
+    ``skip_routes``, ``executor``, ``gradients``, ``fully_sharded``, ``batch_norm``; see
+    :class:`~lightning_pipe.runtime.build.Built`) stay readable for tests and diagnostics, but
+    are not part of that API.
+
     Args:
         module: the whole model (built eagerly, or with meta parameters).
         layers: its pipeline layers in order (submodules of ``module``).
