@@ -55,6 +55,7 @@ def layout_worker(kind: str, pp: int) -> dict[str, Any]:
     c = strategy.mesh.coordinates
     return {
         "coords": (c.dp_rank, c.pp_rank),
+        "gradient_sharding": strategy.runtime.gradient_sharding.name,
         "buckets": strategy.runtime.gradients.reducer.bucket_sizes
         if strategy.runtime.gradients.reducer
         else [],
@@ -78,6 +79,7 @@ def _check(got: list[dict[str, Any]], ref: dict[str, torch.Tensor], pp: int) -> 
 def test_dp2_alone_with_several_buckets() -> None:
     got = run_distributed(layout_worker, 2, "mlp", 1, timeout=300, init_group=False)
     assert len(got[0]["buckets"]) > 2, "the tiny bucket cap must make several buckets"
+    assert {r["gradient_sharding"] for r in got} == {"NONE"}
     _check(got, _reference(Regressor(), dataset(40, seed=1), 8), pp=1)
 
 

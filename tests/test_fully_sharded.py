@@ -81,6 +81,7 @@ def layout_worker(kind: str, pp: int, tp: int, options: dict[str, Any]) -> dict[
         "local": sum(p.to_local().numel() for p in own),
         "whole": sum(p.numel() for p in own),
         "rows": sum(p.shape[0] for p in own),
+        "gradient_sharding": runtime.gradient_sharding.name,
         # Sharded like its parameter, or None for a parameter no rank used (as on one device).
         "grads_sharded": all(
             p.grad is None or (isinstance(p.grad, DTensor) and p.grad.to_local().shape == p.to_local().shape)
@@ -139,6 +140,7 @@ def test_fully_sharded_layouts_train_like_one_device(
         # About 1/shards of every parameter's elements, FSDP pads each tensor to a multiple of rows.
         assert r["whole"] / shards - r["rows"] <= r["local"] <= r["whole"] / shards + r["rows"]
         assert r["grads_sharded"], "gradients are sharded like their parameters"
+        assert r["gradient_sharding"] == "PARAMETERS"  # what the strategy's fp16 refusal reads
         unused = ["blocks.1.inner.never_called.bias", "blocks.1.inner.never_called.weight"]
         holds_unused = kind == "tied" and r["coords"].pp_rank == pp - 1
         assert r["no_grad"] == (unused if holds_unused else [])

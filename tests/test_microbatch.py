@@ -1,4 +1,5 @@
-"""Splitting batches into micro-batches along dim 0, and micro-batch signatures."""
+"""Splitting batches into micro-batches along dim 0, micro-batch signatures, and the runtime's
+counting, loss shares and sample micro-batch (`lightning_pipe.runtime.batch`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from lightning_pipe.batches.microbatch import (
     microbatch_sizes,
     signature,
     split_microbatches,
+)
+from lightning_pipe.runtime.batch import (
+    count_microbatches,
+    sample_microbatch,
+    split_batch,
+    weighted_microbatches,
 )
 
 Pair = namedtuple("Pair", ["inputs", "target"])
@@ -250,3 +257,42 @@ def test_signature_differs(a: object, b: object) -> None:
 def test_signature_ignores_values_of_non_tensor_leaves_of_same_type() -> None:
     assert signature((torch.zeros(2), "a")) == signature((torch.ones(2), "b"))
     assert signature({"k": None, "x": torch.zeros(2)}) == signature({"k": None, "x": torch.ones(2)})
+
+
+def test_the_runtime_counts_microbatches_and_caps_them_at_the_batch() -> None:
+    batch = torch.arange(10.0).reshape(5, 2)
+    assert count_microbatches(batch, None, 2) == (4, False)  # 2 x pipeline_parallel_size
+    assert count_microbatches(batch[:3], None, 2) == (3, False)
+    assert count_microbatches(batch, 4, 2) == (4, False)
+    assert count_microbatches(batch, 8, 2) == (5, True)  # fewer than asked: one sample each
+    sizes, pieces = split_batch(batch, 2)
+    assert sizes == [3, 2]
+    assert [p.tolist() for p in pieces] == [batch[:3].tolist(), batch[3:].tolist()]
+
+
+def test_microbatch_shares_by_items_by_samples_and_without_items() -> None:
+    pieces = ["a", "b"]
+    by_samples = weighted_microbatches(pieces, [3, 1], [3.0, 1.0], counted=False)
+    assert [(m.index, m.data, m.size, m.share, m.items) for m in by_samples] == [
+        (0, "a", 3, 0.75, None),
+        (1, "b", 1, 0.25, None),
+    ]
+    by_items = weighted_microbatches(pieces, [3, 1], [2.0, 6.0], counted=True)
+    assert [(m.share, m.items) for m in by_items] == [(0.25, 2.0), (0.75, 6.0)]
+    # A replica's part without loss items: weighed by samples, and carrying no items.
+    empty = weighted_microbatches(pieces, [3, 1], [0.0, 0.0], counted=True)
+    assert [(m.share, m.items) for m in empty] == [(0.75, None), (0.25, None)]
+
+
+def test_the_sample_partition_time_measures_is_a_batch_first_microbatch() -> None:
+    """``ParallelRuntime(example_input=...)``: one micro-batch of forward's example input, split
+    as a batch would be, through the model's ``pipeline_input`` when it has one."""
+    example = (torch.arange(12.0).reshape(6, 2), torch.arange(6))
+    sample = sample_microbatch(example, None, 2)  # 4 micro-batches of 6 samples: 2, 2, 1, 1
+    assert isinstance(sample, tuple) and [t.tolist() for t in sample] == [
+        example[0][:2].tolist(),
+        example[1][:2].tolist(),
+    ]
+    first = sample_microbatch(example, 2, 4, lambda mb: mb[0] * 10)
+    assert first.tolist() == (example[0][:3] * 10).tolist()
+    assert sample_microbatch(example[0][:1], 3, 1).shape == (1, 2)  # capped at the batch's samples

@@ -130,6 +130,7 @@ def layout_worker(kind: str, pp: int, tp: int, overlap: bool = True) -> dict[str
         "buckets": len(runtime.gradients.reducer.shards),
         "slice_elements": per_element * sum(t.numel() for t in runtime.gradients.reducer.shards),
         "grads_none": all(p.grad is None for p in own),
+        "gradient_sharding": runtime.gradient_sharding.name,
         "gathers": sharded.gather.record,
         "tp_dims": tp_dims,
         "future_warnings": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)],
@@ -171,6 +172,7 @@ def test_sharded_optimizer_matches_one_device_and_holds_half_the_state(
         # The flat gathers and scatters use the name torch 2.13 keeps (no deprecation warnings).
         assert not [w for w in r["future_warnings"] if "torch.distributed" in w], r["future_warnings"]
         assert r["grads_none"], "after the step, only slices hold the averaged gradient"
+        assert r["gradient_sharding"] == "OPTIMIZER_STATE"  # what the strategy's fp16 refusal reads
         assert r["buckets"] > 1
         # No more than this rank's slices (half of every bucket, padded to even length).
         assert r["state_elements"] <= r["slice_elements"]

@@ -1,5 +1,11 @@
 """The pieces of one batch the runtime runs: its micro-batches, the head that ends them, the result.
 
+This is where the runtime counts and cuts micro-batches (the cutting itself, for any batch
+structure, is :mod:`lightning_pipe.batches.microbatch`'s): how many a batch runs as
+(:func:`count_microbatches`), the pieces with their sizes (:func:`split_batch`), their loss
+shares (:func:`weighted_microbatches`), and, for ``partition="time"``, the one micro-batch the
+layers are timed on (:func:`sample_microbatch`).
+
 :meth:`ParallelRuntime.train_batch <lightning_pipe.runtime.ParallelRuntime.train_batch>` splits a
 batch into :class:`Microbatch` es, feeds each one's pipeline input to the first stage and hands each
 one's pipeline output, with the micro-batch itself, to the *head* on the last stage: the loss when
@@ -11,11 +17,11 @@ receives in :class:`BatchResult` (Lightning's logged values, the predictions).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lightning_pipe.batches.microbatch import batch_size
+from lightning_pipe.batches.microbatch import batch_size, microbatch_sizes, split_microbatches
 
 
 @dataclass(frozen=True)
@@ -83,3 +89,39 @@ def count_microbatches(batch: Any, wanted: int | None, pipeline_parallel_size: i
     if wanted is None:
         return max(1, min(2 * pipeline_parallel_size, size)), False
     return (size, True) if size < wanted else (wanted, False)
+
+
+def split_batch(batch: Any, num_microbatches: int) -> tuple[list[int], list[Any]]:
+    """The sizes of ``batch``'s ``num_microbatches`` micro-batches, and the micro-batches."""
+    return microbatch_sizes(batch_size(batch), num_microbatches), split_microbatches(batch, num_microbatches)
+
+
+def weighted_microbatches(
+    pieces: Sequence[Any], sizes: Sequence[int], counts: Sequence[float], counted: bool
+) -> list[Microbatch]:
+    """The micro-batches ``pieces`` with their shares of the batch: by ``counts`` (each one's
+    loss items, or samples), and by samples for a replica without items in a global batch that has
+    some (data-parallel training: its losses weigh nothing) and for the logged values of such a
+    part. ``counted``: whether ``counts`` are loss items (then each micro-batch carries its own)."""
+    local = sum(counts)
+    items = counts if counted and local > 0 else None
+    shared = counts if local > 0 else [float(n) for n in sizes]
+    whole = sum(shared)
+    return [
+        Microbatch(i, pieces[i], sizes[i], shared[i] / whole, None if items is None else items[i])
+        for i in range(len(pieces))
+    ]
+
+
+def sample_microbatch(
+    example: Any,
+    wanted: int | None,
+    pipeline_parallel_size: int,
+    pipeline_input: Callable[[Any], Any] | None = None,
+) -> Any:
+    """One micro-batch of ``example`` (a batch of ``forward``'s input), split as a batch of it
+    would be, and passed through ``pipeline_input`` when the model's hooks give one: what
+    ``partition="time"`` times the layers on."""
+    m, _ = count_microbatches(example, wanted, pipeline_parallel_size)
+    sample = split_microbatches(example, m)[0]
+    return pipeline_input(sample) if pipeline_input is not None else sample

@@ -15,6 +15,8 @@ copies are summed shard by shard, and the norm sums each rank's shards over the 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.reducer import GradientReducer
-from lightning_pipe.data_parallel.sharded_optimizer import ShardedOptimizer, ShardingError
-from lightning_pipe.data_parallel.sharded_state import local
+from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer, ShardedOptimizer, ShardingError
+from lightning_pipe.data_parallel.sharded_state import ShardedStateView, local
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
@@ -32,6 +34,19 @@ from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 TiedCopy = tuple[nn.Parameter, dist.ProcessGroup, bool]
 """A tied parameter this rank holds: its copy, the group of the ranks holding copies, and whether
 this rank counts it in the gradient norm (the first stage that holds it does)."""
+
+
+class GradientSharding(Enum):
+    """How the data-parallel ranks hold a model's gradients and optimizer state."""
+
+    NONE = "none"
+    """Every replica holds them whole (the data-parallel reducer averages them), or one replica."""
+    OPTIMIZER_STATE = "optimizer_state"
+    """ZeRO-1 (``shard_optimizer_state``): each replica keeps its slices of the averaged gradients
+    and of the optimizer state."""
+    PARAMETERS = "parameters"
+    """FSDP2 (``shard_parameters``): each data-parallel rank holds its shards of the parameters,
+    gradients and optimizer state."""
 
 
 def _grad_of(param: nn.Parameter) -> torch.Tensor:
@@ -94,6 +109,13 @@ class Gradients:
         """Whether the optimizer state is sharded over the replicas (ZeRO-1)."""
         return self.reducer is not None and self.reducer.shard
 
+    @property
+    def sharding(self) -> GradientSharding:
+        """How the data-parallel ranks hold these gradients."""
+        if self.fully_sharded is not None:
+            return GradientSharding.PARAMETERS
+        return GradientSharding.OPTIMIZER_STATE if self.shards else GradientSharding.NONE
+
     def shard_optimizer(
         self,
         optimizer: torch.optim.Optimizer,
@@ -119,6 +141,19 @@ class Gradients:
         )
         sharded.gather.watch(layers)
         self.sharded[id(optimizer)] = sharded
+
+    def logical(self, optimizer: torch.optim.Optimizer, whole_everywhere: bool = False) -> Any:
+        """``optimizer`` as checkpoints see it (``ParallelRuntime.logical``): ZeRO-1's view with
+        the unsharded state, FSDP2's with the state gathered whole (on the first replica only,
+        unless ``whole_everywhere``), or the optimizer itself."""
+        sharded = self.sharded.get(id(optimizer))
+        if sharded is not None:
+            return LogicalOptimizer(sharded)
+        if self.fully_sharded is not None:
+            keep = whole_everywhere or self.mesh.coordinates.dp_rank == 0
+            # A single-file gather goes on over the tensor group (on NCCL, device tensors only).
+            return ShardedStateView(optimizer, keep_whole=keep, to_host=not whole_everywhere)
+        return optimizer
 
     def wait_for_parameters(self) -> None:
         """Under ZeRO-1, wait for the updated parameters' gathers still in flight: every parameter

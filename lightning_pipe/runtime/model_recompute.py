@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.runtime.options import ConfigurationError
+from lightning_pipe.tensor_parallel.dropout import RegionDropout
 
 _FLAG = "gradient_checkpointing"
 _SHOWN = 3
@@ -71,6 +73,26 @@ def take_over_checkpointing(modules: Iterable[tuple[str, nn.Module]]) -> ModelCh
     # nothing itself: the layers inside it are what the user turned it on for.
     leaves = [n for n, m in found if not _holds_another(n, found)]
     return ModelCheckpointing(tuple(leaves))
+
+
+def take_over_late(
+    module: nn.Module, layers: Sequence[nn.Module], earlier: ModelCheckpointing | None
+) -> ModelCheckpointing | None:
+    """The model's own checkpointing turned on after setup (in a hook before the first training
+    batch): taken over as at setup, merged with ``earlier``'s; ``None`` when none was turned on.
+    Refused when ``layers`` hold tensor-parallel dropout, whose per-rank stream recomputation
+    cannot replay."""
+    late = take_over_checkpointing(module.named_modules())
+    if late is None:
+        return None
+    if any(isinstance(m, RegionDropout) for layer in layers for m in layer.modules()):
+        raise ConfigurationError(
+            "The model's gradient checkpointing was turned on after setup, which pipe_tp honours "
+            'as recompute="always", but recomputation cannot replay the per-rank random stream of '
+            'tensor-parallel "dropout" layers: call gradient_checkpointing_disable(), or drop the '
+            '"dropout" entries of the plan.'
+        )
+    return late.merged(earlier)
 
 
 def _holds_another(name: str, found: Sequence[tuple[str, nn.Module]]) -> bool:

@@ -50,7 +50,6 @@ from typing_extensions import override
 
 import lightning_pipe.strategy.checkpoints as checkpoints
 from lightning_pipe.arguments import check_count, check_flag
-from lightning_pipe.batches.microbatch import split_microbatches
 from lightning_pipe.batches.uneven import EvenBatches
 from lightning_pipe.checkpoint.replace import remove_path
 from lightning_pipe.construction.meta import meta_tensors_set_aside, parameters_on_meta
@@ -61,9 +60,7 @@ from lightning_pipe.huggingface.adapters import find_peft_model, peft_metadata
 from lightning_pipe.huggingface.export import METADATA_KEY as HF_METADATA
 from lightning_pipe.huggingface.export import model_metadata
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, check_replicate_size, init_mesh
-from lightning_pipe.partition.balance import measures_time
-from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
-from lightning_pipe.runtime.batch import count_microbatches
+from lightning_pipe.runtime import ConfigurationError, GradientSharding, ParallelRuntime, RuntimeOptions
 from lightning_pipe.runtime.grad_scaler import AgreedGradScaler
 from lightning_pipe.runtime.prepare import preparation_of
 from lightning_pipe.schedule.builders import ScheduleKind
@@ -635,18 +632,12 @@ class PipeTPStrategy(ParallelStrategy):
         # Lightning's global seed when one was set (seed_everything); the runtime uses rank 0's.
         env = os.environ.get("PL_GLOBAL_SEED")
         weights = WeightFiles(self.pretrained, view.pretrained_prefix) if first and self.pretrained else None
-        sample = None
+        # partition="time": the runtime times the layers on a micro-batch of forward's example input.
         example = getattr(module, "example_input_array", None)
-        if first and measures_time(self.partition) and example is not None:
-            # partition="time": one micro-batch of forward's example input, split like a batch.
-            m, _ = count_microbatches(example, self.num_microbatches, layout.pipeline_parallel_size)
-            sample = split_microbatches(example, m)[0]
-            if view.hooks.pipeline_input is not None:
-                sample = view.hooks.pipeline_input(sample)
         return ParallelRuntime(
             module, view.layers, self.mesh, self.root_device, options,
             seed=int(env) if env is not None else None, init=view.init,
-            weights=weights, sample=sample, board=self.faults.board, hooks=view.hooks, trains=trains,
+            weights=weights, example_input=example, board=self.faults.board, hooks=view.hooks, trains=trains,
         )  # fmt: skip
 
     @override
@@ -661,8 +652,7 @@ class PipeTPStrategy(ParallelStrategy):
         self.model._apply(
             lambda t: t if id(t) in skip or (isinstance(t, DTensor) and t.device == device) else t.to(device)
         )
-        if self.runtime.fully_sharded is not None:
-            self.runtime.fully_sharded.restore_attributes()
+        self.runtime.after_model_moved()
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -738,7 +728,7 @@ class PipeTPStrategy(ParallelStrategy):
                     f"stage before stepping, which the fused optimizer(s) {fused} bypass (they unscale "
                     "inside their own step). Use the optimizer without fused=True, or precision='bf16-mixed'."
                 )
-            if fitting and self.runtime.fully_sharded is not None:
+            if fitting and self.runtime.gradient_sharding is GradientSharding.PARAMETERS:
                 raise MisconfigurationException(
                     'precision="16-mixed" with shard_parameters=True is not supported yet: each '
                     "data-parallel rank holds only its shards of the gradients, and the gradient "
@@ -746,7 +736,7 @@ class PipeTPStrategy(ParallelStrategy):
                     'precision="bf16-mixed" (parameters gathered in bfloat16) or "32-true", or '
                     "shard_parameters=False."
                 )
-            if fitting and self.runtime.gradients.shards:
+            if fitting and self.runtime.gradient_sharding is GradientSharding.OPTIMIZER_STATE:
                 raise MisconfigurationException(
                     'precision="16-mixed" with shard_optimizer_state=True is not supported yet: each '
                     "replica holds only its slice of the gradients, and the gradient scaler's inf check "
@@ -920,7 +910,7 @@ class PipeTPStrategy(ParallelStrategy):
         """Record this rank's failure, so that the ranks that lose it can name it."""
         self.faults.on_exception(exception, self.global_rank)
         if self._runtime is not None:  # a peer may be gone: waiting could last the whole timeout
-            self._runtime.gradients.abandon_parameter_gathers()
+            self._runtime.abandon_pending_work()
         super().on_exception(exception)
 
     # ------------------------------------------------------------------ checkpoints

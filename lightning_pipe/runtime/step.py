@@ -1,0 +1,268 @@
+"""Running one batch over the pipeline: split, weigh, check, schedule, finish.
+
+:class:`BatchRunner` is the walk of one batch (``docs/architecture.md``, "The walk of one training
+batch", step 3 and 5): it cuts the batch into micro-batches (:mod:`.batch`), weighs each one's
+loss by its share of the batch's loss items (:func:`loss_counts`, summed over the replicas when
+they average their gradients), has the replica's ranks agree before anything runs
+(:class:`~lightning_pipe.runtime.step_checks.StepChecks`), runs the schedule on the executor
+(with the BatchNorm deferral around it), finishes the gradients after the accumulation window's
+last batch, and hands every rank the last stage's loss and results. Everything it needs for the
+runtime's life is given at construction; what varies per batch is given per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_pipe.batches.agreement import StepIdentity
+from lightning_pipe.batches.microbatch import as_layer_arguments, signature
+from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
+from lightning_pipe.execution.batchnorm import DeferredBatchNorm
+from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
+from lightning_pipe.execution.p2p import PipelineCommunicationError
+from lightning_pipe.execution.seeding import layer_seed
+from lightning_pipe.faults.board import lost_connection
+from lightning_pipe.faults.naming import CollectiveNaming
+from lightning_pipe.mesh import MeshAxis, ParallelMesh
+from lightning_pipe.partition.model import PipelinePartition
+from lightning_pipe.runtime.batch import (
+    BatchResult,
+    Head,
+    count_microbatches,
+    default_pipeline_input,
+    split_batch,
+    weighted_microbatches,
+)
+from lightning_pipe.runtime.batch_faults import batch_collectives_named
+from lightning_pipe.runtime.gradients import Gradients
+from lightning_pipe.runtime.hooks import ModelHooks
+from lightning_pipe.runtime.options import RuntimeOptions
+from lightning_pipe.runtime.step_checks import StepChecks, from_last_stage
+from lightning_pipe.schedule.actions import PipelineSchedule
+from lightning_pipe.schedule.builders import build_schedule
+from lightning_pipe.skip.plan import SkipRoute
+
+
+class BatchRunner:
+    """Runs one batch at a time on this rank (see the module docstring).
+
+    Args:
+        mesh, device, naming: this rank's mesh, device and the naming of its collectives.
+        options: micro-batches, schedule, layer-seeded dropout.
+        hooks: the model's pipeline input and loss items, when it has them.
+        partition, stages: the pipeline's stages and those this rank holds.
+        skip_routes: the skip connections between stages (the schedules carry their messages).
+        executor, gradients, fully_sharded: what runs the schedule and finishes the gradients.
+        checks: the agreement before each batch.
+        seed: the seed the ranks agreed on (layer-seeded dropout's masks follow from it).
+        warn: shows a once-per-run warning.
+    """
+
+    def __init__(
+        self,
+        *,
+        mesh: ParallelMesh,
+        device: torch.device,
+        naming: CollectiveNaming,
+        options: RuntimeOptions,
+        hooks: ModelHooks,
+        partition: PipelinePartition,
+        stages: Sequence[int],
+        skip_routes: Sequence[SkipRoute],
+        executor: PipelineExecutor,
+        gradients: Gradients,
+        fully_sharded: FullyShardedStages | None,
+        checks: StepChecks,
+        seed: int,
+        warn: Callable[[str], None],
+    ) -> None:
+        self.mesh, self.device, self.naming, self.options, self.hooks = mesh, device, naming, options, hooks
+        self.partition, self.stages, self.skip_routes = partition, tuple(stages), tuple(skip_routes)
+        self.executor, self.gradients, self.fully_sharded = executor, gradients, fully_sharded
+        self.checks, self.seed, self.warn = checks, seed, warn
+        self.pipeline_input = hooks.pipeline_input or default_pipeline_input
+        self.schedules: dict[tuple[int, bool], PipelineSchedule] = {}
+        self.batches = 0
+        """Batches run so far (training and evaluation): the step of a batch run without one."""
+        self.warned_small_batch = False
+
+    def schedule_for(self, num_microbatches: int, training: bool) -> PipelineSchedule:
+        """The schedule of ``num_microbatches`` micro-batches (forward-only unless ``training``)."""
+        key = (num_microbatches, training)
+        if key not in self.schedules:
+            kind, v = self.options.schedule_kind, self.options.virtual_stages
+            pairs = [(r.producer, r.consumer) for r in self.skip_routes]
+            self.schedules[key] = build_schedule(
+                kind, self.partition.num_stages, *key, virtual_stages=v, skips=pairs
+            )
+        return self.schedules[key]
+
+    def collectives_named(self) -> AbstractContextManager[None]:
+        """A peer lost inside a collective the layers drive (tensor parallelism's, FSDP2's) is
+        named like one lost in the runtime's own collectives (:mod:`.batch_faults`)."""
+        data = None
+        if self.fully_sharded is not None:
+            data = dist.get_process_group_ranks(self.mesh.group(MeshAxis.DATA))
+        return batch_collectives_named(self.naming, data)
+
+    def layer_seeds(self, training_batch: int) -> Callable[[int, int], list[int]]:
+        """The training batch ``training_batch``'s seeds for each layer of a stage on a
+        micro-batch (by the layers' global indices: equal for a layer whichever stage and rank
+        hold it)."""
+        seed, partition = self.seed, self.partition
+
+        def seeds(stage_index: int, microbatch: int) -> list[int]:
+            return [
+                layer_seed(seed, training_batch, microbatch, k) for k in partition.layer_range(stage_index)
+            ]
+
+        return seeds
+
+    def run(
+        self,
+        batch: Any,
+        head: Head,
+        training: bool,
+        final: bool,
+        loss_weight: float,
+        step: StepIdentity | None,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None,
+        recorder: ActionRecorder | None,
+        *,
+        training_batch: int,
+        batch_norm: DeferredBatchNorm | None,
+    ) -> BatchResult:
+        """Forward (and, ``training``, backward) of ``batch``; ``training_batch``: its index in
+        training (layer-seeded dropout); ``batch_norm``: the deferral of BatchNorm statistics."""
+        self.batches += 1
+        step = step or StepIdentity("train_batch" if training else "eval_batch", self.batches)
+        layout = self.mesh.layout
+        m, fewer = count_microbatches(batch, self.options.num_microbatches, layout.pipeline_parallel_size)
+        if fewer and not self.warned_small_batch:
+            self.warned_small_batch = True
+            self.warn(
+                f"pipe_tp: a batch of {m} samples is smaller than num_microbatches="
+                f"{self.options.num_microbatches}; it runs as {m} micro-batches (warned once)."
+            )
+        sizes, pieces = split_batch(batch, m)
+        counts, replica_items, counted = loss_counts(
+            batch, sizes, step, training, self.hooks, self.mesh, self.device, self.naming
+        )
+        local = sum(counts)  # this replica's loss items (or samples)
+        microbatches = weighted_microbatches(pieces, sizes, counts, counted)
+        inputs = [as_layer_arguments(self.pipeline_input(mb.data)) for mb in microbatches]
+        self.checks.before(step, batch, inputs[0])
+        # By items, the replicas' gradients are averaged, so each replica's losses are weighted by
+        # its share of the global batch's items times the number of replicas (1 when the replicas
+        # hold as many items each): the average is then the global batch's mean.
+        dp_factor = 1.0 if replica_items is None else local * layout.data_parallel_size / replica_items
+
+        def end(output: Any, i: int) -> Any:
+            # The loss may read parameters outside the layers (the pre-hooks wait for the layers').
+            self.gradients.wait_for_parameters()
+            return head(output, microbatches[i])
+
+        first, last = 0 in self.stages, self.partition.num_stages - 1 in self.stages
+        deferred = batch_norm if training else None
+        if deferred is not None:
+            deferred.begin()
+        try:
+            run = self.executor.run(
+                self.schedule_for(m, training),
+                self.mesh.coordinates.pp_rank,
+                inputs=inputs if first else None,
+                head=end if last else None,
+                weights=[mb.share * dp_factor * loss_weight for mb in microbatches] if training else None,
+                signatures=[signature(x) for x in inputs],
+                recorder=recorder,
+                before_last_backward=self.gradients.arm if training and final else None,
+                scale_loss=scale_loss if training else None,
+                layer_seeds=self.layer_seeds(training_batch)
+                if training and self.options.seeds_layers
+                else None,
+            )
+        except PipelineCommunicationError as err:
+            if deferred is not None:
+                deferred.end()  # no commit of a failed step's statistics
+            if not lost_connection(str(err)):  # a deadline: the peer may wait on a rank that failed
+                self.naming.note_first_failure(err)
+            raise
+        except BaseException:
+            if deferred is not None:
+                deferred.end()
+            raise
+        if deferred is not None:  # commit ends the deferral
+            dp = layout.data_parallel_size > 1
+            with self.naming("summing BatchNorm statistics over the data-parallel group"):
+                deferred.commit(self.mesh.group(MeshAxis.DATA) if dp else None)
+        if training and final:
+            self.gradients.finish()
+        if not training and self.fully_sharded is not None:
+            self.fully_sharded.end_evaluation()  # no backward frees what the forwards gathered
+        payload: dict[str, Any] = {}
+        if last:
+            if training:
+                payload["loss"] = sum(
+                    float(run.outputs[mb.index].detach().double()) * mb.share for mb in microbatches
+                )
+            results = getattr(head, "results", None)
+            payload["results"] = results() if callable(results) else None
+        payload = from_last_stage(payload, self.mesh, self.partition, self.device, self.naming)
+        return BatchResult(
+            loss=payload.get("loss"),
+            results=payload.get("results"),
+            outputs=run.outputs,
+            num_microbatches=m,
+            peak_stashed=run.peak_stashed,
+            peak_activation_bytes=run.peak_activation_bytes,
+        )
+
+
+def loss_counts(
+    batch: Any,
+    sizes: Sequence[int],
+    step: StepIdentity,
+    training: bool,
+    hooks: ModelHooks,
+    mesh: ParallelMesh,
+    device: torch.device,
+    naming: CollectiveNaming,
+) -> tuple[list[float], float | None, bool]:
+    """Each micro-batch's loss items (its samples, unless the hooks count items), when items
+    are counted and training averages gradients over several replicas the global batch's, and
+    whether items were counted."""
+    items = hooks.loss_items(batch) if hooks.loss_items is not None else None
+    if items is None:
+        return [float(n) for n in sizes], None, False
+    total = sum(sizes)
+    if not isinstance(items, torch.Tensor) or tuple(items.shape) != (total,):
+        raise ValueError(
+            f"loss_items must give one count per sample of the batch (a tensor of shape ({total},)), "
+            f"got {tuple(items.shape) if isinstance(items, torch.Tensor) else type(items).__name__}."
+        )
+    counts = [float(chunk.sum()) for chunk in torch.split(items.detach().double().cpu(), list(sizes))]
+    empty = f"The batch of {step} holds no loss items (every label is ignored, e.g. -100 everywhere"
+    if mesh.layout.data_parallel_size == 1 or not training:
+        if sum(counts) <= 0 and training:
+            raise ValueError(
+                f"{empty}): its mean loss is undefined, on one device too. Filter such batches out "
+                "before they reach the model."
+            )
+        # Evaluation of a batch without items: weighted by samples (its loss is 0, not 0/0).
+        return counts, None, True
+    # Summed before any refusal: a replica whose part holds no items must not stop alone while
+    # the others wait in this all-reduce; only a global batch without items is refused.
+    global_items = torch.tensor([sum(counts)], dtype=torch.float64, device=device)
+    with naming("summing the batch's loss items over the data-parallel group"):
+        dist.all_reduce(global_items, group=mesh.group(MeshAxis.DATA))
+    if float(global_items) <= 0:
+        raise ValueError(
+            f"{empty} on every data-parallel replica): its mean loss is undefined, on one device "
+            "too. Filter such batches out before they reach the model."
+        )
+    return counts, float(global_items), True
