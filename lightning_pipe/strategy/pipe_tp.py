@@ -48,21 +48,11 @@ from lightning_pipe.checkpoint.replace import remove_path
 from lightning_pipe.huggingface.adapters import find_peft_model, peft_metadata
 from lightning_pipe.huggingface.export import METADATA_KEY as HF_METADATA
 from lightning_pipe.huggingface.export import model_metadata
-from lightning_pipe.strategy.compat import (
-    run_hooks,
-    should_accumulate,
-    weights_only_of_running_call,
-)
+from lightning_pipe.strategy.compat import run_hooks, should_accumulate, weights_only_of_running_call
 from lightning_pipe.strategy.option_types import PositiveFloat, PositiveInt
-from lightning_pipe.strategy.options import (
-    DEFAULT_TIMEOUT,
-    constructor_docstring,
-    split_arguments,
-)
+from lightning_pipe.strategy.options import DEFAULT_TIMEOUT, constructor_docstring, split_arguments
 from lightning_pipe.strategy.pipeline_model import Redirect
-from lightning_pipe.strategy.precision import (
-    loss_scaler,
-)
+from lightning_pipe.strategy.precision import loss_scaler
 from lightning_pipe.strategy.setup import PipeTPSetup
 from lightning_pipe.strategy.step_inputs import learn_step_inputs
 from lightning_pipe.strategy.steps import run_step

@@ -38,10 +38,7 @@ from lightning_pipe.strategy.compat import (
     sync_ddp,
 )
 from lightning_pipe.strategy.faults import FaultHandling
-from lightning_pipe.strategy.options import (
-    StrategyOptions,
-    check_layout_fits,
-)
+from lightning_pipe.strategy.options import StrategyOptions, check_layout_fits
 
 
 class PipeTPProcesses(ParallelStrategy):

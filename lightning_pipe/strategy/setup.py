@@ -41,14 +41,8 @@ from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeO
 from lightning_pipe.runtime.batch import count_microbatches
 from lightning_pipe.runtime.prepare import preparation_of
 from lightning_pipe.schedule.builders import ScheduleKind
-from lightning_pipe.strategy.compat import (
-    optimizers_to_device,
-    skip_closure_backward,
-    use_pipeline_summary,
-)
-from lightning_pipe.strategy.options import (
-    StrategyOptions,
-)
+from lightning_pipe.strategy.compat import optimizers_to_device, skip_closure_backward, use_pipeline_summary
+from lightning_pipe.strategy.options import StrategyOptions
 from lightning_pipe.strategy.pipeline_model import PipelineModel, find_causal_lm, read_module
 from lightning_pipe.strategy.precision import (
     PipeTPPrecision,
