@@ -18,40 +18,79 @@ from lightning_pipe.partition.balance import PartitionMethod, check_partition
 from lightning_pipe.schedule.builders import ScheduleKind
 
 
+def as_timeout(value: object, *, seconds: bool = False, example: str = "") -> timedelta | None:
+    """``value`` as a positive ``timedelta``, or ``None``; with ``seconds``, a number counts seconds
+    (the strategy's form). The one check of a timeout: ``example`` ends its error's sentence."""
+    if value is None:
+        return None
+    timeout = value
+    if seconds and isinstance(value, int | float) and not isinstance(value, bool) and value == value:
+        timeout = timedelta(seconds=value) if value > 0 else timedelta(0)
+    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+        return timeout
+    allowed = "a positive number of seconds" if seconds else "None"
+    raise ValueError(f"timeout must be a positive datetime.timedelta or {allowed}, got {value!r}{example}.")
+
+
 class ConfigurationError(ValueError):
     """A model, plan or option the runtime cannot train as asked, with what to do instead."""
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """How to split, schedule and synchronise one model."""
+    """How to split, schedule and synchronise one model.
+
+    Each option is documented once, by the docstring under its field (``PipeTPStrategy``'s
+    ``Args:`` section is assembled from these), and checked once, here, when the options are made.
+    """
 
     num_microbatches: int | None = None
-    """Micro-batches per batch; ``None``: ``2 x pipeline_parallel_size``, capped at the batch size."""
+    """Micro-batches per batch. ``None``: ``2 x pipeline_parallel_size``, capped at the batch size.
+    Batches that do not divide evenly are split like ``torch.tensor_split`` and their losses
+    weighted by size."""
     schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B
-    """``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``."""
+    """``"1f1b"`` (default; at most ``pipeline_parallel_size`` micro-batches of activations alive
+    per stage), ``"gpipe"`` (all forwards, then all backwards), ``"interleaved_1f1b"``
+    (``virtual_stages`` stages per rank in loop placement; a bubble ``virtual_stages`` times
+    smaller, more activations held: Megatron's virtual pipeline) or ``"zb_h1"`` (zero-bubble:
+    backward split into the input gradient, sent at once, and the weight gradient, run later in
+    what would be idle time; a third of 1F1B's bubble, every stage holding up to
+    ``pipeline_parallel_size`` micro-batches)."""
     partition: PartitionMethod | str | Sequence[int] = "parameters"
-    """``"parameters"``, ``"uniform"``, ``"time"`` (measured on a sample micro-batch at setup) or
-    layer counts per stage."""
+    """``"parameters"`` (default: balance parameter counts), ``"uniform"`` (balance layer counts),
+    ``"time"`` (balance forward + backward time, measured layer by layer at setup on one sample
+    micro-batch, under Lightning one of the module's ``example_input_array``; the layout log shows
+    each stage's time) or a list of layer counts per stage."""
     virtual_stages: int = 1
-    """Stages per pipeline rank (``schedule="interleaved_1f1b"``; loop placement: rank ``r`` holds
-    stages ``r, r + p, ...``)."""
+    """Stages per pipeline rank for ``schedule="interleaved_1f1b"`` (loop placement: rank ``r``
+    holds stages ``r, r + p, ...``); the model is split into ``pipeline_parallel_size x
+    virtual_stages`` stages."""
     recompute: RecomputeMode | str = RecomputeMode.NEVER
     """Activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``."""
     tensor_parallel_plan: Mapping[str, str] | None = None
     """Module-name pattern -> style; needed when the tensor axis has more than one rank."""
     shard_optimizer_state: bool = False
-    """ZeRO-1: each data-parallel replica keeps the optimizer state of 1/dp of its stage
-    (:mod:`lightning_pipe.data_parallel.sharded_optimizer`)."""
+    """ZeRO-1 (Megatron's distributed optimizer): each data-parallel replica keeps the optimizer
+    state of 1/data_parallel_size of its stage; gradients are reduce-scattered (still overlapping
+    the last backward), each replica steps its slice and the parameters are all-gathered after
+    ``optimizer.step()`` (:mod:`lightning_pipe.data_parallel.sharded_optimizer`). Element-wise
+    optimizers only (SGD, Adam, AdamW, ...); after the backward, parameters' ``.grad`` are
+    ``None`` (the averaged gradient exists only as slices). Checkpoints stay unsharded by
+    parameter name."""
     overlap_param_gather: bool = True
-    """Under ``shard_optimizer_state``: the updated parameters' all-gather is launched after the
-    step and each layer's next forward waits for its own buckets only (Megatron's
-    ``overlap_param_gather``; reads in between wait for all of it,
-    :mod:`lightning_pipe.data_parallel.parameter_gather`). ``False``: the step waits for it."""
+    """With ``shard_optimizer_state``, the parameters' all-gather is launched after the step and
+    each layer's next forward waits for its own buckets (Megatron's ``overlap_param_gather``);
+    weights read in between (a callback, a checkpoint, validation, after ``fit``) wait for all of
+    it first (:mod:`lightning_pipe.data_parallel.parameter_gather`). Not guarded: reads from
+    another Python thread (torch's function-mode stack is per thread) and through an alias made
+    before the step (``self.ref = p.detach()``): call ``runtime.wait_for_parameters()`` first
+    (safe from any thread). ``False``: the step waits for the gather."""
     sequence_parallel: bool = False
-    """With tensor parallelism, keep the activations between tensor-parallel regions split along
-    the sequence (Megatron's sequence parallelism); the plan says where the split begins
-    (``sequence_scatter``) and which modules see the whole sequence (``sequence_gather``)."""
+    """With ``tensor_parallel_size > 1``, keep the activations between the tensor-parallel regions
+    (norms, dropout, the residual stream, what stages exchange) split along the sequence over the
+    tensor ranks (Megatron's sequence parallelism); the plan says where the split begins
+    (``sequence_scatter``) and which modules see the whole sequence (``sequence_gather``). Turns
+    on ``layer_seeded_dropout``."""
     layer_seeded_dropout: bool | None = None
     """Each layer draws its dropout masks from a seed of (the run's seed, the training batch, the
     micro-batch, the layer's index): the same masks whatever the pipeline and tensor split, equal to
@@ -65,8 +104,8 @@ class RuntimeOptions:
     """FSDP2 over the data axis: each data-parallel rank keeps 1/dp of its stage's parameters,
     gradients and optimizer state (:mod:`lightning_pipe.data_parallel.fully_sharded`)."""
     data_parallel_replicate_size: int = 1
-    """HSDP: the data axis as this many replicas of ``data_parallel_size / this`` shards each
-    (``shard_parameters=True``)."""
+    """HSDP under ``shard_parameters``: the data axis as this many replicas of
+    ``data_parallel_size / this`` shards each."""
     reshard_after_forward: bool | None = None
     """Under ``shard_parameters``: ``False`` gathers a stage's parameters once per step and reduces
     its gradients once per accumulation window; ``True`` frees them after each unit's forward and
@@ -77,19 +116,27 @@ class RuntimeOptions:
     """Under ``shard_parameters``: the dtype parameters are gathered and computed in (FSDP2's
     ``MixedPrecisionPolicy``; gradients reduced in float32). ``None``: their own."""
     bucket_cap_mb: float = 25.0
-    """Size of the data-parallel reducer's gradient buckets."""
+    """Size of the gradient buckets of the data-parallel reducer, whose all-reduces overlap the
+    last backward of each optimizer step."""
     timeout: timedelta | None = None
     """Deadline of every pipeline exchange (``None``: the process group's)."""
     check_finite: bool = False
-    """Raise at the first stage output or loss holding NaN/Inf, naming where."""
+    """Raise as soon as a stage output or a loss holds NaN/Inf, naming the stage and micro-batch
+    where it first appeared."""
     deferred_batch_norm: bool = True
-    """BatchNorm running statistics from the whole batch (torchgpipe's deferred batch norm)."""
+    """BatchNorm layers update their running statistics once per batch, from the statistics of the
+    whole batch (summed over micro-batches and data-parallel replicas), so evaluation uses the
+    statistics one device would have (torchgpipe's deferred batch norm). ``False``: they update
+    once per micro-batch."""
     allow_batch_norm_microbatches: bool = False
-    """Train a model holding BatchNorm layers with several micro-batches per batch, each normalised by
-    its own statistics (a different model than one device's, said once as a warning). ``False``: such
-    a model is refused at setup, naming the fixes (``num_microbatches=1``, GroupNorm/LayerNorm)."""
+    """Train a model holding BatchNorm layers with several micro-batches per batch, each normalised
+    in training by its own statistics (not the batch's, as on one device: a different model, said
+    once as a warning). ``False`` (default): such a model is refused at setup, naming the fixes
+    (``num_microbatches=1``, GroupNorm/LayerNorm, or this option)."""
     check_forward: bool = True
-    """On the first batch, check that the module's ``forward`` is its pipeline layers chained."""
+    """On the first step after setup, check that the module's ``forward`` is its pipeline layers
+    chained (logic around them would be skipped in training). ``False`` skips the check (and its
+    warning when a meta-built model cannot be compared)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule))
@@ -119,10 +166,7 @@ class RuntimeOptions:
             check_flag(name, getattr(self, name))
         if self.layer_seeded_dropout is not None:
             check_flag("layer_seeded_dropout", self.layer_seeded_dropout)
-        if self.timeout is not None and (
-            not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0
-        ):
-            raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {self.timeout!r}.")
+        as_timeout(self.timeout)
 
     @property
     def seeds_layers(self) -> bool:
