@@ -6,7 +6,8 @@ name known, yet the engine (``import lightning_pipe.runtime``) must not import L
 when Lightning's strategies are already imported, a factory is registered at once; otherwise a
 finder waits for that module and registers the factory right after it has run. The factory
 imports the adapter (:mod:`lightning_pipe.strategy`, by then safe: Lightning is loaded) only
-when a Trainer asks for the strategy. This is the one registration of the name.
+when a Trainer asks for the strategy. This is the one registration: the adapter does not register
+itself again (and imports nothing from here, so the two do not import each other).
 """
 
 from __future__ import annotations

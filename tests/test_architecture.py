@@ -5,10 +5,15 @@ engine call per Lightning hook.
   Lightning, and ``"pipe_tp"`` is still registered once Lightning loads, whichever comes first.
 * Only ``lightning_pipe/strategy/`` (the adapter) and ``lightning_pipe/modules/`` (ready
   LightningModules) import ``lightning``; no module of the package imports
-  (directly or not) a module that imports it back; each package imports only what the map in
-  ``docs/architecture.md`` allows it.
-* ``schedule/`` stays data in one process (no ``torch.distributed``), and no module of
-  ``execution/`` or ``schedule/`` holds more than a few hundred lines (one concept per module).
+  (directly or not) a module that imports it back, and no package a package that imports it
+  back, counting every import (at the top, inside functions, under ``if TYPE_CHECKING:``, by
+  name); each package imports only what the map ``ALLOWED`` allows it, and the table in
+  ``docs/architecture.md`` is that map.
+* No module of ``runtime/``, ``execution/``, ``tensor_parallel/``, ``strategy/`` or ``schedule/`` is over 400
+  lines unless ``docs/architecture.md`` says why ("Modules over 400 lines").
+* These checks read the source (``tests/import_graph.py``), and each is shown to fail on a
+  synthetic violation.
+* ``schedule/`` stays data in one process (no ``torch.distributed``).
 * Under ``Trainer.fit``, the adapter calls the engine at most three times per training step
   (``begin_accumulation``, ``train_batch``, ``clip_grad_norm_``), and the engine holds no callback
   into the adapter but the head it is handed per batch.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -31,10 +37,27 @@ import pytest
 
 from lightning_pipe import PipeTPStrategy
 from tests.distributed import run_distributed
+from tests.import_graph import (
+    BY_NAME,
+    LOCAL,
+    TOP,
+    TYPE_ONLY,
+    Graph,
+    describe,
+    find_cycles,
+    module_graph,
+    oversize_reasons,
+    package_graph,
+    package_of,
+    render_cycle,
+    size_offenders,
+    table_differences,
+)
 from tests.lightning_models import Regressor, dataset, loader
 from tests.trainers import fit
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pipe"
+DOCS = PACKAGE.parent / "docs"
 
 
 def _fresh(code: str) -> str:
@@ -64,54 +87,32 @@ def test_pipe_tp_is_registered_whichever_is_imported_first(first: str) -> None:
     assert out.strip().splitlines()[-1] == "PipeTPStrategy True", out
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def _graph() -> Graph:
+    return module_graph(PACKAGE)
 
 
-def _imports() -> dict[str, set[str]]:
-    """Every module of the package -> the package's modules it imports (``from pkg import sub``
-    counts as importing ``pkg.sub``; imports inside functions count too, those under ``if
-    TYPE_CHECKING:`` do not)."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        found: set[str] = set()
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):  # names used in annotations only are not imports at run time
-            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-                node.body = []
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_pipe"):
-                subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
-                found |= set(subs) if len(subs) == len(node.names) else {node.module, *subs}
-            elif isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name in modules}
-        graph[name] = {m for m in found if m in modules and m != name}
-    return graph
+def test_no_import_cycle_between_modules() -> None:
+    """Imports inside functions, under ``if TYPE_CHECKING:`` and by name count: a cycle held apart
+    only by them is still two modules that cannot be read (or moved) one without the other."""
+    graph = _graph()
+    cycles = find_cycles({module: set(targets) for module, targets in graph.items()})
+    assert cycles == [], "import cycles:\n" + "\n".join(render_cycle(c, graph) for c in cycles)
 
 
-def test_no_import_cycle() -> None:
-    graph = _imports()
-    state: dict[str, int] = {}  # 1: on the path, 2: done
-
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for dep in sorted(graph[module]):
-            if state.get(dep) == 1:
-                cycle = [*path[path.index(dep) :], dep]
-                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
-            if dep not in state:
-                visit(dep, [*path, dep])
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
+def test_no_import_cycle_between_packages() -> None:
+    """Importing any module runs its package's ``__init__`` first, so packages must not cycle
+    either (a cycle through two ``__init__`` modules shows here, not between modules)."""
+    packages = package_graph(_graph())
+    cycles = find_cycles({package: set(targets) for package, targets in packages.items()})
+    detail = [
+        " -> ".join(c) + "".join(f"\n    {packages[a][b]}" for a, b in itertools.pairwise(c)) for c in cycles
+    ]
+    assert cycles == [], "package cycles:\n" + "\n".join(detail)
 
 
 ALLOWED: dict[str, set[str]] = {
-    # docs/architecture.md's table, as data: the package -> the packages it may import.
+    # docs/architecture.md's table, as data (test_the_architecture_table_is_this_map compares
+    # them): the package -> the packages it may import.
     "arguments": set(),
     "collectives": set(),
     "mesh": {"arguments"},
@@ -125,29 +126,140 @@ ALLOWED: dict[str, set[str]] = {
     "tensor_parallel": {"data_parallel", "collectives", "arguments"},
     "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh"},
     "construction": {"checkpoint", "tensor_parallel"},
-    "consolidate": {"checkpoint", "mesh", "huggingface"},
 }
 _ENGINE = set(ALLOWED)
 ALLOWED["runtime"] = _ENGINE
 ALLOWED["huggingface"] = {"execution", "tensor_parallel", "runtime", "checkpoint"}
-ALLOWED["strategy"] = _ENGINE | {"runtime", "huggingface", "_registration"}
+ALLOWED["consolidate"] = {"checkpoint", "mesh", "huggingface"}
+ALLOWED["strategy"] = _ENGINE | {"runtime", "huggingface", "consolidate", "_registration"}
 ALLOWED["modules"] = set()
 
 
 def test_packages_import_only_what_the_architecture_map_allows() -> None:
-    def package(module: str) -> str:
-        parts = module.split(".")
-        return parts[1] if len(parts) > 1 else parts[0]
-
     offenders = []
-    for module, deps in sorted(_imports().items()):
-        own = package(module)
+    for module, targets in sorted(_graph().items()):
+        own = package_of(module)
         if own in ("lightning_pipe", "_registration"):
-            continue  # the public API lists everything; the registration imports nothing
-        for dep in sorted(deps):
-            if package(dep) != own and package(dep) not in ALLOWED[own]:
-                offenders.append(f"{module} imports {dep}")
+            continue  # the public API lists everything; the registration imports the adapter by name
+        for target, edge in sorted(targets.items()):
+            if package_of(target) != own and package_of(target) not in ALLOWED[own]:
+                offenders.append(describe(module, target, edge))
     assert offenders == [], "\n".join(offenders) + "\n(see docs/architecture.md)"
+
+
+def test_the_architecture_table_is_this_map() -> None:
+    differences = table_differences((DOCS / "architecture.md").read_text(), ALLOWED)
+    assert differences == [], "docs/architecture.md's table and ALLOWED differ:\n" + "\n".join(differences)
+
+
+SIZE_LIMIT = 400
+SIZE_LIMITED = ("runtime", "execution", "tensor_parallel", "strategy", "schedule")
+
+
+def _sizes(package: Path) -> dict[str, int]:
+    return {
+        path.relative_to(package.parent).as_posix(): len(path.read_text().splitlines())
+        for sub in SIZE_LIMITED
+        for path in sorted((package / sub).rglob("*.py"))
+    }
+
+
+def test_modules_stay_under_the_size_limit_or_the_document_says_why() -> None:
+    reasons = oversize_reasons((DOCS / "architecture.md").read_text())
+    offenders = size_offenders(_sizes(PACKAGE), reasons, SIZE_LIMIT)
+    assert offenders == [], "\n".join(offenders)
+
+
+# The checks above, checked: each fails on a violation of its rule.
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "pkg"
+
+
+@pytest.mark.parametrize(
+    ("importer", "how"),
+    [
+        ("if TYPE_CHECKING:\n    from pkg.a import A\n", TYPE_ONLY),
+        ("import typing\nif typing.TYPE_CHECKING:\n    import pkg.a\n", TYPE_ONLY),
+        ("def f():\n    from pkg.a import A\n    return A\n", LOCAL),
+        ("class C:\n    def m(self):\n        from . import a\n", LOCAL),
+        ("import importlib\ndef f():\n    return importlib.import_module('pkg.a')\n", f"{LOCAL}, {BY_NAME}"),
+        ("from .a import A\n", TOP),
+    ],
+)
+def test_the_cycle_check_sees_every_kind_of_import(tmp_path: Path, importer: str, how: str) -> None:
+    package = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg.b import B\nA = 1\n",
+            "pkg/b.py": "from typing import TYPE_CHECKING\n" + importer + "B = 2\n",
+            "pkg/c.py": "from pkg import a, b\n",  # not on the cycle
+        },
+    )
+    graph = module_graph(package)
+    assert graph["pkg.b"]["pkg.a"].how == how
+    cycles = find_cycles({m: set(t) for m, t in graph.items()})
+    assert cycles == [["pkg.a", "pkg.b", "pkg.a"]]
+    assert render_cycle(cycles[0], graph).splitlines()[0] == "pkg.a -> pkg.b -> pkg.a"
+    assert f"pkg.b imports pkg.a {how}" in render_cycle(cycles[0], graph)
+
+
+def test_find_cycles_names_each_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"d"}, "e": {"f"}, "f": set()}
+    assert find_cycles(graph) == [["a", "b", "a"], ["a", "b", "c", "a"], ["d", "d"]]
+    assert find_cycles({"e": {"f"}, "f": {"g"}}) == []
+    assert find_cycles({"p": {"q"}, "q": {"p"}}) == [["p", "q", "p"]]  # package graphs too
+
+
+_TABLE = """## The packages, and what each may import
+
+| package | holds | may import |
+|---|---|---|
+| `low`, `other` | things | torch only |
+| `mid/` | more | `low` (why) |
+| `top/` | the rest | everything above, `lightning` |
+
+## Next
+"""
+
+
+def test_table_differences_are_named() -> None:
+    allowed = {"low": set(), "other": set(), "mid": {"low"}, "top": {"low", "other", "mid"}}
+    assert table_differences(_TABLE, allowed) == []
+    assert table_differences(_TABLE, {**allowed, "mid": {"low", "other"}}) == [
+        "mid: ALLOWED allows ['other'], the table does not"
+    ]
+    assert table_differences(_TABLE, {**allowed, "top": {"low"}}) == [
+        "top: the table allows ['mid', 'other'], ALLOWED does not"
+    ]
+    assert table_differences(_TABLE, {**allowed, "new": set()}) == ["new: in ALLOWED, not in the table"]
+    upward = _TABLE.replace("| `low`, `other` | things | torch only |", "| `low`, `other` | things | `mid` |")
+    assert table_differences(upward, {**allowed, "low": {"mid"}, "other": {"mid"}}) == [
+        "low: the table lets it import ['mid'], not in a row above it",
+        "other: the table lets it import ['mid'], not in a row above it",
+    ]
+
+
+def test_size_offenders_are_named() -> None:
+    doc = "## Modules over 400 lines\n\n- `p/big.py`: it holds one concept that does not split well.\n"
+    reasons = oversize_reasons(doc)
+    assert reasons == {"p/big.py": "it holds one concept that does not split well."}
+    assert size_offenders({"p/big.py": 500, "p/small.py": 10}, reasons, 400) == []
+    assert size_offenders({"p/big.py": 500, "p/huge.py": 401}, reasons, 400) == [
+        "p/huge.py: 401 lines (limit 400); docs/architecture.md does not say why"
+    ]
+    assert size_offenders({"p/big.py": 500}, {"p/big.py": "because."}, 400) == [
+        "p/big.py: 500 lines; its reason in docs/architecture.md is not a sentence"
+    ]
+    listed = "p/big.py: listed in docs/architecture.md's 'Modules over 400 lines' but has 300 lines"
+    assert size_offenders({"p/big.py": 300}, reasons, 400) == [f"{listed}: take it off the list"]
+    assert _sizes(PACKAGE)  # the real tree is measured
 
 
 def test_only_the_adapter_imports_lightning() -> None:
@@ -323,16 +435,3 @@ def test_schedules_are_data_in_one_process() -> None:
         str(p.relative_to(PACKAGE)) for p in (PACKAGE / "schedule").rglob("*.py") if _imports_distributed(p)
     ]
     assert offenders == [], offenders
-
-
-MAX_LINES = 400
-SMALL_PACKAGES = ("execution", "schedule")  # one concept per module: a few hundred lines at most
-
-
-@pytest.mark.parametrize("package", SMALL_PACKAGES)
-def test_modules_hold_a_few_hundred_lines_at_most(package: str) -> None:
-    sizes = {
-        str(p.relative_to(PACKAGE)): len(p.read_text().splitlines())
-        for p in (PACKAGE / package).rglob("*.py")
-    }
-    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}, "see docs/architecture.md"

@@ -27,7 +27,7 @@ from lightning_pipe.tensor_parallel.regions import sequence_parallel_suspended
 
 if TYPE_CHECKING:
     from lightning_pipe.huggingface.parts import CausalLMParts
-    from lightning_pipe.huggingface.pipeline import CausalLMPipeline
+    from lightning_pipe.huggingface.view import PipelineView
 
 _IGNORED = {"use_cache", "past_key_values", "layer_past", "cache_position", "output_attentions"}
 """Keyword arguments that only concern generation (a cache) or outputs nobody trains with."""
@@ -94,7 +94,7 @@ def random_hidden(parts: CausalLMParts, input_ids: torch.Tensor, dtype: torch.dt
 
 
 def check_pipeline(
-    pipeline: CausalLMPipeline, probe: Any, own_layers: Sequence[nn.Module] = ()
+    pipeline: PipelineView, probe: Any, own_layers: Sequence[nn.Module] = ()
 ) -> tuple[str | None, str | None]:
     """``(error, None)``: the derived pipeline differs from the model (the error says where);
     ``(None, None)``: it does not (see the module docstring).
@@ -107,7 +107,7 @@ def check_pipeline(
 
 
 def _check_pipeline(
-    pipeline: CausalLMPipeline, probe: Any, own_layers: Sequence[nn.Module]
+    pipeline: PipelineView, probe: Any, own_layers: Sequence[nn.Module]
 ) -> tuple[str | None, str | None]:
     parts, model = pipeline.parts, pipeline.model
     base = parts.base
@@ -181,7 +181,7 @@ def _compare(theirs: Recorded, ours: Recorded, where: str) -> str | None:
 
 
 def _compare_head(
-    pipeline: CausalLMPipeline, probe: Any, hidden: torch.Tensor, head: nn.Module, where: str
+    pipeline: PipelineView, probe: Any, hidden: torch.Tensor, head: nn.Module, where: str
 ) -> str | None:
     from transformers.modeling_outputs import BaseModelOutputWithPast
 

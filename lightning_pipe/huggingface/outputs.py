@@ -26,7 +26,7 @@ from lightning_pipe.huggingface.context import IGNORE_INDEX, default_positions, 
 from lightning_pipe.tensor_parallel.cross_entropy import cross_entropy
 
 if TYPE_CHECKING:
-    from lightning_pipe.huggingface.pipeline import CausalLMPipeline
+    from lightning_pipe.huggingface.view import PipelineView
 
 
 class ModelCallError(ValueError):
@@ -75,7 +75,7 @@ class ModelCall:
 
     def __init__(
         self,
-        pipeline: CausalLMPipeline,
+        pipeline: PipelineView,
         microbatch: Any,
         logits: torch.Tensor,
         items: float | None = None,

@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_pipe.execution.layers import LayerCall
 from lightning_pipe.huggingface.batch_roles import StepInputs
+from lightning_pipe.huggingface.check import check_pipeline
 from lightning_pipe.huggingface.context import (
     IGNORE_INDEX,
     Epilogue,
@@ -39,12 +40,11 @@ from lightning_pipe.huggingface.context import (
     no_mask,
 )
 from lightning_pipe.huggingface.parts import CausalLMParts, causal_lm_parts
+from lightning_pipe.huggingface.sequence_check import check_sequence_split
 from lightning_pipe.huggingface.tensor_parallel import DerivedPlan, derive_plan
 from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.tensor_parallel.cross_entropy import copy_vocab_parallel_tag
 from lightning_pipe.tensor_parallel.layers import VocabParallelEmbedding
-
-"""Hugging Face's label for a token the loss ignores (padding, a prompt)."""
 
 
 class CausalLMPipeline:
@@ -181,8 +181,6 @@ class CausalLMPipeline:
     def check(self, probe: Any, own_layers: Sequence[nn.Module] = ()) -> tuple[str | None, str | None]:
         """Whether the pipeline computes what the model's ``forward`` does (see
         :mod:`lightning_pipe.huggingface.check`)."""
-        from lightning_pipe.huggingface.check import check_pipeline
-
         return check_pipeline(self, probe, own_layers)
 
     def check_sequence(
@@ -190,8 +188,6 @@ class CausalLMPipeline:
     ) -> str | None:
         """Whether this rank's decoder layers compute under sequence parallelism what they compute
         without it (see :mod:`lightning_pipe.huggingface.sequence_check`)."""
-        from lightning_pipe.huggingface.sequence_check import check_sequence_split
-
         return check_sequence_split(self, probe, own_layers, group)
 
     def probe_kind(self, probe: Any) -> tuple[bool, bool]:

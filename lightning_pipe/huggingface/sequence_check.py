@@ -32,7 +32,7 @@ from lightning_pipe.tensor_parallel.regions import (
 )
 
 if TYPE_CHECKING:
-    from lightning_pipe.huggingface.pipeline import CausalLMPipeline
+    from lightning_pipe.huggingface.view import PipelineView
 
 _TOLERANCE = {torch.float64: (1e-9, 1e-10), torch.float32: (1e-4, 1e-5)}
 """(rtol, atol) by dtype; others (bfloat16, float16): 2e-2 both. A token mixed on a part of the
@@ -40,7 +40,7 @@ sequence differs by the size of the activations, far above these."""
 
 
 def check_sequence_split(
-    pipeline: CausalLMPipeline, probe: Any, own_layers: Sequence[nn.Module], group: dist.ProcessGroup
+    pipeline: PipelineView, probe: Any, own_layers: Sequence[nn.Module], group: dist.ProcessGroup
 ) -> str | None:
     """An error naming the first decoder layer of ``own_layers`` whose output on this rank's part
     of the sequence, gathered, differs from its output on the whole sequence; ``None`` if none
