@@ -2,14 +2,9 @@
 
 Given a module, its ordered pipeline layers and a :class:`~lightning_pipe.mesh.ParallelMesh`, the
 runtime owns everything between "here is a batch" and "the gradients are ready for
-``optimizer.step()``": the partition into stages, tensor-parallel slicing, tied-weight groups,
-materialisation of a meta-built stage, the split of each batch into micro-batches and their loss
-weights, the check that a replica's ranks hold one batch (and, once, that ``forward`` is the
-chained layers), the schedule, deferred BatchNorm, the data-parallel reducer (or FSDP2 over the
-data axis, ``shard_parameters``), the sum of tied copies, global-norm clipping and the checkpoint
-of what this rank holds. It takes its process groups from the mesh and imports nothing from
-Lightning; ``PipeTPStrategy`` adapts Lightning's hooks onto it, and a training loop without a
-Trainer drives it directly (``examples/train_engine.py``).
+``optimizer.step()``", imports nothing from Lightning, and takes its process groups from the mesh;
+``PipeTPStrategy`` adapts Lightning's hooks onto it, and a loop without a Trainer drives it
+directly (``examples/train_engine.py``).
 
 This module is the facade: its methods are the API both callers use (listed in the class
 docstring), and each delegates to the module that holds the concept: what a runtime is built of
@@ -211,12 +206,9 @@ class ParallelRuntime:
         return other_stages_tensors(self.partition, self.layers, self.stage_indices)
 
     def keep_own(self, optimizer: OptimizerT) -> OptimizerT:
-        """``optimizer``, built over the whole module's parameters (other stages' meta tensors
-        included, as ``model.parameters()`` gives them), keeping only this rank's; its groups stay
-        described in whole-model terms, so that its checkpoints load at any layout and on one
-        device (:mod:`lightning_pipe.checkpoint.optimizer_view`). Under ``shard_optimizer_state``
-        it then steps this replica's slices only, and the next forward of each layer waits for the
-        all-gather of its updated parameters. Returns it."""
+        """``optimizer``, built over the whole module's parameters, keeping only this rank's (its
+        groups still described in whole-model terms: :mod:`lightning_pipe.checkpoint.optimizer_view`);
+        under ``shard_optimizer_state`` it then steps this replica's slices only. Returns it."""
         others = self.other_stages_tensors()
         own = {id(p) for p in self.module.parameters() if id(p) not in others and not p.is_meta}
         keep_own(optimizer, self.module, own)
@@ -227,12 +219,9 @@ class ParallelRuntime:
         return optimizer
 
     def wait_for_parameters(self) -> None:
-        """Under ZeRO-1, wait for the updated parameters' all-gathers still in flight after the
-        optimizer's step (the next forward waits for them layer by layer; reads in between are
-        guarded): call it before reading the weights through an alias made before the step (the
-        guard knows the parameters, not their aliases) or from another Python thread (the guard,
-        a torch-function mode, sees this thread's calls only; this call is safe from any thread).
-        Nothing to do otherwise."""
+        """Under ZeRO-1, wait for the parameters' all-gathers still in flight after the step; call it
+        before reading weights through an alias made before the step or from another thread (the
+        read guard sees neither); safe from any thread. Nothing to do otherwise."""
         self.gradients.wait_for_parameters()
 
     def logical(self, optimizer: torch.optim.Optimizer, *, whole_everywhere: bool = False) -> Any:
