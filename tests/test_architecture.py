@@ -131,8 +131,32 @@ _ENGINE = set(ALLOWED)
 ALLOWED["runtime"] = _ENGINE
 ALLOWED["huggingface"] = {"execution", "tensor_parallel", "runtime", "checkpoint"}
 ALLOWED["consolidate"] = {"checkpoint", "mesh", "huggingface"}
-ALLOWED["strategy"] = _ENGINE | {"runtime", "huggingface", "consolidate", "_registration"}
+# The adapter drives the runtime through its package's face (ParallelRuntime and the vocabulary of
+# its signatures, test_the_adapter_reaches_the_runtime_through_its_face); beside it, only what the
+# runtime does not own: the mesh, checkpoint files, fault naming, the data's batches, meta/pretrained
+# construction contexts for Lightning's init_module, schedule kinds and timeline files, the option
+# checks, and a Hugging Face model's reading.
+ALLOWED["strategy"] = {
+    "runtime", "mesh", "checkpoint", "faults", "batches", "construction", "schedule", "arguments",
+    "huggingface",
+}  # fmt: skip
 ALLOWED["modules"] = set()
+
+
+def test_the_adapter_reaches_the_runtime_through_its_face() -> None:
+    """The strategy imports ``lightning_pipe.runtime`` (its ``__all__``: ``ParallelRuntime``, its
+    options and the types of its signatures), never a module inside it, so the runtime's modules
+    can be split or renamed without touching the adapter."""
+    offenders = [
+        describe(module, target, edge)
+        for module, targets in sorted(_graph().items())
+        if module.startswith("lightning_pipe.strategy")
+        for target, edge in sorted(targets.items())
+        if target.startswith("lightning_pipe.runtime.")
+    ]
+    assert offenders == [], "import `lightning_pipe.runtime` (add the name to its __all__):\n" + "\n".join(
+        offenders
+    )
 
 
 def test_packages_import_only_what_the_architecture_map_allows() -> None:

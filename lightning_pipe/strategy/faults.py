@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_pipe.execution.p2p import PipelineCommunicationError
 from lightning_pipe.faults.board import FaultBoard, PeerLostError, add_note, lost_connection
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.faults.signals import StopOnSignal, passed_on_by_rank_zero
 from lightning_pipe.mesh import ParallelLayout
+from lightning_pipe.runtime import PipelineCommunicationError
 
 _SETUP_CALLS = 0
 """Trainer calls set up in this process; the same count on every rank of the job."""

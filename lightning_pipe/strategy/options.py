@@ -28,8 +28,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pipe.arguments import check_count, check_flag
 from lightning_pipe.mesh import ParallelLayout, check_replicate_size
-from lightning_pipe.runtime import RuntimeOptions
-from lightning_pipe.runtime.options import as_timeout
+from lightning_pipe.runtime import RuntimeOptions, as_timeout
 from lightning_pipe.schedule.builders import ScheduleKind
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)

@@ -27,8 +27,7 @@ from torch import nn
 from lightning_pipe.construction.materialize import InitFn
 from lightning_pipe.huggingface.batch_roles import ROLES, StepInputs
 from lightning_pipe.huggingface.parts import UnsupportedModelError, is_causal_lm
-from lightning_pipe.runtime.batch import Microbatch
-from lightning_pipe.runtime.hooks import ModelHooks
+from lightning_pipe.runtime import Microbatch, ModelHooks
 
 _DERIVED = "_lightning_pipe_huggingface"
 

@@ -24,8 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
-from lightning_pipe.runtime import GradientSharding, ParallelRuntime
-from lightning_pipe.runtime.grad_scaler import AgreedGradScaler
+from lightning_pipe.runtime import AgreedGradScaler, GradientSharding, ParallelRuntime
 
 GlobalClip = Callable[[float], torch.Tensor]
 SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")

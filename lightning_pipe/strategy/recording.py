@@ -14,9 +14,8 @@ import os
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_pipe.execution.timeline import TimelineRecorder, gather_timeline
 from lightning_pipe.mesh import ParallelMesh
-from lightning_pipe.partition.model import PipelinePartition
+from lightning_pipe.runtime import PipelinePartition, TimelineRecorder, gather_timeline
 from lightning_pipe.schedule.timeline_export import plot_timeline, write_chrome_trace
 
 

@@ -32,11 +32,15 @@ from typing_extensions import override
 
 from lightning_pipe.construction.meta import meta_tensors_set_aside, parameters_on_meta
 from lightning_pipe.construction.pretrained import WeightFiles
-from lightning_pipe.data_parallel.sharded_optimizer import ShardingError
-from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.mesh import MeshAxis
-from lightning_pipe.runtime import ConfigurationError, ParallelRuntime, RuntimeOptions
-from lightning_pipe.runtime.prepare import preparation_of
+from lightning_pipe.runtime import (
+    ConfigurationError,
+    ParallelRuntime,
+    RecomputeMode,
+    RuntimeOptions,
+    ShardingError,
+    preparation_of,
+)
 from lightning_pipe.schedule.builders import ScheduleKind
 from lightning_pipe.strategy.compat import optimizers_to_device, skip_closure_backward, use_pipeline_summary
 from lightning_pipe.strategy.options import StrategyOptions

@@ -21,9 +21,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_pipe.batches.agreement import StepIdentity
 from lightning_pipe.batches.microbatch import batch_size
 from lightning_pipe.checkpoint.full import to_cpu
-from lightning_pipe.execution.timeline import TimelineRecorder
-from lightning_pipe.runtime import ParallelRuntime
-from lightning_pipe.runtime.batch import Microbatch
+from lightning_pipe.runtime import Microbatch, ParallelRuntime, TimelineRecorder
 from lightning_pipe.strategy.log_capture import (
     BatchMetrics,
     LogCapture,

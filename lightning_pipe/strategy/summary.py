@@ -19,8 +19,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_human_re
 from torch import nn
 from typing_extensions import override
 
-from lightning_pipe.partition.model import PipelinePartition
-from lightning_pipe.runtime.holdings import Holdings
+from lightning_pipe.runtime import Holdings, PipelinePartition
 
 
 class PipelineModelSummary(ModelSummary):
