@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.forkserver
+import multiprocessing.reduction
 import os
 import socket
 import sys
@@ -127,6 +128,27 @@ def _rank_context() -> mp.context.BaseContext:
     return _context
 
 
+class _ParentStream:
+    """The parent's file descriptor ``fd`` (its stdout or stderr), handed to a rank at launch.
+
+    A forked rank's stdout and stderr are the fork server's, which are whatever they were when the
+    server started (the capture file of the test that was running then); a rank writes to its
+    parent's streams as they are now, as a spawned rank did, so that pytest's capture (``capfd``,
+    a failing test's output) sees what the ranks print. The descriptor travels with the launch
+    (``multiprocessing.reduction.DupFd``), which works for ``spawn`` as for ``forkserver``.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _received_fd, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _received_fd(handle: Any) -> int:
+    return int(handle.detach())
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -143,8 +165,12 @@ def _child(
     pg_timeout: float,
     init_group: bool,
     environ: dict[str, str],
+    streams: tuple[int, int],
 ) -> None:
-    # The parent's environment at launch (a forked rank starts with the fork server's).
+    # The parent's streams and environment at launch (a forked rank starts with the fork server's).
+    for fd, target in zip(streams, (1, 2), strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(
@@ -214,11 +240,14 @@ def _launch(
     ctx = _rank_context()
     port = free_port()
     environ = dict(os.environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    streams = (_ParentStream(1), _ParentStream(2))
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, port, out_dir, args, pg_timeout, init_group, environ),
+                args=(fn, r, world_size, port, out_dir, args, pg_timeout, init_group, environ, streams),
                 daemon=True,
             )
             for r in range(world_size)
