@@ -169,8 +169,9 @@ def _child(
 ) -> None:
     # The parent's streams and environment at launch (a forked rank starts with the fork server's).
     for fd, target in zip(streams, (1, 2), strict=True):
-        os.dup2(fd, target)
-        os.close(fd)
+        if fd != target:  # a spawned rank inherits them under their own numbers
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(
