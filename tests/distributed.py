@@ -83,6 +83,12 @@ PRELOAD = (
     "transformers",
     "transformers.models.gpt2.modeling_gpt2",
     "transformers.models.llama.modeling_llama",
+    *(  # tests/hf_families.py's
+        f"transformers.models.{family}.modeling_{family}"
+        for family in ("mistral", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox", "granite", "cohere2")
+    ),
+    "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.auto",
     "safetensors.torch",
     "peft",
     "lightning_pipe",
