@@ -19,9 +19,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, cast
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -60,25 +58,10 @@ class PipeTPSetup(PipeTPProcesses):
     """The model's pipeline on this rank, built at each Trainer call's setup (see the module
     docstring)."""
 
-    def __init__(
-        self,
-        own: StrategyOptions,
-        options: RuntimeOptions,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-    ) -> None:
-        super().__init__(
-            own,
-            options,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+    def __init__(self, own: StrategyOptions, options: RuntimeOptions, **plugins: Any) -> None:
+        # plugins: Lightning's accelerator, devices, cluster environment, checkpoint I/O and
+        # precision plugin, as PipeTPStrategy's constructor received them.
+        super().__init__(own, options, **plugins)
         self.tensor_parallel_plan = own.tensor_parallel_plan
         self.pretrained = cast(str | None, own.pretrained)
         self.pretrained_prefix = own.pretrained_prefix
