@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -120,16 +121,8 @@ def _rank_context() -> mp.context.BaseContext:
     if _context is None:
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(list(PRELOAD))
-        saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-        os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        try:
+        with mock.patch.dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
             multiprocessing.forkserver.ensure_running()
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         _context = context
     return _context
 

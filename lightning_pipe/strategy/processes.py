@@ -18,11 +18,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -45,23 +42,10 @@ class PipeTPProcesses(ParallelStrategy):
     """The processes, the mesh they form and Lightning's collectives over them (see the module
     docstring); the options arrive checked (:func:`~.options.split_arguments`)."""
 
-    def __init__(
-        self,
-        own: StrategyOptions,
-        options: RuntimeOptions,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+    def __init__(self, own: StrategyOptions, options: RuntimeOptions, **plugins: Any) -> None:
+        # plugins: Lightning's accelerator, devices, cluster environment, checkpoint I/O and
+        # precision plugin, as PipeTPStrategy's constructor (which names and types them) received them.
+        super().__init__(**plugins)
         self._timeout = cast(timedelta | None, own.timeout)
         self._process_group_backend = own.process_group_backend
         self._start_method = own.start_method

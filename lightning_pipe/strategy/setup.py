@@ -59,9 +59,7 @@ class PipeTPSetup(PipeTPProcesses):
     docstring)."""
 
     def __init__(self, own: StrategyOptions, options: RuntimeOptions, **plugins: Any) -> None:
-        # plugins: Lightning's accelerator, devices, cluster environment, checkpoint I/O and
-        # precision plugin, as PipeTPStrategy's constructor received them.
-        super().__init__(own, options, **plugins)
+        super().__init__(own, options, **plugins)  # plugins: see PipeTPProcesses
         self.tensor_parallel_plan = own.tensor_parallel_plan
         self.pretrained = cast(str | None, own.pretrained)
         self.pretrained_prefix = own.pretrained_prefix
