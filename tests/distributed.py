@@ -24,6 +24,7 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
+import runpy
 import socket
 import sys
 import tempfile
@@ -323,3 +324,26 @@ def run_distributed_outcomes(
     """Like :func:`run_distributed` for runs that are meant to fail: waits for every rank to end
     on its own (until ``timeout``), and returns each rank's outcome instead of raising."""
     return _launch(fn, world_size, args, timeout, pg_timeout, init_group, grace=timeout)
+
+
+def _script_main(path: str, argv: list[str], cwd: str) -> None:
+    """Run ``path`` as ``python path *argv`` would run it, in ``cwd``, in this rank."""
+    os.chdir(cwd)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, str(Path(path).parent))  # as the interpreter puts a script's folder first
+    runpy.run_path(path, run_name="__main__")
+
+
+def run_script(
+    path: str | Path, argv: list[str], world_size: int, cwd: str | Path, timeout: float = 300.0
+) -> None:
+    """Run a script on ``world_size`` ranks as ``torchrun --nproc-per-node world_size path *argv``
+    would: each rank runs it as ``__main__`` with torchrun's ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK`` and ``MASTER_*`` set (so a Lightning ``Trainer`` starts no processes of its own,
+    and a script calling ``init_process_group()`` joins the others), but forked from the fork
+    server instead of a fresh interpreter per rank, which costs each rank seconds of imports. Tests
+    of the launchers themselves (torchrun, Lightning's) start those instead.
+    """
+    run_distributed(
+        _script_main, world_size, str(path), list(argv), str(cwd), init_group=False, timeout=timeout
+    )

@@ -66,25 +66,43 @@ def _fresh(code: str) -> str:
     return done.stdout
 
 
-def test_the_engine_imports_no_lightning() -> None:
-    out = _fresh(
-        "import sys, lightning_pipe.runtime, lightning_pipe\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
+_REGISTERED = (
+    "from lightning.pytorch.strategies import StrategyRegistry\n"
+    "import lightning as L\n"
+    "t = L.Trainer(strategy='pipe_tp', accelerator='cpu', devices=2, logger=False)\n"
+    "print(type(t.strategy).__name__, 'pipe_tp' in StrategyRegistry)"
+)
+
+
+@pytest.fixture(scope="module")
+def engine_first() -> list[str]:
+    """One fresh interpreter for two questions (each costs seconds of imports): which Lightning
+    modules the engine and the top-level package import (none), and whether ``"pipe_tp"`` is
+    registered when ``lightning_pipe`` is imported before ``lightning``."""
+    return (
+        _fresh(
+            "import sys, lightning_pipe.runtime, lightning_pipe\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))\n"
+            "import lightning\n" + _REGISTERED
+        )
+        .strip()
+        .splitlines()
     )
-    assert out.strip() == "[]", out
+
+
+def test_the_engine_imports_no_lightning(engine_first: list[str]) -> None:
+    assert engine_first[0] == "[]", engine_first
 
 
 @pytest.mark.parametrize("first", ["lightning_pipe", "lightning"])
-def test_pipe_tp_is_registered_whichever_is_imported_first(first: str) -> None:
-    second = "lightning" if first == "lightning_pipe" else "lightning_pipe"
-    out = _fresh(
-        f"import {first}\nimport {second}\n"
-        "from lightning.pytorch.strategies import StrategyRegistry\n"
-        "import lightning as L\n"
-        "t = L.Trainer(strategy='pipe_tp', accelerator='cpu', devices=2, logger=False)\n"
-        "print(type(t.strategy).__name__, 'pipe_tp' in StrategyRegistry)"
-    )
-    assert out.strip().splitlines()[-1] == "PipeTPStrategy True", out
+def test_pipe_tp_is_registered_whichever_is_imported_first(
+    first: str, request: pytest.FixtureRequest
+) -> None:
+    if first == "lightning_pipe":
+        out = request.getfixturevalue("engine_first")
+    else:
+        out = _fresh("import lightning\nimport lightning_pipe\n" + _REGISTERED).strip().splitlines()
+    assert out[-1] == "PipeTPStrategy True", out
 
 
 def _graph() -> Graph:

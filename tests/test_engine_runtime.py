@@ -6,7 +6,8 @@ sharded checkpoint, saved after step 6, resumes at pp=4 and continues on the sam
 construction, tensor-parallel sharding, the data-parallel reducer, clipping and checkpoints all go
 through the runtime's public API as a user's loop calls it. With ``--shard-parameters`` (FSDP2
 over the data axis) at dp=2 x pp=2 the losses are the same, and its checkpoint resumes unsharded
-at pp=4.
+at pp=4. The 3D run goes through torchrun itself; the others run the same script with the same
+arguments on ranks forked from the tests' fork server (``tests.distributed.run_script``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_pipe.construction.materialize import materialize
+from tests.distributed import run_script
 
 pytestmark = pytest.mark.distributed
 
@@ -52,26 +54,33 @@ def _plain_torch_losses() -> dict[int, float]:
     return losses
 
 
-def _torchrun(cwd: Path, processes: int, *args: str) -> dict[int, float]:
+def _run(cwd: Path, processes: int, *args: str, torchrun: bool = False) -> dict[int, float]:
+    """The example on ``processes`` ranks: under torchrun itself, or on ranks forked from the
+    tests' fork server with torchrun's environment (the same script and arguments, without a fresh
+    interpreter per rank importing torch again)."""
     out = cwd / f"losses-{processes}-{len(args)}.json"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-        str(SCRIPT), "--steps", str(STEPS), "--losses", str(out), *args,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    argv = ["--steps", str(STEPS), "--losses", str(out), *args]
+    if torchrun:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+            str(SCRIPT), *argv,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    else:
+        run_script(SCRIPT, argv, processes, cwd)
     return {int(step): loss for step, loss in json.loads(out.read_text()).items()}
 
 
 def test_runtime_trains_dp_pp_tp_like_one_process_and_resumes_at_another_layout(tmp_path: Path) -> None:
-    three_d = _torchrun(tmp_path, 8, "--dp", "2", "--pp", "2", "--tp", "2", "--save-at", "6")
+    three_d = _run(tmp_path, 8, "--dp", "2", "--pp", "2", "--tp", "2", "--save-at", "6", torchrun=True)
     assert (tmp_path / "engine.ckpt" / "pipe_tp_metadata.json").is_file()
     one = _plain_torch_losses()
     assert sorted(three_d) == list(range(STEPS))
     for step, loss in one.items():
         assert three_d[step] == pytest.approx(loss, abs=1e-5), f"dp2 x pp2 x tp2, step {step}"
-    resumed = _torchrun(tmp_path, 4, "--pp", "4", "--resume")
+    resumed = _run(tmp_path, 4, "--pp", "4", "--resume")
     assert sorted(resumed) == list(range(6, STEPS))  # continues after the saved step
     for step, loss in resumed.items():
         assert loss == pytest.approx(one[step], abs=1e-5), f"resumed at pp=4, step {step}"
@@ -82,11 +91,11 @@ def test_runtime_with_sharded_parameters_trains_like_one_process_and_resumes_uns
 ) -> None:
     """``--shard-parameters`` (FSDP2 over the data axis) at dp=2 x pp=2: the same losses; its
     checkpoint resumes at pp=4 without sharding on the same losses."""
-    sharded = _torchrun(tmp_path, 4, "--dp", "2", "--pp", "2", "--shard-parameters", "--save-at", "6")
+    sharded = _run(tmp_path, 4, "--dp", "2", "--pp", "2", "--shard-parameters", "--save-at", "6")
     one = _plain_torch_losses()
     for step, loss in one.items():
         assert sharded[step] == pytest.approx(loss, abs=1e-5), f"dp2 x pp2 sharded, step {step}"
-    resumed = _torchrun(tmp_path, 4, "--pp", "4", "--resume")
+    resumed = _run(tmp_path, 4, "--pp", "4", "--resume")
     assert sorted(resumed) == list(range(6, STEPS))
     for step, loss in resumed.items():
         assert loss == pytest.approx(one[step], abs=1e-5), f"resumed unsharded at pp=4, step {step}"

@@ -13,6 +13,8 @@ import pytest
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_pipe import PipeTPStrategy
+from lightning_pipe.consolidate import main as consolidate_main
+from tests.distributed import run_script
 from tests.lightning_models import Regressor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,19 +61,31 @@ def test_cli_help_lists_strategy_options(capsys: pytest.CaptureFixture[str]) -> 
     assert "find_unused_parameters" not in out and "static_graph" not in out
 
 
-def _train_example(script: str, config: str, tmp_path: Path, *args: str) -> list[float]:
+def _train_example(
+    script: str, config: str, tmp_path: Path, *args: str, launcher: bool = True
+) -> list[float]:
     """Run an example's LightningCLI ``fit`` with a CSV logger under ``tmp_path``; its validation
-    losses in order."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable, script, "fit", "--config", config, *args,
+    losses in order.
+
+    ``launcher``: as the README's command runs it (``python script fit ...``: Lightning's launcher
+    starts the other process); otherwise on ranks forked from the tests' fork server with
+    torchrun's environment (:func:`tests.distributed.run_script`: the same script and arguments
+    without a fresh interpreter per rank importing Lightning again)."""
+    argv = [
+        "fit", "--config", config, *args,
         "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={tmp_path}",
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
         f"--trainer.logger.save_dir={tmp_path}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    if launcher:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run(
+            [sys.executable, script, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    else:
+        run_script(ROOT / script, argv, 2, ROOT)
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     return [float(r["val_loss"]) for r in rows if r.get("val_loss")]
 
@@ -86,6 +100,8 @@ def _train_example(script: str, config: str, tmp_path: Path, *args: str) -> list
     ids=["pp2", "tp2"],
 )
 def test_example_gpt_learns_on_two_processes(tmp_path: Path, layout: list[str]) -> None:
+    # pp=2 through Lightning's launcher, as the README's command; tp=2 on forked ranks.
+    launcher = "--trainer.strategy.pipeline_parallel_size=2" in layout
     val = _train_example(
         "examples/gpt/train.py", "examples/gpt/configs/pipe_tp.yaml", tmp_path,
         "--trainer.devices=2",
@@ -96,6 +112,7 @@ def test_example_gpt_learns_on_two_processes(tmp_path: Path, layout: list[str]) 
         "--trainer.limit_val_batches=5",
         "--model.d_model=64", "--model.n_layers=2",
         "--data.max_chars=300000", "--data.batch_size=16",
+        launcher=launcher,
     )  # fmt: skip
     # Validation after 30 and 60 steps; the untrained model starts near ln(97) = 4.57.
     assert len(val) == 2 and val[0] < 3.5 and val[1] < val[0], val
@@ -112,16 +129,14 @@ def test_example_huggingface_model_learns_on_two_processes(tmp_path: Path) -> No
         "--trainer.val_check_interval=20",
         "--trainer.limit_val_batches=4",
         "--data.max_chars=200000",
+        launcher=False,
     )  # fmt: skip
     # Validation after 20 and 40 steps; the untrained model starts near ln(264) = 5.6.
     assert len(val) == 2 and val[0] < 4.0 and val[1] < val[0], val
     checkpoint = next(tmp_path.rglob("*.ckpt"))
     out = tmp_path / "exported"
-    export = [sys.executable, "-m", "lightning_pipe.consolidate", str(checkpoint), str(out)]
-    export.append("--to-huggingface")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(export, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # The command's entry point in this process (tests/test_checkpoint_format.py runs the command).
+    assert consolidate_main([str(checkpoint), str(out), "--to-huggingface"]) == 0
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(out).model_type == "llama"

@@ -26,17 +26,24 @@ pytestmark = pytest.mark.distributed
 
 DATA = dataset(32, seed=1)
 DEADLINE = timedelta(seconds=40)
+SAVE_DEADLINE = timedelta(seconds=20)
 
 
-def _trainer(root: str, callbacks: list[L.Callback] | None = None, max_steps: int = 3) -> L.Trainer:
+def _trainer(
+    root: str,
+    callbacks: list[L.Callback] | None = None,
+    max_steps: int = 3,
+    deadline: timedelta = DEADLINE,
+) -> L.Trainer:
     """pp=2 on two ranks, with the short exchange deadline."""
-    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=DEADLINE)
+    strategy = PipeTPStrategy(pipeline_parallel_size=2, num_microbatches=2, timeout=deadline)
     return quiet_trainer(strategy, 2, root, max_steps=max_steps, callbacks=callbacks or [])
 
 
 def rank_zero_save_worker(root: str) -> None:
     model = Regressor()
-    trainer = _trainer(root)
+    # A shorter deadline: the save waits half of it for the other rank, which never comes.
+    trainer = _trainer(root, deadline=SAVE_DEADLINE)
     trainer.fit(model, loader(DATA, 8, reference=False))
     if trainer.is_global_zero:  # the habit from other strategies
         trainer.save_checkpoint(os.path.join(root, "only-rank-0.ckpt"))
@@ -49,7 +56,7 @@ def test_save_checkpoint_on_one_rank_says_to_call_it_everywhere() -> None:
     assert all(o.exitcode == 1 and not o.killed for o in outcomes), outcomes
     first, second = (o.error or "" for o in outcomes)
     assert (
-        "CheckpointError: Saving a checkpoint on rank 0: not every rank started the save within 20s" in first
+        "CheckpointError: Saving a checkpoint on rank 0: not every rank started the save within 10s" in first
     )
     assert "call it on every rank (not under `if trainer.is_global_zero:`)" in first
     # Rank 1 waits in the store (creating the next call's groups) until rank 0's process ends, so
@@ -60,7 +67,7 @@ def test_save_checkpoint_on_one_rank_says_to_call_it_everywhere() -> None:
         in second
         or "rank 0 (dp_rank 0, pp_rank 0, tp_rank 0), the process that hosts it, has stopped" in second
     ), second[-2000:]
-    # Rank 0 gives up after half the 40 s deadline; rank 1, still waiting, follows at once.
+    # Rank 0 gives up after half the 20 s deadline; rank 1, still waiting, follows at once.
     assert outcomes[1].seconds - outcomes[0].seconds < 10
 
 

@@ -431,27 +431,77 @@ def _step_and_end(rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _launches_that_end(launches: int) -> None:
+    """Run ``launches`` two-rank lives of :func:`_step_and_end`, each rank a child forked from
+    this process (which imported torch and the package once), and print their exit codes.
+
+    A child leaves by raising ``SystemExit`` out of this function, so it ends the ordinary way: the
+    stack unwinds to the interpreter, which finalizes (atexit handlers, module teardown, gloo's
+    threads still running), exactly what a spawned process does at its end, without paying for a
+    fresh interpreter's imports per rank.
+    """
+    import json
+    import os
+    import sys
+    import traceback
+
+    from tests.distributed import free_port
+
+    codes = []
+    for _ in range(launches):
+        port = free_port()
+        pids = []
+        for rank in range(2):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    _step_and_end(rank, port)
+                except BaseException:
+                    traceback.print_exc()
+                    os._exit(1)
+                raise SystemExit(0)
+            pids.append(pid)
+        deadline = time.monotonic() + 60
+        statuses: dict[int, int | None] = dict.fromkeys(pids)
+        while time.monotonic() < deadline and None in statuses.values():
+            for pid in pids:
+                if statuses[pid] is None:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        statuses[pid] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
+        for pid in pids:
+            if statuses[pid] is None:  # a hang: killed, reported as such
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                statuses[pid] = "killed after 60 s"  # type: ignore[assignment]
+        codes.append([statuses[pid] for pid in pids])
+    print(json.dumps(codes))
+
+
 @pytest.mark.distributed
 def test_a_process_ending_right_after_the_gathers_exits_cleanly() -> None:
     # A gather's work dropped right after its wait was destroyed on gloo's worker thread, which
     # then needed the GIL while the interpreter was finalizing: "terminate called without an
     # active exception", exit code -6, in 9 of 24 such launches (0 of 24 now: the works are kept
     # until the next launch). Six launches catch that rate with probability 1 - (15/24)^6 = 0.94.
-    import multiprocessing
+    # The ranks are forked from one fresh interpreter and end through its finalization (see
+    # _launches_that_end): a rank forked by the tests' launcher would skip finalization (it leaves
+    # by os._exit), and a spawned one would import torch again for each of the 12 lives.
+    import json
+    import os
+    import subprocess
+    import sys
 
-    from tests.distributed import free_port
-
-    context = multiprocessing.get_context("spawn")
-    codes = []
-    for _ in range(6):
-        port = free_port()
-        procs = [context.Process(target=_step_and_end, args=(rank, port)) for rank in range(2)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        codes.append(tuple(proc.exitcode for proc in procs))
-    assert all(code == (0, 0) for code in codes), f"exit codes per launch: {codes}"
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    command = "from tests.test_parameter_gather import _launches_that_end; _launches_that_end(6)"
+    done = subprocess.run(
+        [sys.executable, "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(code == [0, 0] for code in codes), f"exit codes per launch: {codes}\n{done.stderr[-5000:]}"
