@@ -11,6 +11,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from lightning_pipe.batches.microbatch import signature
 from lightning_pipe.execution.executor import PipelineExecutor
+from lightning_pipe.execution.stamps import DeviceEventClock
 from lightning_pipe.execution.timeline import TimelineRecorder, gather_timeline
 from lightning_pipe.partition.balance import compute_balance, split_layers
 from lightning_pipe.schedule.builders import build_schedule
@@ -96,6 +98,35 @@ def test_recorder_spans_and_stats() -> None:
     assert gather_timeline(recorder) == sorted(recorder.events, key=lambda e: e.start)
 
 
+def test_device_clock_reads_its_events_after_the_step_in_host_seconds() -> None:
+    synchronized: list[torch.device] = []
+    clock = DeviceEventClock(torch.device("cpu"), HostEvent, synchronized.append)
+    assert len(synchronized) == 1  # its origin: the device drained once, when it is made
+    recorder = TimelineRecorder(rank=1, clock=clock)
+    recorder.start()
+    assert len(synchronized) == 2  # a recording's start rebases it (waits, between steps)
+    forward = build_schedule("gpipe", 2, 1).actions[0][0]
+    HostEvent.waited = 0
+    before = time.perf_counter()
+    start = recorder.stamp()
+    time.sleep(0.01)
+    end = recorder.stamp()
+    recorder(forward, start, end)
+    with recorder.span("optimizer step"):
+        time.sleep(0.005)
+    after = time.perf_counter()
+    assert HostEvent.waited == 0 and len(synchronized) == 2  # recording waited for nothing
+    events = recorder.events
+    assert HostEvent.waited == 4  # reading did, once per stamp
+    f0, span = events
+    assert (f0.name, f0.rank, span.name, span.kind) == ("F0", 1, "optimizer step", SPAN)
+    # Host seconds from the recorder's origin, in order, as long as the sleeps.
+    low, high = before - recorder.t0, after - recorder.t0
+    assert low - 1e-3 <= f0.start < f0.end <= span.start < span.end <= high + 1e-3
+    assert f0.end - f0.start >= 0.01 - 1e-4 and span.end - span.start >= 0.005 - 1e-4
+    assert recorder.events == events and HostEvent.waited == 4  # read once
+
+
 def test_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"lightning-pipe\[plot\]"):
@@ -109,11 +140,16 @@ def recorded_worker(kinds: list[str]) -> dict[str, Any]:
     params = [q for layer in stage for q in layer.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     executor = PipelineExecutor({rank: stage}, p, list(range(p)), torch.device("cpu"))
-    recorder = TimelineRecorder()
     out = {}
     for kind in kinds:
+        kind, _, clock = kind.partition("@")
+        recorder = TimelineRecorder()
+        if clock == "events":  # a device clock's code path, with host-timed events
+            clock_ = DeviceEventClock(torch.device("cpu"), HostEvent, lambda _: None)
+            recorder = TimelineRecorder(clock=clock_)
         schedule = build_schedule(kind, p, M)
         recorder.start()
+        HostEvent.waited = 0
         for step in range(STEPS):
             mbs = [make_batch(3, 5, seed=10 * step + i) for i in range(M)]
             opt.zero_grad()
@@ -127,14 +163,35 @@ def recorded_worker(kinds: list[str]) -> dict[str, Any]:
             )
             with recorder.span("optimizer step"):
                 opt.step()
-        out[kind] = gather_timeline(recorder)
+        name = f"{kind}@{clock}" if clock else kind
+        out[f"{name} waited in steps"] = HostEvent.waited if rank == 0 else []
+        out[name] = gather_timeline(recorder)
+        out[f"{name} waited to read"] = HostEvent.waited if rank == 0 else []
         errors = [0.0, 0.0]
         dist.all_gather_object(errors, recorder.origin_error)
-        out[f"{kind} origin error"] = errors if rank == 0 else []
+        out[f"{name} origin error"] = errors if rank == 0 else []
     return out
 
 
-KINDS = ["1f1b", "gpipe"]
+class HostEvent:
+    """A CUDA event's interface (``record``, ``synchronize``, ``elapsed_time`` in milliseconds)
+    timed by the host's clock, which on a CPU is when the work is done: the device clock's code path
+    (stamps in the step, read afterwards) runs here as it will on a GPU."""
+
+    waited = 0
+    """How many times an event was waited for."""
+
+    def record(self, stream: Any = None) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        HostEvent.waited += 1
+
+    def elapsed_time(self, other: HostEvent) -> float:
+        return (other.time - self.time) * 1e3
+
+
+KINDS = ["1f1b", "gpipe", "1f1b@events"]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +205,11 @@ def recorded() -> dict[str, Any]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_recorded_timeline_two_ranks(recorded: dict[str, Any], kind: str, tmp_path: Path) -> None:
     events = recorded[kind]
-    schedule = build_schedule(kind, 2, M)
+    schedule = build_schedule(kind.partition("@")[0], 2, M)
+    # Nothing waited for the device while the steps ran; with events, reading the timeline did.
+    assert recorded[f"{kind} waited in steps"] == 0
+    if kind.endswith("@events"):
+        assert recorded[f"{kind} waited to read"] > 0
     for rank in range(2):
         mine = [e for e in events if e.rank == rank]
         assert len(mine) == STEPS * (len(schedule.actions[rank]) + 1)

@@ -1,7 +1,12 @@
 """One clock origin for every rank of a group, as NTP does it: each rank measures its
 ``time.perf_counter()`` offset to the group's first rank by ping-pong exchanges, because ranks
 leave a barrier up to milliseconds apart, more than a forward often takes
-(:meth:`~lightning_pipe.execution.timeline.TimelineRecorder.start`)."""
+(:meth:`~lightning_pipe.execution.timeline.TimelineRecorder.start`).
+
+On NCCL a ``recv`` returns when it is queued, not when the message has arrived: read right after
+it, the clock would be early by however long the message takes (docs/gpu.md, F3). Each receive is
+therefore followed by a wait for the device (:func:`_arrived`) before the clock is read; this runs
+when a recording starts, never inside a step."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ def common_origin(group: dist.ProcessGroup | None, samples: int = 8) -> tuple[fl
             peer_rank = dist.get_global_rank(group, peer) if group is not None else peer
             for _ in range(samples):
                 dist.recv(buf, peer_rank, group=group)
+                _arrived(device)
                 buf.fill_(time.perf_counter())
                 dist.send(buf, peer_rank, group=group)
     else:
@@ -36,6 +42,7 @@ def common_origin(group: dist.ProcessGroup | None, samples: int = 8) -> tuple[fl
             sent = time.perf_counter()
             dist.send(buf, root, group=group)
             dist.recv(buf, root, group=group)
+            _arrived(device)
             back = time.perf_counter()
             if back - sent < best:
                 best, offset = back - sent, (sent + back) / 2 - float(buf.item())
@@ -43,3 +50,10 @@ def common_origin(group: dist.ProcessGroup | None, samples: int = 8) -> tuple[fl
     origin = torch.tensor([time.perf_counter() if me == 0 else 0.0], dtype=torch.float64, device=device)
     dist.broadcast(origin, root, group=group)
     return float(origin.item()) + offset, error
+
+
+def _arrived(device: torch.device) -> None:
+    """Return once what was received on ``device`` is there (on CUDA, a queued ``recv`` has only
+    made the stream wait; on a CPU, gloo's ``recv`` has already returned with the message)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -19,11 +19,10 @@ keeps that state for a step. :mod:`.memory` meters the activation memory when as
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -63,9 +62,16 @@ class StepResult:
     ``measure_activation_memory``)."""
 
 
-ActionRecorder = Callable[[Action, float, float], None]
-"""Called with an action and its start and end (``time.perf_counter()`` seconds) after it ran; a
-communication batch reports each of its actions with the batch's span (post and wait)."""
+class ActionRecorder(Protocol):
+    """The timeline's hook (:class:`~lightning_pipe.execution.timeline.TimelineRecorder`): stamps
+    taken around each action, then reported with it; a communication batch reports each of its
+    actions with the batch's span (post and wait). Stamps are the recorder's own (host seconds on a
+    CPU, CUDA events on a GPU: :mod:`lightning_pipe.execution.stamps`), so that the executor never
+    waits for the device to time its work."""
+
+    def stamp(self) -> Any: ...
+
+    def __call__(self, action: Action, start: Any, end: Any) -> None: ...
 
 
 def _add_note(err: BaseException, note: str) -> None:
@@ -229,7 +235,7 @@ class PipelineExecutor:
             for position, batch in enumerate(batches):
                 if position == last_backward and before_last_backward is not None:
                     before_last_backward()
-                start = time.perf_counter() if recorder is not None else 0.0
+                start = recorder.stamp() if recorder is not None else None
                 if batch[0].kind.is_compute:
                     try:
                         self._compute(batch[0])
@@ -240,7 +246,7 @@ class PipelineExecutor:
                     ahead = following[position] if early else []
                     self.receives_posted_early += self._messages.communicate(batch, ahead, early)
                 if recorder is not None:
-                    end = time.perf_counter()
+                    end = recorder.stamp()
                     for action in batch:
                         recorder(action, start, end)
             self.transport.flush()

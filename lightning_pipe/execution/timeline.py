@@ -6,7 +6,9 @@ events on one rank; :mod:`lightning_pipe.schedule.timeline_export` writes them (
 
 Plain torch and Python only (no Lightning), so the engine can be profiled without a Trainer. Times
 are ``time.perf_counter()`` seconds relative to the recorder's origin. :meth:`TimelineRecorder.start`
-gives all ranks one origin (:mod:`.clock`).
+gives all ranks one origin (:mod:`.clock`). On CUDA the spans are the stream's, from events
+(:mod:`.stamps`), read when the events are first asked for, after the step: recording makes the
+host wait for the device only when a recording starts.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_pipe.execution.clock import common_origin
+from lightning_pipe.execution.stamps import Clock, DeviceEventClock, clock_for
 from lightning_pipe.schedule.actions import Action
 from lightning_pipe.schedule.timeline import SPAN, TimelineEvent, in_order
 
@@ -29,21 +33,52 @@ class TimelineRecorder:
     Args:
         rank: the rank its events belong to (default: the global rank, or 0 without a group).
         t0: origin of the times, in ``time.perf_counter()`` seconds (default: now).
+        device: where the work runs; on CUDA the spans come from events on its current stream
+            (:class:`~lightning_pipe.execution.stamps.DeviceEventClock`), elsewhere from the host's
+            clock.
+        clock: the stamps' clock, instead of the one ``device`` implies.
     """
 
-    def __init__(self, rank: int | None = None, t0: float | None = None) -> None:
+    def __init__(
+        self,
+        rank: int | None = None,
+        t0: float | None = None,
+        device: torch.device | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = rank
+        self.clock = clock if clock is not None else clock_for(device)
         self.t0 = time.perf_counter() if t0 is None else t0
-        self.events: list[TimelineEvent] = []
+        self._events: list[TimelineEvent] = []
+        self._pending: list[tuple[Action | str, Any, Any]] = []
+        """What was recorded since :attr:`events` was last read: (action or span name, start stamp,
+        end stamp), read into events then (a device clock's stamps wait for the device)."""
         self.origin_error = 0.0
         """How far this rank's origin may be from the group's first rank's, at most, in seconds
         (half the shortest round trip of :meth:`start`'s estimate; 0 on that rank)."""
 
-    def __call__(self, action: Action, start: float, end: float) -> None:
-        """The executor's hook: record ``action`` run from ``start`` to ``end`` (perf_counter s)."""
-        self.events.append(TimelineEvent.of_action(self.rank, action, start - self.t0, end - self.t0))
+    @property
+    def events(self) -> list[TimelineEvent]:
+        """The recorded events, in the order they were recorded (reading them waits for the device
+        to reach the last one: read after the step)."""
+        for what, start, end in self._pending:
+            begin, finish = self.clock.seconds(start) - self.t0, self.clock.seconds(end) - self.t0
+            if isinstance(what, str):
+                self._events.append(TimelineEvent(self.rank, what, SPAN, begin, finish))
+            else:
+                self._events.append(TimelineEvent.of_action(self.rank, what, begin, finish))
+        self._pending.clear()
+        return self._events
+
+    def stamp(self) -> Any:
+        """Now, in this recorder's clock (a host time, or an event on the device's stream)."""
+        return self.clock.stamp()
+
+    def __call__(self, action: Action, start: Any, end: Any) -> None:
+        """The executor's hook: record ``action`` run between the stamps ``start`` and ``end``."""
+        self._pending.append((action, start, end))
 
     def start(self, group: dist.ProcessGroup | None = None) -> None:
         """Forget recorded events and set a common origin on every rank of ``group``.
@@ -53,25 +88,31 @@ class TimelineRecorder:
         every rank estimates its clock's offset to the group's first rank by a few ping-pong
         exchanges (keeping the one with the shortest round trip, so the error is at most half of
         it) and takes that rank's "now" as the origin. Without a process group it is just "now".
+        A device clock is rebased first (it waits for the device), so that its events and the
+        host's clock agree from here on.
         """
-        self.events.clear()
+        self._events.clear()
+        self._pending.clear()
+        if isinstance(self.clock, DeviceEventClock):
+            self.clock.rebase()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             self.t0, self.origin_error = time.perf_counter(), 0.0
             return
         self.t0, self.origin_error = common_origin(group)
 
-    def add_span(self, name: str, start: float, end: float) -> None:
-        """Record a named span (``perf_counter`` seconds) that is not a schedule action."""
-        self.events.append(TimelineEvent(self.rank, name, SPAN, start - self.t0, end - self.t0))
+    def add_span(self, name: str, start: Any, end: Any) -> None:
+        """Record a named span that is not a schedule action, between two stamps of
+        :meth:`stamp` (with the host's clock: ``perf_counter`` seconds)."""
+        self._pending.append((name, start, end))
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
         """Record the time spent in the ``with`` block as a span called ``name``."""
-        start = time.perf_counter()
+        start = self.stamp()
         try:
             yield
         finally:
-            self.add_span(name, start, time.perf_counter())
+            self.add_span(name, start, self.stamp())
 
 
 def gather_timeline(

@@ -31,7 +31,6 @@ precision plugins, clipping and fp16's refusals (:mod:`.precision`), the model s
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -151,7 +150,7 @@ class PipeTPStrategy(PipeTPSetup):
                 self.module, self.runtime, "training_step", args, self.reduce, self._redirect,
                 final=not should_accumulate(trainer), loss_weight=1.0 / trainer.accumulate_grad_batches,
                 scale_loss=loss_scaler(self.precision_plugin),
-                recorder=self.timeline.recorder_for(trainer.global_step, self.global_rank),
+                recorder=self.timeline.recorder_for(trainer.global_step, self.global_rank, self.root_device),
                 prepare=self._prepare_step,
             )  # fmt: skip
         run_hooks(trainer, "on_after_backward")
@@ -179,20 +178,22 @@ class PipeTPStrategy(PipeTPSetup):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # This step's recorder (the closure's training_step asks for the same one).
-        recorder = self.timeline.recorder_for(self.module.trainer.global_step, self.global_rank)
+        recorder = self.timeline.recorder_for(
+            self.module.trainer.global_step, self.global_rank, self.root_device
+        )
         if recorder is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # The closure (this step's whole pipeline) runs inside optimizer.step: time what follows it.
-        closure_end: list[float] = []
+        closure_end: list[Any] = []
 
         def timed_closure() -> Any:
             result = closure()
-            closure_end.append(time.perf_counter())
+            closure_end.append(recorder.stamp())
             return result
 
         output = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
         if closure_end:
-            recorder.add_span("optimizer step", closure_end[-1], time.perf_counter())
+            recorder.add_span("optimizer step", closure_end[-1], recorder.stamp())
         return output
 
     # ZeRO-1's parameter gathers overlap the next training forward; where the loop leaves

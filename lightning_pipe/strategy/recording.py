@@ -28,19 +28,19 @@ class TimelineRecording:
         self._first: TimelineRecorder | None = None
         self._written = False
 
-    def recorder_for(self, step: int, rank: int) -> TimelineRecorder | None:
+    def recorder_for(self, step: int, rank: int, device: torch.device) -> TimelineRecorder | None:
         """The recorder of training step ``step``: step 0's on the side, steps 1 to ``steps`` in
         the window, ``None`` after it. Creating one is collective (one time origin for all ranks):
-        every rank asks at the same step."""
+        every rank asks at the same step. On CUDA its spans are the stream's (events)."""
         if self.path is None or step > self.steps:
             return None
         if step == 0:
             if self._first is None:
-                self._first = TimelineRecorder(rank)
+                self._first = TimelineRecorder(rank, device=device)
                 self._first.start()
             return self._first
         if self._window is None:
-            self._window = TimelineRecorder(rank)
+            self._window = TimelineRecorder(rank, device=device)
             self._window.start()
         return self._window
 
