@@ -30,6 +30,18 @@ def default_of(value: Any) -> str:
     return f"`{value!r}`"
 
 
+def first_sentence(text: str, limit: int = 110) -> str:
+    """The description's first sentence, shortened at a word to about ``limit`` characters (the
+    summary table's cell; the whole text follows in the option's own section)."""
+    sentence = re.split(r"(?<=[.])\s", text, maxsplit=1)[0]
+    if len(sentence) <= limit:
+        return sentence
+    cut = sentence[:limit].rsplit(" ", 1)[0]
+    if cut.count("`") % 2:  # never end inside a code span
+        cut = cut[: cut.rindex("`")].rstrip()
+    return cut.rstrip(" ,;:(") + " …"
+
+
 def options_page() -> str:
     from lightning_pipe import PipeTPStrategy
     from lightning_pipe.runtime import RuntimeOptions
@@ -62,25 +74,29 @@ def options_page() -> str:
         "bad value refused with one sentence naming the option, the value and what is allowed; a "
         "layout that cannot fit the devices is refused when the `Trainer` is built.",
         "",
-        "| option | default | owner |",
+        "| option | default | in short |",
         "|---|---|---|",
     ]
     for p in parameters:
-        owner = (
-            "both (engine's text first)"
-            if p.name in SHARED_FIELDS
-            else ("strategy" if p.name in own else "engine" if p.name in engine else "?")
-        )
-        lines.append(f"| [`{p.name}`](#{p.name}) | {default_of(p.default)} | {owner} |")
+        text = markdown(" ".join(descriptions[p.name].split()))
+        lines.append(f"| [`{p.name}`](#{p.name}) | {default_of(p.default)} | {first_sentence(text)} |")
     lines.append("")
     for p in parameters:
         annotation = p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(p.annotation)
+        if p.name in SHARED_FIELDS:
+            where = (
+                "`RuntimeOptions` (the engine's description) and `StrategyOptions` (what the strategy adds)"
+            )
+        else:
+            where = "`StrategyOptions`" if p.name in own else "`RuntimeOptions`" if p.name in engine else "?"
         lines += [
             f"## `{p.name}` {{#{p.name}}}",
             "",
             f"`{p.name}: {annotation} = {p.default!r}`",
             "",
             markdown(" ".join(descriptions[p.name].split())),
+            "",
+            f"<small>Documented in {where}.</small>",
             "",
         ]
     return "\n".join(lines)
