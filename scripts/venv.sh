@@ -15,7 +15,7 @@ if [[ ! -x "$venv/bin/python" || ! -f "$venv/.installed" ]]; then
   # `pip install torch` on Linux pulls a multi-GB CUDA build); TORCH_REQUIREMENT and
   # TORCH_INDEX_URL choose another (see scripts/install_torch.sh).
   bash "$root/scripts/install_torch.sh" "$venv/bin/python"
-  "$venv/bin/python" -m pip install --quiet -e "$root[dev]"
+  "$venv/bin/python" -m pip install --quiet -e "$root[dev,docs]"
   touch "$venv/.installed"
 fi
 export PATH="$venv/bin:$PATH"

@@ -1,5 +1,6 @@
-"""The README's example: LightningCLI with the pipe_tp strategy by class path, and a short run of
-the character GPT on 2 processes whose validation loss must fall."""
+"""The example that the README and docs/quickstart.md train (``bash examples/train.sh``): LightningCLI
+with the pipe_tp strategy by class path, and a short run of the character GPT on 2 processes whose
+validation loss must fall."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import pytest
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.runtime import RuntimeOptions
-from lightning_pipe.strategy.options import LIGHTNING_PLUGINS, StrategyOptions, field_docs
+from lightning_pipe.strategy.options import LIGHTNING_PLUGINS, SHARED_FIELDS, StrategyOptions, field_docs
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pipe"
 
@@ -74,6 +74,25 @@ def test_no_description_is_written_twice_in_the_source() -> None:
             if len(where) != 1:
                 twice.append(f"{name}: {sentence!r} in {where}")
     assert twice == [], "\n".join(twice)
+
+
+def test_an_option_of_both_dataclasses_is_described_by_the_engine_and_extended_by_the_strategy() -> None:
+    """``timeout`` and ``tensor_parallel_plan`` are fields of both dataclasses (the strategy fills
+    the engine's at setup). Their descriptions had drifted apart, two wordings of one option; now
+    the engine's field describes it, the strategy's says only what it adds, and the constructor's
+    Args show both, the engine's first."""
+    engine, own, args = field_docs(RuntimeOptions), field_docs(StrategyOptions), _documented_args()
+    both = {f.name for f in dataclasses.fields(RuntimeOptions)} & {
+        f.name for f in dataclasses.fields(StrategyOptions)
+    }
+    assert both == set(SHARED_FIELDS)
+    for name in SHARED_FIELDS:
+        engine_text, own_text = _flat(engine[name]), _flat(own[name])
+        assert args[name].startswith(engine_text), (
+            f"{name}: the Args do not start with the engine's description"
+        )
+        assert args[name].endswith(own_text), f"{name}: the Args do not end with the strategy's addition"
+        assert engine_text not in own_text and own_text not in engine_text
 
 
 def test_the_constructors_defaults_are_the_options_defaults() -> None:

@@ -10,7 +10,7 @@ BATCH_NORM_MEASURED = (
     "within 18 steps and the second BatchNorm's running_var up to 25 apart; on another network losses "
     "up to 0.89 apart"
 )
-"""The size of the difference, as measured (the README's BatchNorm paragraph)."""
+"""The size of the difference, as measured (the BatchNorm paragraph of docs/model.md)."""
 
 
 def _shown(names: Sequence[str]) -> str:

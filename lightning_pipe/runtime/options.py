@@ -68,7 +68,8 @@ class RuntimeOptions:
     recompute: RecomputeMode | str = RecomputeMode.NEVER
     """Activation recomputation: ``"never"``, ``"except_last"`` or ``"always"``."""
     tensor_parallel_plan: Mapping[str, str] | None = None
-    """Module-name pattern -> style; needed when the tensor axis has more than one rank."""
+    """Module-name pattern -> style (see :mod:`lightning_pipe.tensor_parallel.plan`); needed when
+    the tensor axis has more than one rank."""
     shard_optimizer_state: bool = False
     """ZeRO-1 (Megatron's distributed optimizer): each data-parallel replica keeps the optimizer
     state of 1/data_parallel_size of its stage; gradients are reduce-scattered (still overlapping
@@ -119,7 +120,9 @@ class RuntimeOptions:
     """Size of the gradient buckets of the data-parallel reducer, whose all-reduces overlap the
     last backward of each optimizer step."""
     timeout: timedelta | None = None
-    """Deadline of every pipeline exchange (``None``: the process group's)."""
+    """Deadline of every pipeline exchange: past it the waiting rank raises an error naming itself,
+    its stage, the action and micro-batch it waited on and its peer, and the job stops instead of
+    hanging. ``None``: the process group's."""
     check_finite: bool = False
     """Raise as soon as a stage output or a loss holds NaN/Inf, naming the stage and micro-batch
     where it first appeared."""

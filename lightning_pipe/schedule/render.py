@@ -1,6 +1,6 @@
 """Text picture of a schedule: one row per rank, one column per time step.
 
-Used in error messages, the README and the CLI, so that a user can see which micro-batch each rank
+Used in error messages, the documentation and the CLI, so that a user can see which micro-batch each rank
 is working on and where the bubble is without running anything.
 """
 

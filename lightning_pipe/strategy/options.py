@@ -56,14 +56,13 @@ class StrategyOptions:
     """Model replicas. ``"auto"``: world size / (pipeline x tensor)."""
     process_group_backend: str | None = None
     """``"nccl"`` / ``"gloo"``; default by device."""
+    # timeout and tensor_parallel_plan are the engine's fields too (SHARED_FIELDS): its docstrings
+    # describe them; these say only what the strategy adds.
     timeout: timedelta | float | None = DEFAULT_TIMEOUT
-    """Deadline of every collective and point-to-point exchange (default 5 minutes), a
-    ``timedelta`` or a number of seconds; ``None``: torch's default (30 minutes): past it the
-    waiting rank raises an error naming itself, its stage, the action and micro-batch it waited on
-    and its peer, and the job stops instead of hanging."""
+    """Under the strategy, also the deadline of every collective (the process groups'): default 5
+    minutes, a ``timedelta`` or a number of seconds; ``None``: torch's default (30 minutes)."""
     tensor_parallel_plan: dict[str, str] | None = None
-    """Module-name pattern -> style (see :mod:`lightning_pipe.tensor_parallel.plan`); overrides the
-    module's ``tensor_parallel_plan()`` hook. Needed when ``tensor_parallel_size > 1``."""
+    """Overrides the module's ``tensor_parallel_plan()`` hook."""
     timeline: str | None = None
     """Record the executed schedule of training steps (from step 1: step 0 pays for first-time
     allocations) on every rank and write it, at the end of ``fit``, to this path: ``.png`` for a
@@ -204,13 +203,23 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+SHARED_FIELDS = ("timeout", "tensor_parallel_plan")
+"""Fields of both dataclasses (the strategy fills the engine's at setup). The engine's docstring
+describes the option; the strategy's says only what it adds, and the constructor shows both."""
+
+
 def option_descriptions() -> dict[str, str]:
     """Each constructor option -> its description: the strategy's own, else the engine's (with
-    what the strategy's default means where it differs)."""
+    what the strategy's default means where it differs); for :data:`SHARED_FIELDS`, the engine's
+    followed by the strategy's."""
     engine = field_docs(RuntimeOptions)
     if "virtual_stages" in engine:
         engine["virtual_stages"] += " " + VIRTUAL_STAGES_DEFAULT
-    return {**engine, **field_docs(StrategyOptions)}
+    own = field_docs(StrategyOptions)
+    for name in SHARED_FIELDS:
+        if name in engine and name in own:
+            own[name] = engine[name] + "\n" + own[name]
+    return {**engine, **own}
 
 
 def constructor_docstring(summary: str, init: Callable[..., Any]) -> str:
