@@ -435,8 +435,8 @@ def test_the_runner_on_a_sample_page(tmp_path: Path) -> None:
     found = programs(parse_page("sample.md", page, RUNNER_SAMPLE))
     assert [(p.name, p.ranks, len(p.parts)) for p in found] == [
         ("sample.md:L1", 0, 1),
-        ("sample.md:L17", 2, 1),
-        ("sample.md:L27", 2, 2),
+        ("sample.md:L18", 2, 1),
+        ("sample.md:L28", 2, 2),
         ("sample.md:L32", 0, 1),
     ]
     for number, program in enumerate(found[:3]):
