@@ -220,6 +220,7 @@ def _run_program(sources: list[tuple[str, int, str]], cwd: str, torchrun: bool) 
 def run_program(program: Program, cwd: Path) -> None:
     """Run ``program`` in forked processes; a failure fails the test with the page, the line and
     the block's traceback."""
+    failure = ""
     try:
         run_distributed(
             _run_program,
@@ -231,8 +232,10 @@ def run_program(program: Program, cwd: Path) -> None:
             init_group=False,
         )
     except (RuntimeError, TimeoutError) as error:
+        failure = str(error)
+    if failure:  # failed outside the except clause: the report is the block's traceback, once
         chain = " after " + ", ".join(p.name for p in program.parts[:-1]) if len(program.parts) > 1 else ""
-        pytest.fail(f"{program.name}{chain}: the block failed:\n{error}", pytrace=False)
+        pytest.fail(f"{program.name}{chain}: the block failed:\n{failure}", pytrace=False)
 
 
 PROGRAMS = collect()
