@@ -29,7 +29,7 @@ from lightning_pipe.huggingface.outputs import ModelCallError
 from lightning_pipe.runtime.options import ConfigurationError
 from lightning_pipe.skip import Pop, Stash, pop, skippable, stash
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place the version is written: pyproject.toml reads it (dynamic)
 
 register_with_lightning()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install torch into the environment of the Python given as $1, the build that fits this machine.
-# Used by scripts/venv.sh and scripts/oldest.sh before the package itself (which only asks for
-# torch>=2.4, so pip keeps what this installed).
+# Used by scripts/new_venv.sh (for scripts/venv.sh, scripts/oldest.sh and scripts/wheel_check.sh)
+# before the package itself (which only asks for torch>=2.4, so pip keeps what this installed).
 #
 # Which version: TORCH_REQUIREMENT, default "torch==2.13.0" (the version CI tests); any
 #   requirement the package allows works, e.g. TORCH_REQUIREMENT="torch>=2.4".

@@ -11,9 +11,7 @@ if [[ "${CI:-}" == "true" || "${FRESH_VENV:-0}" == "1" ]]; then
   rm -rf "$venv"
 fi
 if [[ ! -x "$venv/bin/python" || ! -f "$venv/.installed" ]]; then
-  python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --upgrade pip
-  bash "$root/scripts/install_torch.sh" "$venv/bin/python"  # as in scripts/venv.sh
+  bash "$root/scripts/new_venv.sh" "$venv"  # pip and torch, as for scripts/venv.sh
   "$venv/bin/python" -m pip install --quiet "lightning==2.4.*" "torchmetrics==1.1.*" "pytest>=7" "pytest-timeout>=2.1"
   "$venv/bin/python" -m pip install --quiet --no-deps -e "$root"
   touch "$venv/.installed"

@@ -9,12 +9,8 @@ if [[ "${CI:-}" == "true" || "${FRESH_VENV:-0}" == "1" ]]; then
   rm -rf "$venv"
 fi
 if [[ ! -x "$venv/bin/python" || ! -f "$venv/.installed" ]]; then
-  python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --upgrade pip
-  # torch first, the build that fits this machine (CPU where there is no GPU: a bare
-  # `pip install torch` on Linux pulls a multi-GB CUDA build); TORCH_REQUIREMENT and
-  # TORCH_INDEX_URL choose another (see scripts/install_torch.sh).
-  bash "$root/scripts/install_torch.sh" "$venv/bin/python"
+  # torch first, the build that fits this machine (see scripts/new_venv.sh).
+  bash "$root/scripts/new_venv.sh" "$venv"
   "$venv/bin/python" -m pip install --quiet -e "$root[dev,docs]"
   touch "$venv/.installed"
 fi
