@@ -63,11 +63,8 @@ class StepResult:
 
 
 class ActionRecorder(Protocol):
-    """The timeline's hook (:class:`~lightning_pipe.execution.timeline.TimelineRecorder`): stamps
-    taken around each action, then reported with it; a communication batch reports each of its
-    actions with the batch's span (post and wait). Stamps are the recorder's own (host seconds on a
-    CPU, CUDA events on a GPU: :mod:`lightning_pipe.execution.stamps`), so that the executor never
-    waits for the device to time its work."""
+    """The timeline's hook: stamps taken around each action (a communication batch's span for
+    each of its actions), in the recorder's clock (:mod:`lightning_pipe.execution.stamps`)."""
 
     def stamp(self) -> Any: ...
 
