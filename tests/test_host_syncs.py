@@ -147,6 +147,7 @@ CONFIGS: dict[str, tuple[int, str, dict[str, Any]]] = {
 def worker(names: list[str]) -> dict[str, list[dict[str, int]]]:
     """Fit each configuration for :data:`STEPS` steps; each step's syncs, by configuration."""
     torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])  # a fit's teardown takes it out of the environment
     out = {}
     for name in names:
         _, model_name, options = CONFIGS[name]
@@ -157,7 +158,7 @@ def worker(names: list[str]) -> dict[str, list[dict[str, int]]]:
         )
         counter = HostSyncCounter()
         counter.wrap(strategy, "training_step")
-        fit(model, strategy, int(os.environ["WORLD_SIZE"]), data, max_steps=STEPS)
+        fit(model, strategy, world, data, max_steps=STEPS)
         out[name] = counter.per_step()
     return out
 
