@@ -154,12 +154,19 @@ class ParallelMesh:
 
     ``model_group`` holds the ranks of this rank's model replica (all pipeline and tensor ranks of
     one data-parallel index): what a global gradient norm or a found-inf flag is agreed over.
+
+    ``host_model_group`` and ``host_pipeline_group``: the same ranks over gloo, for values the
+    host holds (a batch's shapes, the structure of a step's logged values) when the device's
+    groups are NCCL: a host collective makes the host wait for its peers, never for its device's
+    queue. ``None`` (CPU): the device's groups are gloo already.
     """
 
     layout: ParallelLayout
     rank: int
     device_mesh: DeviceMesh
     model_group: dist.ProcessGroup
+    host_model_group: dist.ProcessGroup | None = None
+    host_pipeline_group: dist.ProcessGroup | None = None
 
     @property
     def coordinates(self) -> RankCoordinates:
@@ -167,6 +174,18 @@ class ParallelMesh:
 
     def group(self, axis: MeshAxis) -> dist.ProcessGroup:
         return self.device_mesh.get_group(axis.value)
+
+    def host_group(self, axis: MeshAxis | None = None) -> dist.ProcessGroup:
+        """The group of ``axis`` (``None``: the model replica) that takes host tensors."""
+        if axis is None:
+            return self.host_model_group or self.model_group
+        if axis is MeshAxis.PIPELINE and self.host_pipeline_group is not None:
+            return self.host_pipeline_group
+        if axis is not MeshAxis.PIPELINE and self.host_model_group is not None:
+            raise ValueError(
+                f"No host group for the {axis.value} axis (the replica's and the pipeline's only)."
+            )
+        return self.group(axis)
 
     @property
     def pipeline_peers(self) -> list[int]:
@@ -196,8 +215,20 @@ def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
             model_group = group
     if model_group is None:  # unreachable: the ranges above cover the world
         raise RuntimeError(f"rank {rank} is in no model-parallel group of {layout}")
+    host_model = host_pipeline = None
+    if device_type == "cuda":  # gloo twins of the groups that carry host values (see ParallelMesh)
+        for dp_rank in range(layout.data_parallel_size):
+            ranks = layout.replica_ranks(dp_rank)
+            group = dist.new_group(ranks, backend="gloo")
+            if rank in ranks:
+                host_model = group
+            for tp_rank in range(layout.tensor_parallel_size):
+                ranks = layout.pipeline_ranks(layout.rank_of(dp_rank, 0, tp_rank))
+                group = dist.new_group(ranks, backend="gloo")
+                if rank in ranks:
+                    host_pipeline = group
     _let_workers_finish_at_exit()
-    return ParallelMesh(layout, rank, mesh, model_group)
+    return ParallelMesh(layout, rank, mesh, model_group, host_model, host_pipeline)
 
 
 def check_replicate_size(replicate_size: int, data_parallel_size: int) -> None:

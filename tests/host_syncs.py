@@ -22,6 +22,9 @@ What is not counted, because it would not wait on CUDA either:
   or computed only from such tensors;
 * ``tensor.to(device)``: on the CPU ``.to(self.device)`` cannot be told from a copy to the host, so
   only ``.to("cpu")`` written as the string ``"cpu"`` counts (as ``.cpu()`` does);
+* ``host.copy_(device_tensor, non_blocking=True)``: queued, like a kernel (a blocking ``copy_``
+  into a host tensor counts); whoever reads ``host`` later waits on CUDA for an event recorded
+  right after the copy, i.e. for the work queued before it, not for the whole queue;
 * collectives themselves (a gloo collective reads its CPU tensors, but on NCCL it is queued like a
   kernel); the reads *around* one count, e.g. the sizes ``broadcast_object_list`` reads.
 """
@@ -79,6 +82,7 @@ mode), and their short names."""
 _FACTORIES = {
     torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange,
     torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like, torch.from_numpy,
+    torch.frombuffer,
 }  # fmt: skip
 """Factories: without a ``device=`` their tensor is made on the host (``*_like`` follow their
 input's placement instead, unless given a device)."""
@@ -167,6 +171,13 @@ class HostSyncCounter:
     def _function(self, func: Any, args: Any, kwargs: Any) -> Any:
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         read = _READS.get(func)
+        if read is None and func is torch.Tensor.copy_ and len(args) > 1:
+            # Into a host tensor from the device: a blocking copy waits; a non_blocking one is
+            # queued (its reader waits, on CUDA, for an event recorded right after it: for the
+            # work queued before the copy only).
+            blocking = not (kwargs.get("non_blocking") or (len(args) > 2 and args[2]))
+            if args[0] in self._host and args[1] not in self._host and blocking:
+                read = "copy to the host"
         if (
             read is None
             and func is torch.Tensor.to
