@@ -152,9 +152,7 @@ class BatchRunner:
         sizes, pieces = split_batch(batch, m)
         inputs = [as_layer_arguments(self.pipeline_input(piece)) for piece in pieces]
         items, kind = host_facts(batch, inputs[0], self.hooks, self.checks.wants_kind)
-        counts, replica_items, counted = loss_counts(
-            items, sizes, step, training, self.mesh, self.device, self.naming
-        )
+        counts, replica_items, counted = loss_counts(items, sizes, step, training, self.mesh, self.naming)
         local = sum(counts)  # this replica's loss items (or samples)
         microbatches = weighted_microbatches(pieces, sizes, counts, counted)
         self.checks.before(step, batch, inputs[0], kind)
@@ -261,7 +259,6 @@ def loss_counts(
     step: StepIdentity,
     training: bool,
     mesh: ParallelMesh,
-    device: torch.device,
     naming: CollectiveNaming,
 ) -> tuple[list[float], float | None, bool]:
     """Each micro-batch's loss items (its samples, unless the hooks count ``items``: float64 on
@@ -281,9 +278,10 @@ def loss_counts(
         return counts, None, True
     # Summed before any refusal: a replica whose part holds no items must not stop alone while
     # the others wait in this all-reduce; only a global batch without items is refused.
-    global_items = torch.tensor([sum(counts)], dtype=torch.float64, device=device)
+    # Host numbers, summed over the data axis's host group (no wait for the device).
+    global_items = torch.tensor([sum(counts)], dtype=torch.float64)
     with naming("summing the batch's loss items over the data-parallel group"):
-        dist.all_reduce(global_items, group=mesh.group(MeshAxis.DATA))
+        dist.all_reduce(global_items, group=mesh.host_group(MeshAxis.DATA))
     if float(global_items) <= 0:
         raise ValueError(
             f"{empty} on every data-parallel replica): its mean loss is undefined, on one device "

@@ -91,9 +91,9 @@ class StepChecks:
             # The check calls the stage's FSDP units, whose gathers are collective over the data
             # axis; replicas meet a new kind of batch at different steps: when one needs the check,
             # every data-parallel rank runs it (again, on its own probe), so the gathers pair up.
-            flag = torch.tensor([int(run)], dtype=torch.int32, device=self.device)
+            flag = torch.tensor([int(run)], dtype=torch.int32)  # on the host, over its group
             with self.naming("agreeing over the data-parallel group whether to check the forward"):
-                dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.mesh.group(MeshAxis.DATA))
+                dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.mesh.host_group(MeshAxis.DATA))
             run = bool(flag.item())
         if run:
             self.checked_kinds.add(kind)
