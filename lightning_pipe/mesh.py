@@ -154,12 +154,20 @@ class ParallelMesh:
 
     ``model_group`` holds the ranks of this rank's model replica (all pipeline and tensor ranks of
     one data-parallel index): what a global gradient norm or a found-inf flag is agreed over.
+
+    ``host_model_group``, ``host_pipeline_group`` and ``host_data_group``: the same ranks over
+    gloo, for values the host holds (a batch's shapes, the structure of a step's logged values,
+    token counts) when the device's groups are NCCL: a host collective makes the host wait for its
+    peers, never for its device's queue. ``None`` (CPU): the device's groups are gloo already.
     """
 
     layout: ParallelLayout
     rank: int
     device_mesh: DeviceMesh
     model_group: dist.ProcessGroup
+    host_model_group: dist.ProcessGroup | None = None
+    host_pipeline_group: dist.ProcessGroup | None = None
+    host_data_group: dist.ProcessGroup | None = None
 
     @property
     def coordinates(self) -> RankCoordinates:
@@ -167,6 +175,19 @@ class ParallelMesh:
 
     def group(self, axis: MeshAxis) -> dist.ProcessGroup:
         return self.device_mesh.get_group(axis.value)
+
+    def host_group(self, axis: MeshAxis | None = None) -> dist.ProcessGroup:
+        """The group of ``axis`` (``None``: the model replica) that takes host tensors."""
+        if axis is None:
+            return self.host_model_group or self.model_group
+        host = {MeshAxis.PIPELINE: self.host_pipeline_group, MeshAxis.DATA: self.host_data_group}.get(axis)
+        if host is not None:
+            return host
+        if self.host_model_group is not None:  # NCCL groups, and no gloo twin of this axis
+            raise ValueError(
+                f"No host group for the {axis.value} axis (the replica, pipeline and data only)."
+            )
+        return self.group(axis)
 
     @property
     def pipeline_peers(self) -> list[int]:
@@ -196,8 +217,26 @@ def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
             model_group = group
     if model_group is None:  # unreachable: the ranges above cover the world
         raise RuntimeError(f"rank {rank} is in no model-parallel group of {layout}")
+    host_model = host_pipeline = host_data = None
+    if device_type == "cuda":  # gloo twins of the groups that carry host values (see ParallelMesh)
+        for dp_rank in range(layout.data_parallel_size):
+            ranks = layout.replica_ranks(dp_rank)
+            group = dist.new_group(ranks, backend="gloo")
+            if rank in ranks:
+                host_model = group
+            for tp_rank in range(layout.tensor_parallel_size):
+                ranks = layout.pipeline_ranks(layout.rank_of(dp_rank, 0, tp_rank))
+                group = dist.new_group(ranks, backend="gloo")
+                if rank in ranks:
+                    host_pipeline = group
+        for pp_rank in range(layout.pipeline_parallel_size):
+            for tp_rank in range(layout.tensor_parallel_size):
+                ranks = [layout.rank_of(d, pp_rank, tp_rank) for d in range(layout.data_parallel_size)]
+                group = dist.new_group(ranks, backend="gloo")
+                if rank in ranks:
+                    host_data = group
     _let_workers_finish_at_exit()
-    return ParallelMesh(layout, rank, mesh, model_group)
+    return ParallelMesh(layout, rank, mesh, model_group, host_model, host_pipeline, host_data)
 
 
 def check_replicate_size(replicate_size: int, data_parallel_size: int) -> None:

@@ -4,7 +4,7 @@
     python scripts/gpu_check.py --cpu           # reduced: CPU, gloo, small sizes (what CI runs)
     python scripts/gpu_check.py --json out.json # also write the results as JSON
 
-Four sections, each a row group of the printed table:
+Five sections, each a row group of the printed table:
 
 * ``throughput``: the example GPT (``examples/gpt``) at pp=1 under ``pipe_tp`` and under
   ``strategy="auto"``, bf16-mixed on CUDA (fp32 on the CPU): tokens/s, MFU (model FLOPs per token
@@ -15,6 +15,11 @@ Four sections, each a row group of the printed table:
   AdamW steps against ``auto`` (1e-5).
 * ``large``: a decoder of >= 300M parameters (bf16, SDPA) at pp=1 under ``pipe_tp``: MFU (goal
   >= 40% on an H100-class GPU). Reduced to a small decoder on the CPU (the path, not the figure).
+* ``host syncs``: the example GPT's training steps under each schedule one device runs (GPipe,
+  1F1B, ZB-H1; two micro-batches; pp=1), every step after the first under
+  ``torch.cuda.set_sync_debug_mode("error")``: a step that makes the host wait for the device
+  fails its row with the call that did (``tests/test_host_syncs.py`` counts the same calls on the
+  CPU at pp=2, tensor, sequence and data parallelism). On the CPU the steps run without the mode.
 * ``device paths``: dropout masks replayed for recomputation and the zero-bubble input/weight
   split on the device's RNG (weights equal to no recomputation); a meta-built stage materialised
   directly on the device (parameters there; host memory growth during setup against the stage's
@@ -35,6 +40,7 @@ import os
 import resource
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -265,6 +271,56 @@ def check_equality(setup: Setup) -> list[Row]:
     return rows
 
 
+class _NoSyncAfterFirstStep(L.Callback):
+    """Wraps the strategy's ``training_step``: every step after the first runs under
+    ``torch.cuda.set_sync_debug_mode("error")`` (on CUDA), which raises at any call that makes
+    the host wait for the device (the first step's checks may read the device once)."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.steps = device, 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        original = strategy.training_step
+
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            self.steps += 1
+            if self.device != "cuda" or self.steps == 1:
+                return original(*args, **kwargs)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        strategy.training_step = checked  # type: ignore[method-assign]
+
+
+def check_host_syncs(setup: Setup) -> list[Row]:
+    steps = 4
+    rows = []
+    for schedule in SCHEDULES:
+        name = f"no host sync after the first step: {schedule['schedule']}"
+        watch = _NoSyncAfterFirstStep(setup.device)
+        torch.manual_seed(0)
+        model = CharGPT(**setup.gpt, warmup_steps=1)
+        strategy = _pipe_tp(setup, num_microbatches=2, **schedule)
+        trainer = _trainer(setup, strategy, setup.precision, steps, callbacks=[watch])
+        try:
+            trainer.fit(model, _data(setup, steps))
+        except Exception as err:  # the mode's error says what synchronised; the traceback where
+            ours = [f for f in traceback.extract_tb(err.__traceback__) if "lightning_pipe" in f.filename]
+            where = f"{ours[-1].filename.split('lightning_pipe')[-1]}:{ours[-1].lineno}" if ours else "?"
+            error = f"{type(err).__name__}: {err}"[:300]
+            rows.append(Row("host syncs", name, "FAIL", {"at": where, "error": error}))
+            continue
+        checked = max(0, watch.steps - 1) if setup.device == "cuda" else 0
+        status = "ok" if setup.device == "cuda" else "info"
+        note = "sync debug mode: error" if setup.device == "cuda" else "CPU: the mode needs CUDA"
+        rows.append(Row("host syncs", name, status, {"steps_checked": checked, "note": note}))
+    return rows
+
+
 def check_large(setup: Setup) -> list[Row]:
     shape = setup.large
     params = shape["n_layers"] * 12 * shape["d_model"] ** 2 + 2 * shape["d_model"] * MODEL_VOCAB
@@ -402,6 +458,7 @@ SECTIONS = {
     "device paths": check_device_paths,  # first: its host-memory figure is a process peak
     "throughput": check_throughput,
     "equality": check_equality,
+    "host syncs": check_host_syncs,
     "large": check_large,
 }
 

@@ -35,7 +35,9 @@ def test_the_reduced_gpu_check_runs_and_passes(tmp_path: Path) -> None:
     by_section: dict[str, list[dict]] = {}
     for row in rows:
         by_section.setdefault(row["section"], []).append(row)
-    assert set(by_section) == {"throughput", "equality", "large", "device paths"}
+    assert set(by_section) == {"throughput", "equality", "host syncs", "large", "device paths"}
+    synced = by_section["host syncs"]  # the same steps; the sync debug mode itself needs CUDA
+    assert [r["status"] for r in synced] == ["info"] * 3, synced
     equal = [r for r in by_section["equality"] if r["status"] == "ok"]
     assert len(equal) == 9, by_section["equality"]  # 3 schedules x 3 recomputation modes
     assert all(r["values"]["max_weight_gap"] <= 1e-5 for r in equal)

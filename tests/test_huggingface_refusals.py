@@ -192,9 +192,13 @@ def test_probe_kinds_tell_padded_packed_and_plain() -> None:
     pipeline = CausalLMPipeline(build("llama"))
     padded = padded_batch(4, seed=3)
     padded["attention_mask"][0, -1] = 0  # at least one padded position
-    assert pipeline.probe_kind(pipeline.pipeline_input(padded)) == (True, False)
-    assert pipeline.probe_kind(pipeline.pipeline_input(packed_batch(2, seed=1))) == (False, True)
-    assert pipeline.probe_kind(pipeline.pipeline_input({"input_ids": padded["input_ids"]})) == (False, False)
+
+    def kind(batch: dict[str, torch.Tensor]) -> tuple[bool, ...]:  # flags on the device, read here
+        return tuple(pipeline.probe_kind(pipeline.pipeline_input(batch)).tolist())
+
+    assert kind(padded) == (True, False)
+    assert kind(packed_batch(2, seed=1)) == (False, True)
+    assert kind({"input_ids": padded["input_ids"]}) == (False, False)
 
 
 def test_a_plan_with_other_inputs_is_refused() -> None:

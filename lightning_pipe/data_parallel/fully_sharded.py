@@ -181,6 +181,7 @@ class FullyShardedStages:
         unsharded model's."""
         self._tracked: list[nn.Parameter] = []
         self._used = torch.zeros(0, dtype=torch.int32)
+        self._used_here: list[bool] = []
         self._open = False
         """Whether a window began and has not reduced yet."""
         self._track_use(groups)
@@ -208,6 +209,8 @@ class FullyShardedStages:
         for p in self.unsharded:
             self._hook(p, p)
         self._used = torch.zeros(len(self._tracked), dtype=torch.int32, device=self._used_device())
+        self._used_here = [False] * len(self._tracked)
+        """The flags as the host saw the hooks run (all set: no read of the reduced flags)."""
 
     def _used_device(self) -> torch.device:
         return self._tracked[0].device if self._tracked else torch.device("cpu")
@@ -218,6 +221,7 @@ class FullyShardedStages:
 
         def mark(_: torch.Tensor) -> None:
             self._used[index] = 1
+            self._used_here[index] = True
 
         whole.register_post_accumulate_grad_hook(mark)
 
@@ -255,6 +259,7 @@ class FullyShardedStages:
                 fsdp_internals.discard_unreduced(root)
         self._open = True
         self._used.zero_()
+        self._used_here = [False] * len(self._tracked)
         if not self.deferred:
             return
         for root in self.roots.values():
@@ -278,6 +283,8 @@ class FullyShardedStages:
         used = self._used.clone()
         for dim in range(self.mesh.ndim):  # HSDP: over the shards, then the replicas
             dist.all_reduce(used, op=dist.ReduceOp.SUM, group=self.mesh.get_group(dim))
+        if all(self._used_here):  # used here, so by some rank: the peers may need the sum, not we
+            return
         for param, flag in zip(self._tracked, used.tolist(), strict=True):
             if not flag:
                 param.grad = None

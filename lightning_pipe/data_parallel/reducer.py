@@ -104,6 +104,9 @@ class GradientReducer:
     _used: torch.Tensor = field(default_factory=lambda: torch.zeros(0), init=False)
     _flags: torch.Tensor | None = field(default=None, init=False)
     """The used flags' slots in the last bucket (``None``: they travel on their own)."""
+    _used_here: list[bool] = field(default_factory=list, init=False)
+    """The used flags as the host saw the hooks run: when this rank used every parameter, so did
+    the replicas together, and the reduced flags need no read (on CUDA a read waits for the device)."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0:
@@ -137,6 +140,7 @@ class GradientReducer:
                 self._add_bucket(current, flags=len(unique) if last else 0, late=late)
         device = unique[0].device if unique else torch.device("cpu")
         self._used = torch.zeros(len(unique), dtype=torch.uint8, device=device)
+        self._used_here = [False] * len(unique)
         for position, param in enumerate(unique):
             param.register_post_accumulate_grad_hook(self._hook(position))
 
@@ -201,6 +205,7 @@ class GradientReducer:
                     param.grad = view
             bucket.divided = [False] * len(bucket.params)
         self._used.zero_()
+        self._used_here = [False] * len(self._used_here)
 
     def arm(self) -> None:
         """The next backward is the window's last: launch each bucket as soon as it is full."""
@@ -212,6 +217,7 @@ class GradientReducer:
     def _hook(self, position: int):
         def on_grad_ready(param: nn.Parameter) -> None:
             self._used[position] = 1
+            self._used_here[position] = True
             index, slot = self._where[id(param)]
             bucket = self._buckets[index]
             view, grad = bucket.views[slot], param.grad
@@ -296,9 +302,12 @@ class GradientReducer:
         if self._flags is None:  # reduce-scattered buckets: the flags travel on their own
             flags = self._used.to(torch.int32)
             dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
-            used = (flags > 0).tolist()
         else:
-            used = (self._flags > 0).tolist()  # some replica used it
+            flags = self._flags
+        if all(self._used_here):  # used here, so used by some replica: nothing to read
+            used = [True] * len(self.params)
+        else:
+            used = (flags > 0).tolist()  # some replica used it
         self.used = dict(zip((id(p) for p in self.params), used, strict=True))
         for position, param in enumerate(self.params):
             if not used[position]:

@@ -17,6 +17,7 @@ without any predicted token contributes a zero loss (not Hugging Face's 0/0).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,15 +35,22 @@ class ModelCallError(ValueError):
 
 
 def causal_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None = None,
+    has_tokens: bool | None = None,
 ) -> torch.Tensor:
     """Hugging Face's ``ForCausalLMLoss`` (mean over predicted tokens), in at least float32 (a
-    float64 model keeps float64), vocab-parallel on sliced logits; zero without any token."""
+    float64 model keeps float64), vocab-parallel on sliced logits; zero without any token.
+    ``has_tokens``: whether any label is predicted, when the caller knows it (otherwise the
+    labels are read: on CUDA the host waits for the device)."""
     if shift_labels is None:
         if labels is None:
             raise ModelCallError("The causal-LM loss needs labels (or shift_labels).")
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    if not bool((shift_labels != IGNORE_INDEX).any()):
+    if has_tokens is None:
+        has_tokens = bool((shift_labels != IGNORE_INDEX).any())
+    if not has_tokens:
         return logits.sum() * 0.0
     if logits.dtype in (torch.float16, torch.bfloat16):
         upcast = logits.float()
@@ -71,7 +79,14 @@ class ModelCall:
     """The causal LM's ``forward`` for one micro-batch whose pipeline output is ``logits``.
 
     ``sources``: where the step takes each input (``{"attention_mask": "batch[1]"}``), for the
-    messages (default: the dict keys ``batch['attention_mask']``)."""
+    messages (default: the dict keys ``batch['attention_mask']``). ``counted_labels``: ``items``
+    were counted on ``microbatch``'s own ``labels`` (or ``shift_labels``) the way the loss counts
+    them (the derived ``loss_items``).
+
+    The checks compare what the step passes with what went through the pipeline; a tensor that
+    *is* the micro-batch's own (the same object, as in ``self.model(**batch)``) is equal without
+    reading it, so the usual call makes the host wait for nothing.
+    """
 
     def __init__(
         self,
@@ -80,6 +95,7 @@ class ModelCall:
         logits: torch.Tensor,
         items: float | None = None,
         sources: dict[str, str] | None = None,
+        counted_labels: bool = False,
     ) -> None:
         self.pipeline = pipeline
         self.inputs = pipeline.pipeline_input(microbatch)
@@ -87,6 +103,11 @@ class ModelCall:
         self.items = items
         """The micro-batch's loss items the runtime weighted it by (``None``: by samples)."""
         self.sources = sources or {}
+        own = microbatch if isinstance(microbatch, Mapping) else {}
+        self.own_positions = own.get("position_ids")
+        """The micro-batch's own position ids (``None``: the pipeline ran the default ones)."""
+        self.counted = (own.get("labels"), own.get("shift_labels")) if counted_labels else None
+        """The labels ``items`` were counted on, when the derived ``loss_items`` counted them."""
 
     def source(self, role: str) -> str:
         return self.sources.get(role, f"batch[{role!r}]")
@@ -105,8 +126,8 @@ class ModelCall:
                     "each micro-batch is its mean over its own tokens and the runtime weights it by its "
                     "share of the batch's tokens (the whole batch's mean, as on one device). Leave it out."
                 )
-            self._check_items(labels, given.get("shift_labels"))
-            loss = causal_lm_loss(self.logits, labels, given.get("shift_labels"))
+            known = self._check_items(labels, given.get("shift_labels"))
+            loss = causal_lm_loss(self.logits, labels, given.get("shift_labels"), known)
         for flag in ("output_hidden_states", "output_attentions"):
             if given.get(flag):
                 raise ModelCallError(
@@ -116,9 +137,16 @@ class ModelCall:
                 )
         return CausalLMOutputWithPast(loss=loss, logits=self.logits)
 
-    def _check_items(self, labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> None:
+    def _check_items(self, labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> bool | None:
         """The loss asked for averages over the tokens the runtime weighted this micro-batch by;
-        otherwise the batch's loss would not be its mean over tokens, as on one device."""
+        otherwise the batch's loss would not be its mean over tokens, as on one device. Returns
+        whether the loss has any token, when that is known without reading the labels."""
+        if self.counted is not None and self.items is not None:
+            own_labels, own_shifted = self.counted
+            if shift_labels is not None and shift_labels is own_shifted:
+                return self.items > 0  # counted on these very labels
+            if shift_labels is None and own_shifted is None and labels is not None and labels is own_labels:
+                return self.items > 0
         shifted = shift_labels if shift_labels is not None else labels[..., 1:]  # type: ignore[index]
         name = type(self.pipeline.model).__name__
         if self.items is None:
@@ -131,7 +159,7 @@ class ModelCall:
                     "from pipeline_input(self, batch), or define loss_items(self, batch) giving each "
                     "sample's number of target tokens."
                 )
-            return
+            return None
         count = int((shifted != IGNORE_INDEX).sum())
         if count != round(self.items):
             raise ModelCallError(
@@ -140,6 +168,7 @@ class ModelCall:
                 f"by. Pass the batch's labels (labels={self.source('labels')}), or define "
                 "loss_items(self, batch) counting the tokens your loss averages over."
             )
+        return count > 0
 
     def _check_inputs(self, given: dict[str, Any]) -> None:
         name = type(self.pipeline.model).__name__
@@ -163,7 +192,7 @@ class ModelCall:
         if (
             not isinstance(ids, torch.Tensor)
             or ids.shape != input_ids.shape
-            or not torch.equal(ids, input_ids)
+            or (ids is not input_ids and not torch.equal(ids, input_ids))
         ):
             raise ModelCallError(
                 f"{name}(input_ids=...) inside the step was not given the micro-batch's input_ids, which "
@@ -174,7 +203,10 @@ class ModelCall:
         theirs = given.get("attention_mask")
         ours = mask_or_none(mask)
         if (theirs is None) != (ours is None) or (
-            theirs is not None and ours is not None and not torch.equal(theirs.to(ours.dtype), ours)
+            theirs is not None
+            and ours is not None
+            and theirs is not ours
+            and not torch.equal(theirs.to(ours.dtype), ours)
         ):
             source = self.source("attention_mask")
             had = f"with the attention_mask {source}" if ours is not None else "without an attention_mask"
@@ -186,6 +218,10 @@ class ModelCall:
                 "return what the model needs from pipeline_input(self, batch))."
             )
         theirs_pos = given.get("position_ids")
+        if theirs_pos is not None and theirs_pos is self.own_positions:
+            return  # the very positions the pipeline ran
+        if theirs_pos is None and self.own_positions is None:
+            return  # both the default ones of these input_ids
         expected = default_positions(input_ids) if theirs_pos is None else theirs_pos
         if not torch.equal(expected.expand_as(positions).to(positions.dtype), positions):
             raise ModelCallError(

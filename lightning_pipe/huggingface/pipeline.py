@@ -190,14 +190,14 @@ class CausalLMPipeline:
         without it (see :mod:`lightning_pipe.huggingface.sequence_check`)."""
         return check_sequence_split(self, probe, own_layers, group)
 
-    def probe_kind(self, probe: Any) -> tuple[bool, bool]:
-        """Whether a first-layer input masks padding and whether it packs sequences: the setup
-        check runs again for each kind first seen (some families treat packed rows otherwise)."""
+    def probe_kind(self, probe: Any) -> torch.Tensor:
+        """Whether a first-layer input masks padding and whether it packs sequences (two flags on
+        the device, which the runtime reads with the batch's token counts): the setup check runs
+        again for each kind first seen (some families treat packed rows otherwise)."""
         _, mask, positions = probe
         padded = (mask == 0).any()  # False for the empty "no mask" stand-in
         packed = ((positions[..., 1:] - positions[..., :-1]) != 1).any()
-        flags = torch.stack([padded, packed]).tolist()  # one read from the device, not two
-        return bool(flags[0]), bool(flags[1])
+        return torch.stack([padded, packed])
 
     def hooks(self) -> ModelHooks:
         return ModelHooks(

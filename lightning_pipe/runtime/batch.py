@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from lightning_pipe.batches.microbatch import batch_size, microbatch_sizes, split_microbatches
 
 
@@ -58,9 +60,9 @@ class BatchResult:
     """What :meth:`~lightning_pipe.runtime.ParallelRuntime.train_batch` and ``eval_batch`` return,
     the same on every rank of the pipeline but for ``outputs``."""
 
-    loss: float | None = None
+    device_loss: torch.Tensor | None = None
     """Training: the batch's loss, the micro-batches' losses weighted by their shares (as one
-    device computes the mean over the batch)."""
+    device computes the mean over the batch), a float64 scalar on the device, not read."""
     results: Any = None
     """What the head's ``results()`` returned on the last stage (``None`` without one)."""
     outputs: dict[int, Any] = field(default_factory=dict)
@@ -70,6 +72,11 @@ class BatchResult:
     """The most micro-batches whose activations this rank kept alive at once."""
     peak_activation_bytes: int = 0
     """Most bytes autograd saved at once (measured only when the executor is asked to)."""
+
+    @property
+    def loss(self) -> float | None:
+        """:attr:`device_loss` read on the host (on CUDA the host waits for the step's work)."""
+        return None if self.device_loss is None else float(self.device_loss)
 
 
 def default_pipeline_input(batch: Any) -> Any:

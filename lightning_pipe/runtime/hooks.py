@@ -50,7 +50,9 @@ class ModelHooks:
     probe_kind: Callable[[Any], Hashable] | None = None
     """A first micro-batch input -> its kind for ``check_forward`` (e.g. padded, packed, plain):
     the check runs again on the first batch of each kind not seen yet, since a model may treat the
-    kinds differently (``None``: once, on the first batch)."""
+    kinds differently (``None``: once, on the first batch). A kind computed from the device's
+    values is best given as a tensor of a few numbers (the tuple of its values is the kind): the
+    runtime reads it together with the batch's loss items, one wait for the device per batch."""
     loss_items: Callable[[Any], torch.Tensor | None] | None = None
     """A batch -> how many loss items each sample holds (shape ``[batch size]``), when the loss is
     a mean over items rather than over samples (a language model's mean over the tokens whose

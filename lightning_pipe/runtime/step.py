@@ -12,7 +12,7 @@ runtime's life is given at construction; what varies per batch is given per call
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.batches.agreement import StepIdentity
-from lightning_pipe.batches.microbatch import as_layer_arguments, signature
+from lightning_pipe.batches.microbatch import as_layer_arguments, batch_size, signature
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm
 from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
@@ -150,13 +150,12 @@ class BatchRunner:
                 f"{self.options.num_microbatches}; it runs as {m} micro-batches (warned once)."
             )
         sizes, pieces = split_batch(batch, m)
-        counts, replica_items, counted = loss_counts(
-            batch, sizes, step, training, self.hooks, self.mesh, self.device, self.naming
-        )
+        inputs = [as_layer_arguments(self.pipeline_input(piece)) for piece in pieces]
+        items, kind = host_facts(batch, inputs[0], self.hooks, self.checks.wants_kind)
+        counts, replica_items, counted = loss_counts(items, sizes, step, training, self.mesh, self.naming)
         local = sum(counts)  # this replica's loss items (or samples)
         microbatches = weighted_microbatches(pieces, sizes, counts, counted)
-        inputs = [as_layer_arguments(self.pipeline_input(mb.data)) for mb in microbatches]
-        self.checks.before(step, batch, inputs[0])
+        self.checks.before(step, batch, inputs[0], kind)
         # By items, the replicas' gradients are averaged, so each replica's losses are weighted by
         # its share of the global batch's items times the number of replicas (1 when the replicas
         # hold as many items each): the average is then the global batch's mean.
@@ -206,15 +205,18 @@ class BatchRunner:
             self.fully_sharded.end_evaluation()  # no backward frees what the forwards gathered
         payload: dict[str, Any] = {}
         if last:
-            if training:
+            if training:  # on the device, in float64 (what summing Python floats did), unread
                 payload["loss"] = sum(
-                    float(run.outputs[mb.index].detach().double()) * mb.share for mb in microbatches
+                    run.outputs[mb.index].detach().double() * mb.share for mb in microbatches
                 )
             results = getattr(head, "results", None)
             payload["results"] = results() if callable(results) else None
         payload = from_last_stage(payload, self.mesh, self.partition, self.device, self.naming)
+        # The replica's batch agreement, read now that the step's work is queued (before any
+        # optimizer step could apply a step trained on different batches).
+        self.checks.confirm()
         return BatchResult(
-            loss=payload.get("loss"),
+            device_loss=payload.get("loss"),
             results=payload.get("results"),
             outputs=run.outputs,
             num_microbatches=m,
@@ -223,29 +225,48 @@ class BatchRunner:
         )
 
 
+def host_facts(
+    batch: Any, probe: Any, hooks: ModelHooks, wants_kind: bool
+) -> tuple[torch.Tensor | None, Hashable]:
+    """What the host must know of a batch before its schedule: each sample's loss items (float64
+    on the host; ``None`` unless the hooks count items) and, when ``wants_kind``, the kind of its
+    first micro-batch's input ``probe``. Values of the device are read at once, in one copy (on
+    CUDA each read makes the host wait for the device)."""
+    items = hooks.loss_items(batch) if hooks.loss_items is not None else None
+    if items is not None:
+        total = batch_size(batch)
+        if not isinstance(items, torch.Tensor) or tuple(items.shape) != (total,):
+            raise ValueError(
+                f"loss_items must give one count per sample of the batch (a tensor of shape ({total},)), "
+                f"got {tuple(items.shape) if isinstance(items, torch.Tensor) else type(items).__name__}."
+            )
+        items = items.detach().double()
+    kind = hooks.probe_kind(probe) if wants_kind and hooks.probe_kind is not None else None
+    flags = kind if isinstance(kind, torch.Tensor) else None
+    if flags is not None and items is not None and flags.device == items.device:
+        both = torch.cat([items, flags.detach().reshape(-1).double()]).cpu()
+        items, flags = both[: items.numel()], both[items.numel() :]
+    elif items is not None:
+        items = items.cpu()
+    if flags is not None:
+        kind = tuple(flags.tolist())
+    return items, kind
+
+
 def loss_counts(
-    batch: Any,
+    items: torch.Tensor | None,
     sizes: Sequence[int],
     step: StepIdentity,
     training: bool,
-    hooks: ModelHooks,
     mesh: ParallelMesh,
-    device: torch.device,
     naming: CollectiveNaming,
 ) -> tuple[list[float], float | None, bool]:
-    """Each micro-batch's loss items (its samples, unless the hooks count items), when items
-    are counted and training averages gradients over several replicas the global batch's, and
-    whether items were counted."""
-    items = hooks.loss_items(batch) if hooks.loss_items is not None else None
+    """Each micro-batch's loss items (its samples, unless the hooks count ``items``: float64 on
+    the host, per sample), when items are counted and training averages gradients over several
+    replicas the global batch's, and whether items were counted."""
     if items is None:
         return [float(n) for n in sizes], None, False
-    total = sum(sizes)
-    if not isinstance(items, torch.Tensor) or tuple(items.shape) != (total,):
-        raise ValueError(
-            f"loss_items must give one count per sample of the batch (a tensor of shape ({total},)), "
-            f"got {tuple(items.shape) if isinstance(items, torch.Tensor) else type(items).__name__}."
-        )
-    counts = [float(chunk.sum()) for chunk in torch.split(items.detach().double().cpu(), list(sizes))]
+    counts = [float(chunk.sum()) for chunk in torch.split(items, list(sizes))]
     empty = f"The batch of {step} holds no loss items (every label is ignored, e.g. -100 everywhere"
     if mesh.layout.data_parallel_size == 1 or not training:
         if sum(counts) <= 0 and training:
@@ -257,9 +278,10 @@ def loss_counts(
         return counts, None, True
     # Summed before any refusal: a replica whose part holds no items must not stop alone while
     # the others wait in this all-reduce; only a global batch without items is refused.
-    global_items = torch.tensor([sum(counts)], dtype=torch.float64, device=device)
+    # Host numbers, summed over the data axis's host group (no wait for the device).
+    global_items = torch.tensor([sum(counts)], dtype=torch.float64)
     with naming("summing the batch's loss items over the data-parallel group"):
-        dist.all_reduce(global_items, group=mesh.group(MeshAxis.DATA))
+        dist.all_reduce(global_items, group=mesh.host_group(MeshAxis.DATA))
     if float(global_items) <= 0:
         raise ValueError(
             f"{empty} on every data-parallel replica): its mean loss is undefined, on one device "

@@ -36,11 +36,13 @@ class LoggedValue:
     options: dict[str, Any]
     """Keyword arguments of ``_ResultCollection.log`` except the value and ``sync_dist_fn``."""
     metric_attribute: str | None = None
-    weighted_sum: float = 0.0
+    weighted_sum: torch.Tensor | float = 0.0
+    """The values times their weights, summed in float64 on the device (never read by the host
+    during the step: it reaches the other ranks and Lightning as a tensor)."""
     weight: float = 0.0
 
     @property
-    def value(self) -> float:
+    def value(self) -> torch.Tensor | float:
         return self.weighted_sum / self.weight
 
 
@@ -65,7 +67,8 @@ class LogCapture:
         if isinstance(value, Metric):
             return  # its state travels whole; see metric_states()
         weight = float(user_batch_size if user_batch_size is not None else self.microbatch_weight)
-        record.weighted_sum += float(value.detach().double()) * weight
+        # float64 on the device: what summing Python floats computed, without reading each value.
+        record.weighted_sum = record.weighted_sum + torch.as_tensor(value).detach().double() * weight
         record.weight += weight
         record.options["batch_size"] = round(record.weight)
 
@@ -137,7 +140,7 @@ class BatchMetrics:
 
 
 def metric_states(module: torch.nn.Module, records: list[LoggedValue]) -> dict[str, Any]:
-    """The state of every Metric logged in ``records``, moved to CPU for sending."""
+    """The state of every Metric logged in ``records``, for sending (its tensors as they are)."""
     states: dict[str, Any] = {}
     for record in records:
         attr = record.metric_attribute
@@ -146,16 +149,9 @@ def metric_states(module: torch.nn.Module, records: list[LoggedValue]) -> dict[s
         metric = module.get_submodule(attr)
         if not isinstance(metric, Metric):
             raise TypeError(f"{attr!r} was logged as a torchmetrics Metric but is a {type(metric).__name__}.")
-        state = {
-            k: ([t.cpu() for t in v] if isinstance(v, list) else v.cpu())
-            for k, v in metric.metric_state.items()
-        }
-        cache = compat.metric_step_value(metric)
-        states[attr] = (
-            state,
-            compat.metric_update_count(metric),
-            cache.cpu() if isinstance(cache, torch.Tensor) else cache,
-        )
+        # The tensors as they are (on the device): the results' broadcast sends them as tensors.
+        state = {k: (list(v) if isinstance(v, list) else v) for k, v in metric.metric_state.items()}
+        states[attr] = (state, compat.metric_update_count(metric), compat.metric_step_value(metric))
     return states
 
 
@@ -196,7 +192,7 @@ def replay(
         if record.metric_attribute is not None:
             value: Any = module.get_submodule(record.metric_attribute)
         else:
-            value = torch.tensor(record.value, dtype=torch.get_default_dtype(), device=device)
+            value = torch.as_tensor(record.value).to(device=device, dtype=torch.get_default_dtype())
         options = {**record.options, "sync_dist": True} if replicated else record.options
         results.log(
             record.fx,

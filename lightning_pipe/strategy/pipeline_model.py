@@ -180,7 +180,10 @@ def _derived(
             sources = {role: f"pipeline_input(batch)[{role!r}]" for role in ROLES}
         else:
             sources = pipeline.step_inputs.sources()
-        reply = ModelCall(pipeline, data, output, microbatch.items, sources)
+        # The derived loss_items counted the very labels the micro-batch holds (no read to check).
+        reply = ModelCall(
+            pipeline, data, output, microbatch.items, sources, counted_labels=user_items is None
+        )
         return model, reply, f"self.{pipeline.name}(...)"
 
     return PipelineModel(

@@ -135,5 +135,6 @@ def run_step(
     replicated = runtime.mesh.layout.data_parallel_size == 1
     replay(trainer, module, result.results["records"], reduce, device, replicated)
     if training:
-        return torch.tensor(result.loss, dtype=torch.float32, device=device)
+        assert result.device_loss is not None
+        return result.device_loss.to(device=device, dtype=torch.float32)
     return result.results.get("predictions")
