@@ -23,8 +23,9 @@ Five sections, each a row group of the printed table:
 * ``device paths``: dropout masks replayed for recomputation and the zero-bubble input/weight
   split on the device's RNG (weights equal to no recomputation); a meta-built stage materialised
   directly on the device (parameters there; host memory growth during setup against the stage's
-  size); and what is not implemented yet (pinned host memory for checkpoint reads, CUDA events for
-  timelines), reported as such rather than skipped silently.
+  size); a recorded step's timeline, whose compute spans come from CUDA events on the stream
+  (most of a pp=1 step; host-timed they would be the launches); and what is not implemented yet
+  (pinned host memory for checkpoint reads), reported as such rather than skipped silently.
 
 One process, one device: NCCL refuses two ranks of one communicator on one GPU, so multi-rank
 NCCL paths (pipeline exchanges, the data-parallel reducer, tensor-parallel collectives) are not
@@ -39,6 +40,7 @@ import math
 import os
 import resource
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -377,15 +379,30 @@ def check_device_paths(setup: Setup) -> list[Row]:
             {"note": "not implemented: pretrained and checkpoint tensors are read to pageable memory"},
         )
     )
-    rows.append(
-        Row(
-            "device paths",
-            "CUDA events for timeline timings",
-            "missing",
-            {"note": "not implemented: timelines time the host (launch order on CUDA), see docs/gpu.md F4"},
-        )
-    )
+    rows.append(_check_timeline(setup))
     return rows
+
+
+def _check_timeline(setup: Setup) -> Row:
+    """A recorded step's compute share (pp=1: the step is its forwards and backwards): timed by
+    CUDA events on the stream (docs/gpu.md F4) it is most of the step; timed by the host it would
+    be the kernels' launch, a small part of it."""
+    steps = 3
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "timeline.json"
+        torch.manual_seed(0)
+        strategy = _pipe_tp(setup, num_microbatches=2, timeline=str(trace))
+        trainer = _trainer(setup, strategy, setup.precision, steps)
+        trainer.fit(CharGPT(**setup.gpt, warmup_steps=1), _data(setup, steps))
+        spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    compute = [e for e in spans if e.get("cat") == "compute"]
+    start, end = min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans)
+    share = sum(e["dur"] for e in compute) / (end - start)
+    values = {"compute_share": share, "spans": len(spans), "positive": all(e["dur"] > 0 for e in compute)}
+    name = "timeline spans from CUDA events (compute share of a pp=1 step >= 0.5)"
+    if setup.device != "cuda":
+        return Row("device paths", name, "info", {**values, "note": "CPU: the host's clock"})
+    return Row("device paths", name, "ok" if share >= 0.5 and values["positive"] else "FAIL", values)
 
 
 def _rss_mib() -> float:
