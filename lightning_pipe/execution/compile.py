@@ -1,0 +1,117 @@
+"""``torch.compile`` per pipeline layer: the ``compile`` option (torchtitan compiles each transformer
+block the same way).
+
+Each pipeline layer of the stages a rank holds is compiled on its own, after tensor-parallel
+slicing and FSDP2 wrapping, so the graph Dynamo traces (at the layer's first call, as compilation
+is lazy) is the sliced layer that runs. What is compiled is the layer's ``forward``, bound to the
+layer and set on it as an attribute, not its ``__call__`` (which ``nn.Module.compile()`` would
+compile):
+
+* The module stays the model's own object: its name, its parameters' names, the partition,
+  checkpoints and tensor-parallel plans see no ``_orig_mod.`` wrapper (``torch.compile(layer)``
+  returns a new module holding the layer under that name).
+* The layer's own hooks run around the compiled forward, eagerly: FSDP2's, which gather and free a
+  unit's parameters and which Dynamo cannot trace into one graph, stay outside it, as they do in
+  torchtitan (whose FSDP units wrap the compiled block). Hooks of modules *inside* the layer are
+  traced with it.
+* Each layer is its own compiled region, so a pipeline can stop between any two layers (stage
+  boundaries, recomputation, the executor's checks) without a graph break.
+
+A layer the user compiled already is run as it is and not compiled again: an ``OptimizedModule``
+(``torch.compile(layer)``) placed in the model, or a layer whose ``compile()`` was called.
+
+Under zero-bubble schedules a compiled layer's backward is one autograd node (AOTAutograd's
+compiled joint graph, a custom ``autograd.Function``) that computes every gradient of the layer in
+one call, so :mod:`.split_backward` computes such a layer's weight gradients with its input
+gradient (the rule for custom functions): equal to eager, with no weight work left for the bubble
+from compiled layers (torch's own zero-bubble stages refuse compiled stages instead,
+pytorch/pytorch#161904).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+CompileOption = bool | Mapping[str, Any]
+"""``True`` (``torch.compile``'s defaults), ``False`` (off) or ``torch.compile``'s keyword arguments."""
+
+_MARK = "_lightning_pipe_compiled"
+"""Attribute set on a layer this module compiled (so a second setup does not compile it again)."""
+
+_REFUSED = ("model", "disable")
+"""``torch.compile`` arguments the option cannot take: the layers are the model, and ``False`` is
+how to switch compilation off."""
+
+
+def compile_arguments(value: object) -> dict[str, Any] | None:
+    """The ``compile`` option checked, as ``torch.compile``'s keyword arguments (``None``: off)."""
+    if isinstance(value, bool):
+        return {} if value else None
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        refused = [k for k in value if k in _REFUSED]
+        if refused:
+            raise ValueError(
+                f"compile={dict(value)!r}: {refused} is not a torch.compile argument the option takes "
+                "(the layers are compiled one by one; compile=False switches compilation off)."
+            )
+        unknown = [k for k in value if k not in _ACCEPTED]
+        if unknown:
+            raise ValueError(
+                f"compile={dict(value)!r}: {unknown} is not an argument of torch.compile; use "
+                f"{sorted(_ACCEPTED)}, e.g. compile={{'backend': 'inductor', 'fullgraph': True}}."
+            )
+        return dict(value)
+    raise ValueError(
+        f"compile must be True, False or a dict of torch.compile keyword arguments (e.g. "
+        f"{{'backend': 'aot_eager', 'fullgraph': True}}), got {value!r}."
+    )
+
+
+_ACCEPTED = frozenset(
+    name
+    for name in ("fullgraph", "dynamic", "backend", "mode", "options")
+    if name in torch.compile.__code__.co_varnames
+)
+
+
+def user_compiled(layer: nn.Module) -> bool:
+    """Whether ``layer`` was compiled by its user (run as it is)."""
+    return isinstance(layer, torch._dynamo.eval_frame.OptimizedModule) or (
+        getattr(layer, "_compiled_call_impl", None) is not None
+    )
+
+
+def compiled_here(layer: nn.Module) -> bool:
+    """Whether :func:`compile_layers` compiled ``layer``."""
+    return _MARK in vars(layer)
+
+
+def compile_layers(layers: Iterable[nn.Module], arguments: Mapping[str, Any] | None) -> list[nn.Module]:
+    """Compile each of ``layers`` in place (its ``forward``, see the module docstring) with
+    ``torch.compile(**arguments)`` (``None``: nothing); layers compiled already (by the user, or by
+    an earlier setup) are left as they are. Returns the layers compiled now."""
+    done: list[nn.Module] = []
+    if arguments is None:
+        return done
+    for layer in layers:
+        if compiled_here(layer) or user_compiled(layer):
+            continue
+        eager = layer.forward
+        layer.forward = torch.compile(eager, **arguments)
+        setattr(layer, _MARK, eager)
+        done.append(layer)
+    return done
+
+
+def keeping_graph() -> contextlib.AbstractContextManager[Any]:
+    """Around a backward call that keeps the graph (``retain_graph=True``: the split backward's
+    input pass, kept for its weight pass). AOTAutograd's compiled backward otherwise refuses such a
+    call when it was compiled with donated buffers (freeing what it saved as it goes); with the
+    setting off during the call it runs a backward that keeps them. Each compiled backward still
+    runs once: the split backward computes a compiled layer's every gradient in its input pass."""
+    return torch._functorch.config.patch(donated_buffer=False)
