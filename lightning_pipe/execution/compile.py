@@ -15,7 +15,8 @@ compile):
   torchtitan (whose FSDP units wrap the compiled block). Hooks of modules *inside* the layer are
   traced with it.
 * Each layer is its own compiled region, so a pipeline can stop between any two layers (stage
-  boundaries, recomputation, the executor's checks) without a graph break.
+  boundaries, recomputation, the executor's checks) without a graph break. Inside a layer, only
+  tensor parallelism's collectives break the graph (``fullgraph=True`` is refused with it).
 
 A layer the user compiled already is run as it is and not compiled again: an ``OptimizedModule``
 (``torch.compile(layer)``) placed in the model, or a layer whose ``compile()`` was called.
@@ -72,11 +73,8 @@ def compile_arguments(value: object) -> dict[str, Any] | None:
     )
 
 
-_ACCEPTED = frozenset(
-    name
-    for name in ("fullgraph", "dynamic", "backend", "mode", "options")
-    if name in torch.compile.__code__.co_varnames
-)
+_ACCEPTED = frozenset(("fullgraph", "dynamic", "backend", "mode", "options"))
+"""``torch.compile``'s keyword arguments but ``model`` and ``disable``."""
 
 
 def user_compiled(layer: nn.Module) -> bool:
@@ -91,13 +89,26 @@ def compiled_here(layer: nn.Module) -> bool:
     return _MARK in vars(layer)
 
 
-def compile_layers(layers: Iterable[nn.Module], arguments: Mapping[str, Any] | None) -> list[nn.Module]:
+def compile_layers(
+    layers: Iterable[nn.Module], arguments: Mapping[str, Any] | None, tensor_parallel_size: int = 1
+) -> list[nn.Module]:
     """Compile each of ``layers`` in place (its ``forward``, see the module docstring) with
     ``torch.compile(**arguments)`` (``None``: nothing); layers compiled already (by the user, or by
-    an earlier setup) are left as they are. Returns the layers compiled now."""
+    an earlier setup) are left as they are. Returns the layers compiled now.
+
+    Under tensor parallelism the layers' collectives (c10d calls inside ``autograd.Function``s,
+    :mod:`lightning_pipe.tensor_parallel`) are not traceable: Dynamo breaks the graph at each and
+    runs it eagerly, so ``fullgraph=True`` is refused there, naming the fix."""
     done: list[nn.Module] = []
     if arguments is None:
         return done
+    if arguments.get("fullgraph") and tensor_parallel_size > 1:
+        raise ValueError(
+            f"compile={dict(arguments)!r} with tensor_parallel_size={tensor_parallel_size}: the "
+            "tensor-parallel layers' collectives break the compiled graph (Dynamo runs them eagerly "
+            "between graphs), so fullgraph=True cannot hold. Leave fullgraph out (or False), or "
+            "compile without tensor parallelism."
+        )
     for layer in layers:
         if compiled_here(layer) or user_compiled(layer):
             continue

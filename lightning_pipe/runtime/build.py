@@ -187,7 +187,7 @@ def build(
     if layout.data_parallel_size > 1 and done.fully_sharded is None:
         make_replicas_equal(own, mesh, materialized, naming)
     fully_sharded = shard_parameters(done, model_layers, stage_indices, module, mesh, options, naming)
-    compile_layers(own, options.compile_arguments)  # after slicing and sharding: compiled is what runs
+    compile_layers(own, options.compile_arguments, layout.tensor_parallel_size)  # after slicing, sharding
     staged: dict[int, Sequence[nn.Module]] = {
         s: [executed[i] for i in partition.layer_range(s)] for s in stage_indices
     }

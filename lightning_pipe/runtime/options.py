@@ -150,8 +150,9 @@ class RuntimeOptions:
     (names and checkpoints unchanged; the layer's own hooks, FSDP2's among them, run outside the
     graph). A layer already compiled by the user (``torch.compile(layer)`` or ``layer.compile()``)
     runs as it is. Under ``"zb_h1"`` a compiled layer computes its weight gradients with its input
-    gradient (its backward is one graph), so compiled layers leave no weight work for the bubble
-    (:mod:`lightning_pipe.execution.compile`)."""
+    gradient (its backward is one graph), so compiled layers leave no weight work for the bubble;
+    tensor parallelism's collectives break a layer's graph (``fullgraph=True`` is refused with
+    it) (:mod:`lightning_pipe.execution.compile`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule))
