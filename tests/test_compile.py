@@ -292,3 +292,33 @@ def test_the_forward_check_puts_a_compiled_forward_back() -> None:
     compiled = [layer.forward for layer in model]
     check_forward(model.forward, list(model), model, torch.randn(3, 2))
     assert [layer.forward for layer in model] == compiled
+
+
+def test_the_split_backward_computes_a_compiled_layers_weights_in_its_input_pass() -> None:
+    """ZB-H1's weight pass and a compiled layer: the layer's backward is one AOTAutograd node (a
+    custom autograd Function) computing all of its gradients, so the input pass computes them,
+    with the graph kept for the weight pass (donated buffers off for that call), and the weight
+    pass has nothing of the layer's left; an eager layer's weights wait for the weight pass."""
+    from lightning_pipe.execution.split_backward import backward_input
+
+    torch._dynamo.reset()
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        block = _TinyBlock()
+        if compiled:
+            compile_layers([block], {"backend": "aot_eager", "fullgraph": True})
+        x = torch.randn(4, 8, requires_grad=True)
+        out = block(x)
+        assert ("CompiledFunction" in type(out.grad_fn).__name__) is compiled
+        work = backward_input([out], [torch.ones_like(out)], [x])
+        assert x.grad is not None
+        assert all(p.grad is not None for p in block.parameters()) is compiled
+        assert (not work.owners and not work.passes) is compiled
+        work.run()
+        assert all(p.grad is not None for p in block.parameters())
+        # A first stage (no input gradient): the whole backward is the weight pass, graph kept.
+        block.zero_grad()
+        out = block(torch.randn(2, 3, 8))  # 3-d: its compiled backward has donated buffers
+        work = backward_input([out], [torch.ones_like(out)], [])
+        work.run()
+        assert all(p.grad is not None for p in block.parameters())
