@@ -287,11 +287,14 @@ def test_the_forward_check_puts_a_compiled_forward_back() -> None:
     layer's instance ``forward`` must be there again after it (it was deleted: the layers ran eager)."""
     from lightning_pipe.batches.forward_contract import check_forward
 
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    # The second layer compiled by its user: an OptimizedModule, whose forward is an instance
+    # attribute too (deleted, its next call raised "missing the required forward function").
+    model = nn.Sequential(nn.Linear(2, 2), torch.compile(nn.Linear(2, 2), backend="eager"))
     compile_layers(list(model), {"backend": "eager"})
     compiled = [layer.forward for layer in model]
     check_forward(model.forward, list(model), model, torch.randn(3, 2))
     assert [layer.forward for layer in model] == compiled
+    model(torch.randn(3, 2))
 
 
 def test_the_split_backward_computes_a_compiled_layers_weights_in_its_input_pass() -> None:
@@ -322,3 +325,14 @@ def test_the_split_backward_computes_a_compiled_layers_weights_in_its_input_pass
         work = backward_input([out], [torch.ones_like(out)], [])
         work.run()
         assert all(p.grad is not None for p in block.parameters())
+
+
+def test_the_strategy_takes_the_option_and_documents_it_once() -> None:
+    from lightning_pipe import PipeTPStrategy
+
+    strategy = PipeTPStrategy(compile={"backend": "aot_eager", "fullgraph": True})
+    assert strategy.options.compile_arguments == {"backend": "aot_eager", "fullgraph": True}
+    assert PipeTPStrategy().options.compile_arguments is None
+    assert "    compile: ``torch.compile`` each pipeline layer" in (PipeTPStrategy.__doc__ or "")
+    with pytest.raises(ValueError, match="compile must be True, False or a dict"):
+        PipeTPStrategy(compile="yes")
