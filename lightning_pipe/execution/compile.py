@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch._functorch.config  # not imported by `import torch` alone
 from torch import nn
 
 CompileOption = bool | Mapping[str, Any]
@@ -99,7 +100,10 @@ def compile_layers(
     Under tensor parallelism the layers' collectives (c10d calls inside ``autograd.Function``s,
     :mod:`lightning_pipe.tensor_parallel`) are not traceable: Dynamo breaks the graph at each and
     runs it eagerly, so ``fullgraph=True`` is refused there, naming the fix."""
+    layers = list(layers)
     done: list[nn.Module] = []
+    if any(user_compiled(module) for layer in layers for module in layer.modules()):  # see keeping_graph
+        _state.compiled = True
     if arguments is None:
         return done
     if arguments.get("fullgraph") and tensor_parallel_size > 1:
@@ -116,13 +120,44 @@ def compile_layers(
         layer.forward = torch.compile(eager, **arguments)
         setattr(layer, _MARK, eager)
         done.append(layer)
+        _state.compiled = True
     return done
 
 
-def keeping_graph() -> contextlib.AbstractContextManager[Any]:
+class _DonatedBuffersOff:
+    """AOTAutograd's ``donated_buffer`` setting off inside the block, put back after it."""
+
+    def __enter__(self) -> None:
+        config = torch._functorch.config
+        self.before = config.donated_buffer
+        if self.before:
+            config.donated_buffer = False
+
+    def __exit__(self, *_: object) -> None:
+        if self.before:
+            torch._functorch.config.donated_buffer = True
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def keeping_graph() -> contextlib.AbstractContextManager[None]:
     """Around a backward call that keeps the graph (``retain_graph=True``: the split backward's
     input pass, kept for its weight pass). AOTAutograd's compiled backward otherwise refuses such a
     call when it was compiled with donated buffers (freeing what it saved as it goes); with the
     setting off during the call it runs a backward that keeps them. Each compiled backward still
-    runs once: the split backward computes a compiled layer's every gradient in its input pass."""
-    return torch._functorch.config.patch(donated_buffer=False)
+    runs once: the split backward computes a compiled layer's every gradient in its input pass.
+
+    Only once a runtime of this process holds compiled layers (reading and setting the setting
+    costs about 10 µs a call); a layer compiled another way (``torch.compile`` called inside a
+    layer's ``forward``) meets torch's own error under zero-bubble schedules, which names the
+    setting."""
+    return _DonatedBuffersOff() if _state.compiled else _NOTHING
+
+
+class _State:
+    compiled = False
+    """Whether a runtime of this process holds a compiled layer (ours, or one its user compiled)."""
+
+
+_state = _State()
