@@ -26,7 +26,12 @@ compiled joint graph, a custom ``autograd.Function``) that computes every gradie
 one call, so :mod:`.split_backward` computes such a layer's weight gradients with its input
 gradient (the rule for custom functions): equal to eager, with no weight work left for the bubble
 from compiled layers (torch's own zero-bubble stages refuse compiled stages instead,
-pytorch/pytorch#161904).
+pytorch/pytorch#161904). That input pass keeps the graph for the weight pass, which a compiled
+backward with donated buffers refuses: :func:`keeping_graph` turns them off for such calls.
+
+Random numbers: ``aot_eager`` draws dropout masks as eager layers do; inductor draws its own
+(``torch._inductor.config.fallback_random=True`` for eager's). Either way recomputation, which
+restores the random state before running a layer again, replays the same masks.
 """
 
 from __future__ import annotations
