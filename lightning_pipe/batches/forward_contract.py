@@ -75,6 +75,8 @@ def _stubbed(
     # activation statistics, a counter) must not see the stubs' placeholder outputs.
     hook_dicts = [name for name in vars(nn.Module()) if name.startswith("_forward") and "hooks" in name]
     saved = [{name: getattr(layer, name) for name in hook_dicts} for layer in layers]
+    # A forward set on the instance (the compile option's compiled forward) is put back, not deleted.
+    patched = [layer.__dict__.get("forward") for layer in layers]
     for index, layer in enumerate(layers):
         layer.forward = stub(index)
         for name in hook_dicts:
@@ -82,8 +84,11 @@ def _stubbed(
     try:
         yield
     finally:
-        for layer, hooks in zip(layers, saved, strict=True):
-            del layer.forward
+        for layer, hooks, before in zip(layers, saved, patched, strict=True):
+            if before is None:
+                del layer.forward
+            else:
+                layer.forward = before
             for name, value in hooks.items():
                 setattr(layer, name, value)
 

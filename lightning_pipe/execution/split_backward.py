@@ -56,6 +56,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils.checkpoint import CheckpointFunction
 
+from lightning_pipe.execution.compile import keeping_graph
 from lightning_pipe.execution.weight_rules import weight_side
 
 _ROOT = object()
@@ -84,7 +85,8 @@ class _WeightPass:
             recorded = self.recorded
             handle = self.owner.register_prehook(lambda _grads: recorded)
         try:
-            torch.autograd.backward(self.outputs, self.grads, inputs=self.weights, retain_graph=True)  # type: ignore[arg-type]
+            with keeping_graph():
+                torch.autograd.backward(self.outputs, self.grads, inputs=self.weights, retain_graph=True)  # type: ignore[arg-type]
         finally:
             if handle is not None:
                 handle.remove()
@@ -156,17 +158,19 @@ class WeightGradients:
             # call is the fallback where a torch version lacks it.
             engine = getattr(autograd_graph, "_engine_run_backward", None)
             if engine is not None:
-                engine(
-                    tuple(edges),
-                    tuple(grads),
-                    True,
-                    False,
-                    tuple(weights),
-                    allow_unreachable=True,
-                    accumulate_grad=True,
-                )
+                with keeping_graph():
+                    engine(
+                        tuple(edges),
+                        tuple(grads),
+                        True,
+                        False,
+                        tuple(weights),
+                        allow_unreachable=True,
+                        accumulate_grad=True,
+                    )
             else:  # a torch without the private entry: the public call, same result
-                torch.autograd.backward(edges, grads, retain_graph=True, inputs=weights)
+                with keeping_graph():
+                    torch.autograd.backward(edges, grads, retain_graph=True, inputs=weights)
         for p in slow:
             p.run()
         self.passes.clear()
@@ -311,7 +315,8 @@ def backward_input(
     if not defer_weights:
         # Everything now: one ordinary backward accumulates the inputs' and every weight's
         # gradient, which is what inputs= naming all of them would do, without the analysis.
-        torch.autograd.backward(tensors, grads, retain_graph=True)
+        with keeping_graph():
+            torch.autograd.backward(tensors, grads, retain_graph=True)
         return WeightGradients()
     if not inputs:
         # No input wants a gradient (the first stage): nothing is on the input path, so the whole
@@ -347,7 +352,8 @@ def backward_input(
             work.owners.append(_Owner(node, edges, weights))
     handles = [owner.node.register_prehook(owner.record) for owner in work.owners]
     try:
-        torch.autograd.backward(tensors, grads, inputs=[*inputs, *eager], retain_graph=True)
+        with keeping_graph():  # a compiled layer's backward runs here, once, keeping the graph
+            torch.autograd.backward(tensors, grads, inputs=[*inputs, *eager], retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()

@@ -5,10 +5,10 @@ them in the same order, or the job hangs): take over the model's own gradient ch
 partition the layers (timing them first under ``partition="time"``), create the process groups of
 tied copies, agree on the seed, split, slice and materialise the model (:mod:`.prepare`, on the
 module's first setup only), make the replicas' weights equal, shard the stages over the data axis
-(FSDP2), and make the executor, the gradients and the BatchNorm deferral. :func:`build` takes
-those steps in that order and returns their products as one :class:`Built`, which the runtime
-keeps; each step is a function of what it needs, so the order, and what each step depends on,
-reads from :func:`build` alone.
+(FSDP2), compile the layers (``compile``), make the executor, the gradients and the BatchNorm
+deferral. :func:`build` takes those steps in that order and returns their products as one
+:class:`Built`, which the runtime keeps; each step is a function of what it needs, so the order
+(and what each step depends on) reads from :func:`build` alone.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers, normalising_by_batch
+from lightning_pipe.execution.compile import compile_layers
 from lightning_pipe.execution.executor import PipelineExecutor
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
@@ -54,8 +55,8 @@ from lightning_pipe.skip.plan import SkipLayers, SkipRoute
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 
 TiedGroup = tuple[str, dist.ProcessGroup, bool]
-"""A tied parameter this rank holds: its name, the group of its copies' ranks, and whether this
-rank counts it in the gradient norm (the first stage does)."""
+"""A tied parameter this rank holds: its name, the group of its copies' ranks, and whether it
+counts in the gradient norm here (the first stage's copy does)."""
 
 
 @dataclass
@@ -140,8 +141,7 @@ def build(
         taken = done.model_checkpointing.merged(taken)
     if taken is not None:
         options = dataclasses.replace(options, recompute=taken.mode(asked))
-    # The model's own layers inside any Stash / Pop wrappers; later setups get no layers and
-    # keep the first one's skips.
+    # The model's own layers inside any Stash / Pop wrappers (later setups keep the first's skips).
     layers, skips = SkipLayers.of(layers)
     warnings: list[str] = []
     if done is None:
@@ -187,6 +187,7 @@ def build(
     if layout.data_parallel_size > 1 and done.fully_sharded is None:
         make_replicas_equal(own, mesh, materialized, naming)
     fully_sharded = shard_parameters(done, model_layers, stage_indices, module, mesh, options, naming)
+    compile_layers(own, options.compile_arguments, layout.tensor_parallel_size)  # after slicing, sharding
     staged: dict[int, Sequence[nn.Module]] = {
         s: [executed[i] for i in partition.layer_range(s)] for s in stage_indices
     }

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from lightning_pipe.arguments import check_count, check_flag, check_positive
+from lightning_pipe.execution.compile import CompileOption, compile_arguments
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.partition.balance import PartitionMethod, check_partition
 from lightning_pipe.schedule.builders import ScheduleKind
@@ -140,6 +142,17 @@ class RuntimeOptions:
     """On the first step after setup, check that the module's ``forward`` is its pipeline layers
     chained (logic around them would be skipped in training). ``False`` skips the check (and its
     warning when a meta-built model cannot be compared)."""
+    compile: CompileOption = False
+    """``torch.compile`` each pipeline layer of this rank's stages (as torchtitan compiles each
+    transformer block), after tensor-parallel slicing and FSDP2 wrapping: ``True`` with
+    ``torch.compile``'s defaults (inductor), or a dict of its keyword arguments, e.g.
+    ``{"backend": "aot_eager", "fullgraph": True}``. The layer's ``forward`` is compiled in place
+    (names and checkpoints unchanged; the layer's own hooks, FSDP2's among them, run outside the
+    graph). A layer already compiled by the user (``torch.compile(layer)`` or ``layer.compile()``)
+    runs as it is. Under ``"zb_h1"`` a compiled layer computes its weight gradients with its input
+    gradient (its backward is one graph), so compiled layers leave no weight work for the bubble;
+    tensor parallelism's collectives break a layer's graph (``fullgraph=True`` is refused with
+    it) (:mod:`lightning_pipe.execution.compile`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule))
@@ -170,6 +183,12 @@ class RuntimeOptions:
         if self.layer_seeded_dropout is not None:
             check_flag("layer_seeded_dropout", self.layer_seeded_dropout)
         as_timeout(self.timeout)
+        compile_arguments(self.compile)
+
+    @property
+    def compile_arguments(self) -> dict[str, Any] | None:
+        """``compile`` as ``torch.compile``'s keyword arguments; ``None``: off."""
+        return compile_arguments(self.compile)
 
     @property
     def seeds_layers(self) -> bool:

@@ -78,6 +78,7 @@ class PipeTPStrategy(PipeTPSetup):
         timeout: timedelta | PositiveFloat | None = DEFAULT_TIMEOUT,
         check_finite: bool = False,
         check_forward: bool = True,
+        compile: bool | dict[str, Any] = False,
         bucket_cap_mb: PositiveFloat = 25.0,
         shard_optimizer_state: bool = False,
         overlap_param_gather: bool = True,
