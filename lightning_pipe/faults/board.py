@@ -260,15 +260,29 @@ class FaultBoard:
         heartbeat = _Heartbeat._started.get(self.rank)
         first, victims = heartbeat.copied() if heartbeat is not None else (None, [])
         read = victims[:2] + ([f"the first rank to fail: {first}"] if first is not None else [])
-        host = "torchrun's agent" if _agent_hosts_store() else self.who(0)
+        host = f"torchrun's agent{self._node_of_rank_zero()}" if _agent_hosts_store() else self.who(0)
         if read:
             return "; ".join(read) + f" (read from the failure board before its host, {host}, stopped)"
+        if _agent_hosts_store() and self.nodes:
+            return (
+                f"the rendezvous store in {host} is unreachable: that node's launcher has stopped (the "
+                "node went down, or its agent was killed or ended)"
+            )
         if _agent_hosts_store():
             return "the rendezvous store in torchrun's agent is unreachable: the launcher has stopped"
         return (
             f"the rendezvous store is unreachable, so {host}, the process that hosts it, has stopped; "
             "its log names the cause (its own error, or the rank it lost), unless it was killed"
         )
+
+    def _node_of_rank_zero(self) -> str:
+        """``" on node 0 (host-a), with ranks 0, 1"`` when the nodes are known: torchrun's agent of
+        the node that runs global rank 0 hosts the store its ranks share."""
+        if not self.nodes:
+            return ""
+        node = self.nodes[0]
+        ranks = ", ".join(str(r) for r in range(self.world_size) if self.nodes[r] == node)
+        return f" on {node}, with ranks {ranks}"
 
     def _get(self, key: str) -> str | None:
         assert self.store is not None
