@@ -5,12 +5,21 @@ Ranks are laid out with the data axis outermost and the tensor axis innermost,
 talk on every layer, are neighbours (the same node on a real cluster), pipeline neighbours come
 next, and data-parallel replicas, which talk once per step, are furthest apart (Megatron-LM's
 ordering, Narayanan et al., 2021).
+
+Across nodes the rule is: **each tensor-parallel group inside one node; the pipeline, then the data
+axis, across nodes.** Every launcher numbers a node's ranks contiguously (torchrun, Lightning:
+``rank = node_rank x processes_per_node + local_rank``; SLURM's default block distribution), so
+the tensor-innermost order keeps a group in one node exactly when ``tensor_parallel_size`` divides
+the processes per node. :func:`check_tensor_groups_in_nodes` refuses other sizes before launch,
+and :class:`NodePlacement` checks where the ranks really landed (``srun --distribution=cyclic``
+interleaves nodes) and says it in the layout log.
 """
 
 from __future__ import annotations
 
 import atexit
 import enum
+import socket
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -22,10 +31,12 @@ from lightning_pipe.arguments import check_count
 
 __all__ = [
     "MeshAxis",
+    "NodePlacement",
     "ParallelLayout",
     "ParallelMesh",
     "RankCoordinates",
     "check_replicate_size",
+    "check_tensor_groups_in_nodes",
     "data_parallel_mesh",
     "init_mesh",
 ]
@@ -136,6 +147,10 @@ class ParallelLayout:
         per_replica = self.pipeline_parallel_size * self.tensor_parallel_size
         return list(range(dp_rank * per_replica, (dp_rank + 1) * per_replica))
 
+    def tensor_ranks(self, dp_rank: int, pp_rank: int) -> list[int]:
+        """Global ranks of the tensor-parallel group at ``(dp_rank, pp_rank)``, by ``tp_rank``."""
+        return [self.rank_of(dp_rank, pp_rank, t) for t in range(self.tensor_parallel_size)]
+
     def pipeline_ranks(self, rank: int) -> list[int]:
         """Global ranks of the pipeline that ``rank`` belongs to, indexed by ``pp_rank``."""
         c = self.coordinates(rank)
@@ -146,6 +161,115 @@ class ParallelLayout:
             f"dp={self.data_parallel_size} x pp={self.pipeline_parallel_size} x "
             f"tp={self.tensor_parallel_size}"
         )
+
+
+def _spans(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
+def check_tensor_groups_in_nodes(tensor_parallel_size: int, processes_per_node: int, num_nodes: int) -> None:
+    """Refuse, before launch, a tensor-parallel size whose groups would span nodes.
+
+    Launchers number each node's ranks contiguously and the tensor axis is innermost, so a group
+    ``tp_rank 0..tp-1`` is ``tp`` consecutive ranks: inside one node when ``tp`` divides the
+    processes per node, across two otherwise (its all-reduces, on every layer, over the network).
+    """
+    tp, per_node = tensor_parallel_size, processes_per_node
+    if num_nodes <= 1 or per_node % tp == 0:
+        return
+    fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
+    raise ValueError(
+        f"tensor_parallel_size={tp} does not divide the {per_node} processes (devices) per node on "
+        f"{num_nodes} nodes, so a tensor-parallel group would span two nodes and its all-reduces, on "
+        f"every layer, would cross the network. Each tensor-parallel group must sit inside one node "
+        f"(the pipeline and data axes cross nodes): use a tensor_parallel_size that divides {per_node} "
+        f"(one of {fits}) and give the other factor to pipeline_parallel_size, or use {tp} (or a "
+        f"multiple of {tp}) devices per node."
+    )
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """The node each global rank runs on: the launcher's node rank (torchrun's ``GROUP_RANK``,
+    Lightning's ``NODE_RANK``, ``SLURM_NODEID``) and the host's name, indexed by global rank."""
+
+    node_ranks: tuple[int, ...]
+    hostnames: tuple[str, ...]
+
+    @classmethod
+    def gather(cls, node_rank: int | None = None, group: dist.ProcessGroup | None = None) -> NodePlacement:
+        """Every rank's node, from every rank (collective over the default group: call it on all
+        ranks, after the device is set under NCCL). Without ``node_rank``, nodes are numbered by
+        host name, in the order of their first rank."""
+        mine = (node_rank, socket.gethostname())
+        everyone: list[tuple[int | None, str]] = [mine] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        hosts = tuple(h for _, h in everyone)
+        if all(n is not None for n, _ in everyone):
+            return cls(tuple(int(n) for n, _ in everyone), hosts)  # type: ignore[arg-type]
+        numbers = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
+        return cls(tuple(numbers[h] for h in hosts), hosts)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.node_ranks))
+
+    def ranks_on(self, node_rank: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_ranks) if n == node_rank]
+
+    def label(self, rank: int) -> str:
+        """``"node 1 (host-b)"``: where ``rank`` runs."""
+        return f"node {self.node_ranks[rank]} ({self.hostnames[rank]})"
+
+    def check(self, layout: ParallelLayout) -> None:
+        """Raise unless every tensor-parallel group of ``layout`` sits inside one node."""
+        if len(self.node_ranks) != layout.world_size:
+            raise ValueError(
+                f"{len(self.node_ranks)} ranks placed on nodes, but {layout} has {layout.world_size}"
+            )
+        for dp_rank in range(layout.data_parallel_size):
+            for pp_rank in range(layout.pipeline_parallel_size):
+                ranks = layout.tensor_ranks(dp_rank, pp_rank)
+                nodes = sorted({self.node_ranks[r] for r in ranks})
+                if len(nodes) == 1:
+                    continue
+                where = ", ".join(f"rank {r} on {self.label(r)}" for r in ranks)
+                per_node = sorted({len(self.ranks_on(n)) for n in set(self.node_ranks)})
+                raise ValueError(
+                    f"The tensor-parallel group of dp_rank {dp_rank}, pp_rank {pp_rank} spans nodes "
+                    f"{nodes} ({where}): its all-reduces, on every layer, would cross the network. "
+                    f"Ranks are laid out tensor-innermost (rank = (dp_rank x pp + pp_rank) x tp + "
+                    f"tp_rank, {layout}), so each group is {layout.tensor_parallel_size} consecutive "
+                    f"global ranks; with {per_node} processes per node, it sits inside one node when "
+                    f"tensor_parallel_size divides the processes per node and the launcher numbers each "
+                    "node's ranks contiguously (torchrun and Lightning do; under SLURM use the default "
+                    "block distribution, not --distribution=cyclic)."
+                )
+
+    def describe(self, layout: ParallelLayout) -> str:
+        """Per node, its ranks and the pipeline stages and tensor groups they hold (layout log)."""
+        lines = [
+            f"  nodes: {self.num_nodes}; each tensor-parallel group inside one node, the pipeline and "
+            "data axes across nodes"
+        ]
+        for node in sorted(set(self.node_ranks)):
+            ranks = self.ranks_on(node)
+            hosts = ", ".join(dict.fromkeys(self.hostnames[r] for r in ranks))
+            held = []
+            for dp_rank in range(layout.data_parallel_size):
+                for pp_rank in range(layout.pipeline_parallel_size):
+                    group = layout.tensor_ranks(dp_rank, pp_rank)
+                    if set(group) <= set(ranks):
+                        held.append(f"dp_rank {dp_rank} pp_rank {pp_rank}")
+            lines.append(f"    node {node} ({hosts}): ranks {_spans(ranks)}: {'; '.join(held)}")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -168,6 +292,8 @@ class ParallelMesh:
     host_model_group: dist.ProcessGroup | None = None
     host_pipeline_group: dist.ProcessGroup | None = None
     host_data_group: dist.ProcessGroup | None = None
+    nodes: NodePlacement | None = None
+    """Where every rank runs (checked: each tensor-parallel group inside one node), when known."""
 
     @property
     def coordinates(self) -> RankCoordinates:
@@ -194,10 +320,11 @@ class ParallelMesh:
         return self.layout.pipeline_ranks(self.rank)
 
 
-def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
+def init_mesh(layout: ParallelLayout, device_type: str, nodes: NodePlacement | None = None) -> ParallelMesh:
     """Build the DeviceMesh for ``layout`` over the initialised default process group.
 
-    ``device_type`` is ``"cuda"`` (NCCL groups) or ``"cpu"`` (gloo groups).
+    ``device_type`` is ``"cuda"`` (NCCL groups) or ``"cpu"`` (gloo groups); ``nodes``: where the
+    ranks run (:meth:`NodePlacement.gather`), refused when a tensor-parallel group spans nodes.
     """
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs torch.distributed to be initialised first.")
@@ -206,6 +333,8 @@ def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
         raise ValueError(
             f"The layout {layout} needs {layout.world_size} processes but the world has {world}."
         )
+    if nodes is not None:  # the same placement on every rank: all refuse together
+        nodes.check(layout)
     mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=tuple(a.value for a in MeshAxis))
     rank = dist.get_rank()
     model_group: dist.ProcessGroup | None = None
@@ -236,7 +365,7 @@ def init_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh:
                 if rank in ranks:
                     host_data = group
     _let_workers_finish_at_exit()
-    return ParallelMesh(layout, rank, mesh, model_group, host_model, host_pipeline, host_data)
+    return ParallelMesh(layout, rank, mesh, model_group, host_model, host_pipeline, host_data, nodes)
 
 
 def check_replicate_size(replicate_size: int, data_parallel_size: int) -> None:

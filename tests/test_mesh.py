@@ -10,8 +10,10 @@ import torch.distributed as dist
 
 from lightning_pipe.mesh import (
     MeshAxis,
+    NodePlacement,
     ParallelLayout,
     RankCoordinates,
+    check_tensor_groups_in_nodes,
     init_mesh,
 )
 from tests.distributed import run_distributed
@@ -150,6 +152,56 @@ def test_pipeline_ranks() -> None:
 
 def test_mesh_axis_names_outermost_first() -> None:
     assert [a.value for a in MeshAxis] == ["dp", "pp", "tp"]
+
+
+# ---------------------------------------------------------------------------------------- nodes
+
+
+def _placed(node_ranks: list[int]) -> NodePlacement:
+    return NodePlacement(tuple(node_ranks), tuple(f"host{n}" for n in node_ranks))
+
+
+def test_tensor_groups_inside_nodes_when_tp_divides_the_processes_per_node() -> None:
+    """The layout rule: tensor groups in one node, pipeline (then data) across nodes. With ranks
+    numbered node by node, pp=2 x tp=2 on 2 nodes of 2 puts one stage's tensor group on each node;
+    dp=2 x pp=2 x tp=2 on 2 nodes of 4 puts one replica's whole pipeline on each."""
+    for tp, per_node, nodes in [(2, 2, 2), (2, 4, 2), (1, 1, 4), (4, 8, 2), (3, 2, 1)]:
+        check_tensor_groups_in_nodes(tp, per_node, nodes)  # fits (one node: anything fits)
+    pp2_tp2 = ParallelLayout(1, 2, 2)
+    by_node = _placed([0, 0, 1, 1])
+    by_node.check(pp2_tp2)
+    assert by_node.describe(pp2_tp2).splitlines()[1:] == [
+        "    node 0 (host0): ranks 0-1: dp_rank 0 pp_rank 0",
+        "    node 1 (host1): ranks 2-3: dp_rank 0 pp_rank 1",
+    ]
+    three_d = ParallelLayout(2, 2, 2)
+    _placed([0] * 4 + [1] * 4).check(three_d)
+    assert "node 1 (host1): ranks 4-7: dp_rank 1 pp_rank 0; dp_rank 1 pp_rank 1" in _placed(
+        [0] * 4 + [1] * 4
+    ).describe(three_d)
+
+
+@pytest.mark.parametrize(("tp", "per_node", "fits"), [(4, 2, [1, 2]), (2, 3, [1, 3])])
+def test_a_tensor_group_that_would_span_nodes_is_refused_naming_the_sizes(
+    tp: int, per_node: int, fits: list[int]
+) -> None:
+    with pytest.raises(ValueError) as info:
+        check_tensor_groups_in_nodes(tp, per_node, 2)
+    message = str(info.value)
+    assert f"tensor_parallel_size={tp} does not divide the {per_node} processes (devices) per node" in message
+    assert f"use a tensor_parallel_size that divides {per_node} (one of {fits})" in message
+
+
+def test_a_placement_that_interleaves_nodes_is_refused() -> None:
+    """SLURM's cyclic distribution numbers ranks across nodes in turn: rank 0 and 1 (one tensor
+    group) land on different nodes, whatever the sizes; the check reads where they really are."""
+    with pytest.raises(ValueError) as info:
+        _placed([0, 1, 0, 1]).check(ParallelLayout(1, 2, 2))
+    message = str(info.value)
+    assert "tensor-parallel group of dp_rank 0, pp_rank 0 spans nodes [0, 1]" in message
+    assert "rank 0 on node 0 (host0), rank 1 on node 1 (host1)" in message
+    assert "--distribution=cyclic" in message
+    _placed([0, 1, 0, 1]).check(ParallelLayout(1, 4, 1))  # no tensor groups: nothing to keep together
 
 
 # ---------------------------------------------------------------------------------------- init_mesh

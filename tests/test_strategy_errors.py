@@ -221,6 +221,21 @@ def test_a_layout_that_cannot_fit_the_devices_is_refused_before_launch(
         L.Trainer(strategy=PipeTPStrategy(**kwargs), accelerator="cpu", devices=devices, logger=False)
 
 
+def test_a_tensor_group_across_nodes_is_refused_before_launch() -> None:
+    """tp=4 on 2 nodes of 2 devices: each tensor group would span both nodes (the layout rule: tensor
+    groups inside a node); tp=2 there fits."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    nodes = {"accelerator": "cpu", "devices": 2, "num_nodes": 2, "logger": False}
+    with pytest.raises(MisconfigurationException) as info:
+        L.Trainer(strategy=PipeTPStrategy(pipeline_parallel_size=1, tensor_parallel_size=4), **nodes)
+    assert str(info.value).startswith(
+        "pipe_tp cannot lay out 4 processes (2 devices x 2 nodes) as dp=1 x pp=1 x tp=4: "
+        "tensor_parallel_size=4 does not divide the 2 processes (devices) per node on 2 nodes"
+    ), info.value
+    L.Trainer(strategy=PipeTPStrategy(pipeline_parallel_size=2, tensor_parallel_size=2), **nodes)
+
+
 @pytest.mark.parametrize(
     ("arg", "option"),
     [

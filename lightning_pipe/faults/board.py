@@ -187,6 +187,9 @@ class FaultBoard:
     ) -> None:
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.describe = describe
+        self.nodes: Sequence[str] | None = None
+        """Each global rank's node, in words (``"node 1 (host-b)"``), when known: a survivor that
+        finds every rank of a node vanished says the node is lost."""
         self.hosts_store = rank == 0 and not _agent_hosts_store()
         self._lingered = False
         if store is not None:
@@ -257,15 +260,29 @@ class FaultBoard:
         heartbeat = _Heartbeat._started.get(self.rank)
         first, victims = heartbeat.copied() if heartbeat is not None else (None, [])
         read = victims[:2] + ([f"the first rank to fail: {first}"] if first is not None else [])
-        host = "torchrun's agent" if _agent_hosts_store() else self.who(0)
+        host = f"torchrun's agent{self._node_of_rank_zero()}" if _agent_hosts_store() else self.who(0)
         if read:
             return "; ".join(read) + f" (read from the failure board before its host, {host}, stopped)"
+        if _agent_hosts_store() and self.nodes:
+            return (
+                f"the rendezvous store in {host} is unreachable: that node's launcher has stopped (the "
+                "node went down, or its agent was killed or ended)"
+            )
         if _agent_hosts_store():
             return "the rendezvous store in torchrun's agent is unreachable: the launcher has stopped"
         return (
             f"the rendezvous store is unreachable, so {host}, the process that hosts it, has stopped; "
             "its log names the cause (its own error, or the rank it lost), unless it was killed"
         )
+
+    def _node_of_rank_zero(self) -> str:
+        """``" on node 0 (host-a), with ranks 0, 1"`` when the nodes are known: torchrun's agent of
+        the node that runs global rank 0 hosts the store its ranks share."""
+        if not self.nodes:
+            return ""
+        node = self.nodes[0]
+        ranks = ", ".join(str(r) for r in range(self.world_size) if self.nodes[r] == node)
+        return f" on {node}, with ranks {ranks}"
 
     def _get(self, key: str) -> str | None:
         assert self.store is not None
@@ -283,22 +300,31 @@ class FaultBoard:
         Takes up to about two seconds: a peer is found vanished when its heartbeat is seen
         standing still that long; a peer that reports its own error ends the wait earlier."""
         candidates = [r for r in (peers or range(self.world_size)) if r != self.rank]
+        # The other ranks of the candidates' nodes, watched alongside (never waited for): when all
+        # of a node's ranks vanish together, the node (or its launcher) is what was lost.
+        nodes = self.nodes if self.nodes is not None and len(self.nodes) == self.world_size else None
+        mates: list[int] = []
+        if nodes is not None:
+            their_nodes = {nodes[r] for r in candidates}
+            mates = [
+                r for r in range(self.world_size)
+                if nodes[r] in their_nodes and r not in candidates and r != self.rank
+            ]  # fmt: skip
         if self.store is None:
             who = self.who(candidates[0]) if len(candidates) == 1 else f"one of ranks {candidates}"
             return f"{who} has stopped"
         try:
             causes: dict[int, str | None] = dict.fromkeys(candidates)
             victims: dict[int, str | None] = dict.fromkeys(candidates)
-            start = self._beats(candidates)
+            watched = candidates + mates
+            start = self._beats(watched)
             moved: set[int] = set()
             deadline = time.monotonic() + _SILENT_S
             while True:
                 for r in candidates:
                     causes[r] = causes[r] or self._get(f"{self.prefix}/report/{r}")
                     victims[r] = victims[r] or self._get(f"{self.prefix}/victim/{r}")
-                moved |= {
-                    r for r, a, b in zip(candidates, start, self._beats(candidates), strict=True) if a != b
-                }
+                moved |= {r for r, a, b in zip(watched, start, self._beats(watched), strict=True) if a != b}
                 undecided = [r for r in candidates if not (causes[r] or victims[r] or r in moved)]
                 if not undecided or time.monotonic() > deadline:
                     break
@@ -306,6 +332,7 @@ class FaultBoard:
             silent = [r for r in candidates if not (causes[r] or victims[r]) and r not in moved]
             exited = [r for r in silent if self._get(f"{_PROCESS}/exited/{r}") is not None]
             vanished = [r for r in silent if r not in exited]
+            lost_nodes = self._lost_nodes(vanished, mates, moved) if nodes is not None else []
             first = self._get(f"{self.prefix}/1")
         except Exception:
             return self._store_gone()
@@ -317,6 +344,7 @@ class FaultBoard:
                 "(killed by a signal such as SIGKILL, or by the out-of-memory killer; such a process "
                 "leaves no log)"
             )
+        parts += lost_nodes
         for r in exited:
             parts.append(
                 f"{self.who(r)} finished its script and exited while this rank still needed it (the ranks "
@@ -333,6 +361,29 @@ class FaultBoard:
             who = self.who(candidates[0]) if len(candidates) == 1 else f"one of ranks {candidates}"
             parts.append(f"{who} closed its connection (its own error should follow in its log)")
         return "; ".join(parts)
+
+    def _lost_nodes(self, vanished: Sequence[int], mates: Sequence[int], moved: set[int]) -> list[str]:
+        """For each node of a ``vanished`` rank whose every rank (but this one) vanished too
+        (``mates``: the watched others, silent unless in ``moved``, and with no report of their
+        own), a sentence naming the node and its ranks: a node that went down, not one process."""
+        assert self.nodes is not None
+        parts = []
+        for node in dict.fromkeys(self.nodes[r] for r in vanished):
+            on_node = [r for r in range(self.world_size) if self.nodes[r] == node and r != self.rank]
+            others = [r for r in on_node if r not in vanished]
+            if len(on_node) < 2 or any(r not in mates or r in moved for r in others):
+                continue
+            reported = (f"{self.prefix}/report/{r}" for r in others)
+            if any(self._get(key) for key in reported) or any(
+                self._get(f"{_PROCESS}/exited/{r}") for r in others
+            ):
+                continue
+            ranks = ", ".join(str(r) for r in on_node)
+            parts.append(
+                f"{node} is lost: all of its ranks ({ranks}) stopped at once without an error of their "
+                "own (the node went down, or its launcher was killed)"
+            )
+        return parts
 
     @contextmanager
     def naming(self, doing: str, peers: Sequence[int] = ()) -> Iterator[None]:

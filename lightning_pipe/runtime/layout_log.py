@@ -2,9 +2,10 @@
 
 Global rank 0 shows it (``ParallelRuntime.describe``) after the first setup: the layout and
 schedule, the micro-batches, the recomputation (and whether the model's own checkpointing was
-taken over), each stage's layers and parameters, the tensor-parallel slicing, the skip
-connections sent between stages, the dropout that makes a run differ from one device, the data
-axis's sharding and a meta-built model's storage. It only reads what the runtime built.
+taken over), each stage's layers and parameters, the nodes (each one's ranks, stages and tensor
+groups), the tensor-parallel slicing, the skip connections sent between stages, the dropout that
+makes a run differ from one device, the data axis's sharding and a meta-built model's storage. It
+only reads what the runtime built.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.execution.recompute import RecomputeMode
-from lightning_pipe.mesh import ParallelLayout
+from lightning_pipe.mesh import NodePlacement, ParallelLayout
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.runtime.dropout_notice import describe_dropout, dropout_sources
 from lightning_pipe.runtime.model_recompute import ModelCheckpointing
@@ -38,10 +39,12 @@ def describe_layout(
     taken: ModelCheckpointing | None,
     asked_recompute: RecomputeMode,
     num_microbatches: int | None = None,
+    nodes: NodePlacement | None = None,
 ) -> str:
     """The layout log of a runtime over ``module`` (``done``: its preparation; ``recompute``: the
     executor's mode; ``taken``: the model's own checkpointing, taken over where it was on;
-    ``num_microbatches``: the count to show, default the options')."""
+    ``num_microbatches``: the count to show, default the options'; ``nodes``: where the ranks run,
+    shown per node when there are several)."""
     per_rank = None
     if layout.tensor_parallel_size > 1:
         assert done.holdings is not None
@@ -56,6 +59,8 @@ def describe_layout(
         f"{recompute.value}{recompute_note}\n"
         + partition.describe(layers, per_rank, layout.pipeline_parallel_size)
     )
+    if nodes is not None and nodes.num_nodes > 1:
+        text += f"\n{nodes.describe(layout)}"
     if done.slicing:
         text += f"\n{done.slicing}"
     if skip_routes:

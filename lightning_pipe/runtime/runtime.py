@@ -237,7 +237,7 @@ class ParallelRuntime:
         return describe_layout(
             self.module, self.mesh.layout, self.options, self.preparation, self.partition, self.layers,
             self.skip_routes, self.fully_sharded, self.executor.recompute, self.model_checkpointing,
-            self._asked_recompute, num_microbatches,
+            self._asked_recompute, num_microbatches, self.mesh.nodes,
         )  # fmt: skip
 
     @property

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_pipe.faults.board import FaultBoard, PeerLostError, add_note, lost_connection
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.faults.signals import StopOnSignal, passed_on_by_rank_zero
-from lightning_pipe.mesh import ParallelLayout
+from lightning_pipe.mesh import NodePlacement, ParallelLayout
 from lightning_pipe.runtime import PipelineCommunicationError
 
 _SETUP_CALLS = 0
@@ -54,6 +54,11 @@ class FaultHandling:
             self.signals = StopOnSignal(f"rank {rank} ({self._where})", before_exit=before_exit)
         if self.signals is not None:
             self.signals.install()
+
+    def know_nodes(self, nodes: NodePlacement) -> None:
+        """Where every rank runs, so that a survivor that loses every rank of a node says so."""
+        if self.board is not None and nodes.num_nodes > 1:
+            self.board.nodes = [nodes.label(r) for r in range(len(nodes.node_ranks))]
 
     def report_signal(self, signum: int) -> None:
         if self.board is not None:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pipe.arguments import check_count, check_flag
-from lightning_pipe.mesh import ParallelLayout, check_replicate_size
+from lightning_pipe.mesh import ParallelLayout, check_replicate_size, check_tensor_groups_in_nodes
 from lightning_pipe.runtime import RuntimeOptions, as_timeout
 from lightning_pipe.schedule.builders import ScheduleKind
 
@@ -171,6 +171,10 @@ def check_layout_fits(
             f"{where} as dp={layout.data_parallel_size} x pp={layout.pipeline_parallel_size} x "
             f"tp={layout.tensor_parallel_size}: {err}"
         ) from None
+    try:
+        check_tensor_groups_in_nodes(layout.tensor_parallel_size, devices, nodes)
+    except ValueError as err:
+        raise MisconfigurationException(f"{where} as {layout}: {err}") from None
     stages = layout.pipeline_parallel_size * options.virtual_stages
     partition = options.partition
     if isinstance(partition, list | tuple) and len(partition) != stages:

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy
@@ -25,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_pipe.batches.uneven import EvenBatches
-from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh, init_mesh
+from lightning_pipe.mesh import MeshAxis, NodePlacement, ParallelLayout, ParallelMesh, init_mesh
 from lightning_pipe.runtime import RuntimeOptions
 from lightning_pipe.strategy.compat import (
     default_backend,
@@ -172,8 +173,14 @@ class PipeTPProcesses(ParallelStrategy):
         )
         self.faults.start(layout, self.global_rank, self._kill_launched_processes)
         self._mesh = None
-        with self.faults.naming(f"creating the process groups of the {layout} mesh"):
-            self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu")
+        with self.faults.naming("learning which node each rank runs on"):
+            nodes = NodePlacement.gather(self.node_rank)
+        self.faults.know_nodes(nodes)
+        try:
+            with self.faults.naming(f"creating the process groups of the {layout} mesh"):
+                self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu", nodes)
+        except ValueError as err:  # a tensor-parallel group across nodes: every rank refuses alike
+            raise MisconfigurationException(f"pipe_tp cannot lay out {layout} on its nodes: {err}") from None
 
     def _kill_launched_processes(self, signum: int) -> None:
         """Record the signal for the other ranks' errors; the processes Lightning's launcher started
