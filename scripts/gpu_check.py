@@ -9,10 +9,11 @@ Five sections, each a row group of the printed table:
 * ``throughput``: the example GPT (``examples/gpt``) at pp=1 under ``pipe_tp`` and under
   ``strategy="auto"``, bf16-mixed on CUDA (fp32 on the CPU): tokens/s, MFU (model FLOPs per token
   from the model's shape, against the device's dense bf16 peak) and peak memory, and the ratio of
-  step times pipe_tp / auto (goal <= 1.03).
+  step times pipe_tp / auto (goal <= 1.03); and pipe_tp with ``compile=True`` (each layer compiled;
+  ``aot_eager`` on the CPU), its step time against eager.
 * ``equality``: a one-rank world through ``PipeTPStrategy(process_group_backend="nccl")`` (gloo on
-  the CPU) with every schedule kind and recomputation mode at pp=1, fp32, weights after a few
-  AdamW steps against ``auto`` (1e-5).
+  the CPU) with every schedule kind and recomputation mode at pp=1, and with compiled layers under
+  1F1B and ZB-H1, fp32, weights after a few SGD steps against ``auto`` (1e-5).
 * ``large``: a decoder of >= 300M parameters (bf16, SDPA) at pp=1 under ``pipe_tp``: MFU (goal
   >= 40% on an H100-class GPU). Reduced to a small decoder on the CPU (the path, not the figure).
 * ``host syncs``: the example GPT's training steps under each schedule one device runs (GPipe,
@@ -209,9 +210,15 @@ def check_throughput(setup: Setup) -> list[Row]:
     ours = _run_throughput(setup, setup.gpt, _pipe_tp(setup, num_microbatches=1), setup.steps)
     theirs = _run_throughput(setup, setup.gpt, "auto", setup.steps)
     ratio = ours["step_s"] / theirs["step_s"]
+    compiled = _run_throughput(
+        setup, setup.gpt, _pipe_tp(setup, num_microbatches=1, compile=_compile(setup)), setup.steps
+    )
+    speedup = compiled["step_s"] / ours["step_s"]
     rows = [
         Row("throughput", "example GPT, pipe_tp pp=1", "info", ours),
         Row("throughput", "example GPT, auto", "info", theirs),
+        Row("throughput", f"example GPT, pipe_tp pp=1, compile={_compile(setup)}", "info", compiled),
+        Row("throughput", "step time compiled / eager (pipe_tp)", "info", {"ratio": speedup}),
     ]
     # The goal is for a GPU; on a shared CPU the ratio is reported, not judged.
     status = "info" if setup.device != "cuda" else ("ok" if ratio <= 1.03 else "FAIL")
@@ -248,6 +255,12 @@ device cannot run it: a row says so."""
 RECOMPUTE = ["never", "except_last", "always"]
 
 
+def _compile(setup: Setup) -> Any:
+    """The ``compile`` option the check uses: inductor on CUDA; on the CPU AOTAutograd without
+    code generation (the same graphs and backward split, seconds instead of minutes of C++)."""
+    return True if setup.device == "cuda" else {"backend": "aot_eager"}
+
+
 def check_equality(setup: Setup) -> list[Row]:
     steps = 3
     expected = _fit_weights(setup, "auto", steps)
@@ -262,6 +275,15 @@ def check_equality(setup: Setup) -> list[Row]:
                 rows.append(Row("equality", name, "FAIL", {"error": f"{type(err).__name__}: {err}"[:300]}))
                 continue
             rows.append(Row("equality", name, "ok" if gap <= 1e-5 else "FAIL", {"max_weight_gap": gap}))
+    for options in ({"schedule": "1f1b"}, {"schedule": "zb_h1", "recompute": "always"}):
+        name = "compiled layers, " + ", ".join(f"{k}={v}" for k, v in options.items())
+        strategy = _pipe_tp(setup, num_microbatches=2, compile=_compile(setup), **options)
+        try:
+            gap = _gap(_fit_weights(setup, strategy, steps), expected)
+        except Exception as err:
+            rows.append(Row("equality", name, "FAIL", {"error": f"{type(err).__name__}: {err}"[:300]}))
+            continue
+        rows.append(Row("equality", name, "ok" if gap <= 1e-5 else "FAIL", {"max_weight_gap": gap}))
     try:
         _fit_weights(setup, _pipe_tp(setup, schedule="interleaved_1f1b", virtual_stages=2), 1)
         rows.append(Row("equality", "interleaved_1f1b", "FAIL", {"error": "ran on one rank: compare it"}))

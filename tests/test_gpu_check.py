@@ -39,7 +39,9 @@ def test_the_reduced_gpu_check_runs_and_passes(tmp_path: Path) -> None:
     synced = by_section["host syncs"]  # the same steps; the sync debug mode itself needs CUDA
     assert [r["status"] for r in synced] == ["info"] * 3, synced
     equal = [r for r in by_section["equality"] if r["status"] == "ok"]
-    assert len(equal) == 9, by_section["equality"]  # 3 schedules x 3 recomputation modes
+    # 3 schedules x 3 recomputation modes, and compiled layers under 1F1B and ZB-H1 (recomputed)
+    assert len(equal) == 11, by_section["equality"]
+    assert sum(r["name"].startswith("compiled layers") for r in equal) == 2, by_section["equality"]
     assert all(r["values"]["max_weight_gap"] <= 1e-5 for r in equal)
     assert any(r["status"] == "n/a" and "interleaved" in r["name"] for r in by_section["equality"])
     replayed = [r for r in by_section["device paths"] if r["name"].startswith("dropout masks")]
