@@ -107,6 +107,25 @@ class TinyGPT(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+SEQUENCE_PLAN = {
+    "layers.0": "sequence_scatter",
+    "layers.0.tokens": "vocab",
+    "layers.*.ln1": "sequence",
+    "layers.*.ln2": "sequence",
+    "layers.*.attn": "sequence_gather",
+    "layers.*.attn.qkv": "colwise",
+    "layers.*.attn.proj": "rowwise",
+    "layers.*.mlp.0": "colwise",
+    "layers.*.mlp.2": "rowwise",
+    "layers.*.drop": "sequence",
+    "layers.3.ln": "sequence",
+    "layers.3.out": "colwise_logits",
+}
+"""TinyGPT's plan under sequence parallelism: the sequence split after the vocab-parallel embedding
+(layer 0), norms and residual dropouts on each rank's part, the attention gathered once for its
+projections, the MLP gathering its input itself, and the head's logits column-parallel (layer 3)."""
+
+
 def token_data(n: int, seed: int = 7) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)

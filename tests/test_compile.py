@@ -23,25 +23,10 @@ from torch import nn
 from lightning_pipe.execution.compile import compile_arguments, compile_layers, compiled_here
 from lightning_pipe.runtime import RuntimeOptions
 from tests.distributed import run_distributed
-from tests.gpt_models import SEQ, VOCAB, TinyGPT
+from tests.gpt_models import SEQ, SEQUENCE_PLAN, VOCAB, TinyGPT
 
 TOL = 1e-5
 STEPS = 3
-
-TP_PLAN = {
-    "layers.0": "sequence_scatter",
-    "layers.0.tokens": "vocab",
-    "layers.*.ln1": "sequence",
-    "layers.*.ln2": "sequence",
-    "layers.*.attn": "sequence_gather",
-    "layers.*.attn.qkv": "colwise",
-    "layers.*.attn.proj": "rowwise",
-    "layers.*.mlp.0": "colwise",
-    "layers.*.mlp.2": "rowwise",
-    "layers.*.drop": "sequence",
-    "layers.3.ln": "sequence",
-    "layers.3.out": "colwise_logits",
-}
 
 # (id, (dp, pp, tp), options, dropout, skip). 1F1B is the recomputed case's schedule, ZB-H1 the
 # skip case's and the other recomputed one's (plain 1F1B and ZB-H1 cases: equal too, 0.0).
@@ -51,7 +36,13 @@ CASES: list[tuple[str, tuple[int, int, int], dict[str, Any], float, bool]] = [
     ("1f1b-recompute-dropout", (1, 2, 1), {"recompute": "always"}, 0.2, False),
     ("zb_h1-recompute-dropout", (1, 2, 1), {"schedule": "zb_h1", "recompute": "except_last"}, 0.2, False),
     ("skip", (1, 2, 1), {"schedule": "zb_h1"}, 0.0, True),
-    ("tp-sequence", (1, 1, 2), {"tensor_parallel_plan": TP_PLAN, "sequence_parallel": True}, 0.0, False),
+    (
+        "tp-sequence",
+        (1, 1, 2),
+        {"tensor_parallel_plan": SEQUENCE_PLAN, "sequence_parallel": True},
+        0.0,
+        False,
+    ),
     ("fsdp2", (2, 1, 1), {"shard_parameters": True}, 0.0, False),
     ("hugging-face-llama", (1, 2, 1), {"hugging_face": True}, 0.0, False),
 ]

@@ -36,26 +36,11 @@ from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.plan import resolve_plan
 from lightning_pipe.tensor_parallel.regions import count_collectives, sequence_active
 from tests.distributed import run_distributed
-from tests.gpt_models import DIM, SEQ, TinyGPT, token_data
+from tests.gpt_models import DIM, SEQ, SEQUENCE_PLAN, TinyGPT, token_data
 from tests.trainers import fit
 
 TOL = 1e-5
 DATA = token_data(32)
-
-SEQUENCE_PLAN = {
-    "layers.0": "sequence_scatter",
-    "layers.0.tokens": "vocab",
-    "layers.*.ln1": "sequence",
-    "layers.*.ln2": "sequence",
-    "layers.*.attn": "sequence_gather",
-    "layers.*.attn.qkv": "colwise",
-    "layers.*.attn.proj": "rowwise",
-    "layers.*.mlp.0": "colwise",
-    "layers.*.mlp.2": "rowwise",
-    "layers.*.drop": "sequence",
-    "layers.3.ln": "sequence",
-    "layers.3.out": "colwise_logits",
-}
 
 
 class SequenceGPT(TinyGPT):
