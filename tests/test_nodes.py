@@ -79,30 +79,49 @@ def _environ() -> dict[str, str]:
     return env
 
 
-def _torchrun_agents(root: Path, args: list[str], logs: list[IO[bytes]]) -> list[subprocess.Popen[bytes]]:
+class _Nodes:
+    """The launches of two "nodes", each a process group of its own writing to its own log; on
+    leaving the ``with`` block every one still running is killed (SIGKILL to its group) and
+    :attr:`outputs` holds what each wrote."""
+
+    def __init__(self, folder: Path, name: str) -> None:
+        self.logs = [open(folder / f"{name}{node}.log", "w+b") for node in (0, 1)]
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.outputs: list[str] = []
+
+    def start(self, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Start the next node's launch (its output to that node's log)."""
+        log = self.logs[len(self.processes)]
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.processes.append(process)
+        return process
+
+    def __enter__(self) -> _Nodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _end(self.processes)
+        self.outputs = _read(self.logs)
+        for log in self.logs:
+            log.close()
+
+
+def _torchrun_agents(root: Path, args: list[str], nodes: _Nodes) -> list[subprocess.Popen[bytes]]:
     """Two torchrun agents on localhost, 2 processes each, meeting at a c10d rendezvous; the first
     hosts the rendezvous store (``is_host``), each is its own process group. (No ``--node-rank``:
     c10d ignores it and numbers the agents itself, so a node's rank is read from its ranks.)"""
     port = free_port()
-    agents = []
-    for node, log in enumerate(logs):
+    for node in (0, 1):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=nodes-{port}",
             f"--rdzv-conf=is_host={int(node == 0)}", "--max-restarts=0",
             str(SCRIPT), "--root", str(root), *args,
         ]  # fmt: skip
-        agents.append(
-            subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env=_environ(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    return agents
+        nodes.start(command, _environ())
+    return nodes.processes
 
 
 def _end(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -139,16 +158,10 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     """One epoch under two torchrun agents: the root (with the checkpoint), the losses and each
     agent's output (its ranks' output)."""
     root = tmp_path_factory.mktemp("two-nodes")
-    logs = [open(root / f"agent{n}.log", "w+b") for n in (0, 1)]
-    agents = _torchrun_agents(root, ["--save", "--tag", "torchrun"], logs)
     start = time.monotonic()
-    try:
-        codes = _wait(agents, LAUNCH_S)
-    finally:
-        _end(agents)
-        outputs = _read(logs)
-        for log in logs:
-            log.close()
+    with _Nodes(root, "agent") as nodes:
+        codes = _wait(_torchrun_agents(root, ["--save", "--tag", "torchrun"], nodes), LAUNCH_S)
+    outputs = nodes.outputs
     print(f"two torchrun agents: {time.monotonic() - start:.1f} s")
     assert codes == [0, 0], "\n".join(o[-4000:] for o in outputs)
     yield root, _run(root, "torchrun", "TorchElasticEnvironment", [0, 0, 1, 1]), outputs
@@ -242,28 +255,13 @@ def test_lightnings_launcher_started_per_node_with_node_rank_resumes_it(
     second process; together they resume the torchrun run's checkpoint at pp=2 x tp=2."""
     root = two_nodes[0]
     port = str(free_port())
-    logs = [open(root / f"lightning-node{n}.log", "w+b") for n in (0, 1)]
-    nodes = []
-    try:
+    command = [sys.executable, str(SCRIPT), "--root", str(root), "--tag", "lightning", *RESUME]
+    with _Nodes(root, "lightning-node") as nodes:
         for node in (0, 1):
             env = {**_environ(), "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            command = [sys.executable, str(SCRIPT), "--root", str(root), "--tag", "lightning", *RESUME]
-            nodes.append(
-                subprocess.Popen(
-                    command,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=logs[node],
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        codes = _wait(nodes, LAUNCH_S)
-    finally:
-        _end(nodes)
-        outputs = _read(logs)
-        for log in logs:
-            log.close()
+            nodes.start(command, env)
+        codes = _wait(nodes.processes, LAUNCH_S)
+    outputs = nodes.outputs
     assert codes == [0, 0], "\n".join(o[-4000:] for o in outputs)
     assert "node 1 (" in outputs[0] and "ranks 2-3: dp_rank 0 pp_rank 1" in outputs[0], outputs[0][-4000:]
     _assert_same(
@@ -301,9 +299,8 @@ def test_a_lost_node_ends_the_other_nodes_ranks_within_seconds_naming_it(tmp_pat
     exchanges with them, end within seconds (their deadline is 60 s), and their error names the
     lost node and its ranks, not only the one peer each was exchanging with. Node 0's agent hosts
     the store the ranks share: when it goes, the survivors say that store's node went down."""
-    logs = [open(tmp_path / f"agent{n}.log", "w+b") for n in (0, 1)]
-    agents = _torchrun_agents(tmp_path, ["--until-killed", "--tag", "killed"], logs)
-    try:
+    with _Nodes(tmp_path, "agent") as nodes:
+        agents = _torchrun_agents(tmp_path, ["--until-killed", "--tag", "killed"], nodes)
         ranks = _ranks_training(tmp_path / "pids", 4, agents)
         lost = [r for r, where in ranks.items() if where["node"] == down]
         survivors = [r for r in ranks if r not in lost]
@@ -317,11 +314,7 @@ def test_a_lost_node_ends_the_other_nodes_ranks_within_seconds_naming_it(tmp_pat
             time.sleep(0.05)
         took = time.monotonic() - killed
         code = _wait([other], LOST_NODE_S)[0]
-    finally:
-        _end(agents)
-        outputs = _read(logs)
-        for log in logs:
-            log.close()
+    outputs = nodes.outputs
     print(f"node {1 - down}'s ranks ended {took:.1f} s after node {down} was killed")
     output = outputs[agents.index(other)]
     assert lost == [2 * down, 2 * down + 1], ranks
