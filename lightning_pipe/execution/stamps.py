@@ -36,6 +36,10 @@ class Clock(Protocol):
         """The stamp as ``time.perf_counter()`` seconds (may wait for the device: call after the step)."""
         ...
 
+    def rebase(self) -> None:
+        """Line the clock up with the host's again (may wait for the device: between steps)."""
+        ...
+
 
 class HostClock:
     """``time.perf_counter()``: the span of a call is the span of its work (CPU, gloo)."""
@@ -45,6 +49,9 @@ class HostClock:
 
     def seconds(self, stamp: Any) -> float:
         return float(stamp)
+
+    def rebase(self) -> None:
+        """Nothing to line up: it is the host's clock."""
 
 
 class DeviceEventClock:

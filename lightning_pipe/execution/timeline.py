@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.execution.clock import common_origin
-from lightning_pipe.execution.stamps import Clock, DeviceEventClock, clock_for
+from lightning_pipe.execution.stamps import Clock, clock_for
 from lightning_pipe.schedule.actions import Action
 from lightning_pipe.schedule.timeline import SPAN, TimelineEvent, in_order
 
@@ -88,13 +88,12 @@ class TimelineRecorder:
         every rank estimates its clock's offset to the group's first rank by a few ping-pong
         exchanges (keeping the one with the shortest round trip, so the error is at most half of
         it) and takes that rank's "now" as the origin. Without a process group it is just "now".
-        A device clock is rebased first (it waits for the device), so that its events and the
-        host's clock agree from here on.
+        The clock is rebased first (a device clock waits for the device), so that its stamps and
+        the host's clock agree from here on.
         """
         self._events.clear()
         self._pending.clear()
-        if isinstance(self.clock, DeviceEventClock):
-            self.clock.rebase()
+        self.clock.rebase()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             self.t0, self.origin_error = time.perf_counter(), 0.0
             return
