@@ -13,6 +13,15 @@ the tensor-innermost order keeps a group in one node exactly when ``tensor_paral
 the processes per node. :func:`check_tensor_groups_in_nodes` refuses other sizes before launch,
 and :class:`NodePlacement` checks where the ranks really landed (``srun --distribution=cyclic``
 interleaves nodes) and says it in the layout log.
+
+**The expert axis borrows from the data axis** (Megatron-Core's and torchtitan's rule): with
+``expert_parallel_size = E``, the data-parallel ranks of one ``(pp_rank, tp_rank)`` form
+``data_parallel_size / E`` expert groups of ``E`` consecutive ``dp_rank`` values
+(``dp_rank = expert_replica x E + ep_rank``). The ``E`` ranks of an expert group hold different
+experts of every mixture-of-experts layer and exchange tokens by all-to-all on every such layer, so
+they are the data ranks closest together; the ranks with the same ``ep_rank`` (one per expert
+group: the *expert-data* group) hold the same experts. Parameters outside the experts are reduced
+over the whole data axis, expert parameters over the expert-data group.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ __all__ = [
     "ParallelLayout",
     "ParallelMesh",
     "RankCoordinates",
+    "check_expert_parallel_size",
     "check_replicate_size",
     "check_tensor_groups_in_nodes",
     "data_parallel_mesh",
@@ -69,10 +79,14 @@ class ParallelLayout:
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    """Ranks of the data axis that split each mixture-of-experts layer's experts between them (the
+    expert axis borrows from the data axis: it divides ``data_parallel_size``, see the module)."""
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
             check_count(name, getattr(self, name))
+        check_expert_parallel_size(self.expert_parallel_size, self.data_parallel_size)
 
     @classmethod
     def resolve(
@@ -81,6 +95,7 @@ class ParallelLayout:
         pipeline_parallel_size: int | Literal["auto"] = 1,
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
+        expert_parallel_size: int = 1,
     ) -> ParallelLayout:
         """Fill in the ``"auto"`` sizes and check that the sizes multiply to the world size.
 
@@ -113,7 +128,7 @@ class ParallelLayout:
                     "or change the sizes."
                 )
             data_parallel_size = world_size // (pp * tp)
-        layout = cls(data_parallel_size, pp, tp)
+        layout = cls(data_parallel_size, pp, tp, expert_parallel_size)
         if layout.world_size != world_size:
             raise ValueError(
                 f"data_parallel_size ({layout.data_parallel_size}) x pipeline_parallel_size ({pp}) x "
@@ -147,6 +162,26 @@ class ParallelLayout:
         per_replica = self.pipeline_parallel_size * self.tensor_parallel_size
         return list(range(dp_rank * per_replica, (dp_rank + 1) * per_replica))
 
+    def expert_ranks(self, rank: int) -> list[int]:
+        """Global ranks of the expert group of ``rank``, by ``ep_rank``: the ``E`` consecutive
+        ``dp_rank`` values (same ``pp_rank`` and ``tp_rank``) whose experts together make each
+        mixture-of-experts layer whole."""
+        c = self.coordinates(rank)
+        first = c.dp_rank - c.dp_rank % self.expert_parallel_size
+        return [self.rank_of(first + e, c.pp_rank, c.tp_rank) for e in range(self.expert_parallel_size)]
+
+    def expert_data_ranks(self, rank: int) -> list[int]:
+        """Global ranks holding the same experts as ``rank`` (same ``ep_rank``, ``pp_rank`` and
+        ``tp_rank``, one per expert group): what expert gradients are reduced over."""
+        c = self.coordinates(rank)
+        e = self.expert_parallel_size
+        dp_ranks = range(c.dp_rank % e, self.data_parallel_size, e)
+        return [self.rank_of(d, c.pp_rank, c.tp_rank) for d in dp_ranks]
+
+    def ep_rank(self, rank: int) -> int:
+        """``rank``'s index in its expert group."""
+        return self.coordinates(rank).dp_rank % self.expert_parallel_size
+
     def tensor_ranks(self, dp_rank: int, pp_rank: int) -> list[int]:
         """Global ranks of the tensor-parallel group at ``(dp_rank, pp_rank)``, by ``tp_rank``."""
         return [self.rank_of(dp_rank, pp_rank, t) for t in range(self.tensor_parallel_size)]
@@ -157,8 +192,9 @@ class ParallelLayout:
         return [self.rank_of(c.dp_rank, p, c.tp_rank) for p in range(self.pipeline_parallel_size)]
 
     def __str__(self) -> str:
+        experts = f" (ep={self.expert_parallel_size})" if self.expert_parallel_size > 1 else ""
         return (
-            f"dp={self.data_parallel_size} x pp={self.pipeline_parallel_size} x "
+            f"dp={self.data_parallel_size}{experts} x pp={self.pipeline_parallel_size} x "
             f"tp={self.tensor_parallel_size}"
         )
 
@@ -294,6 +330,24 @@ class ParallelMesh:
     host_data_group: dist.ProcessGroup | None = None
     nodes: NodePlacement | None = None
     """Where every rank runs (checked: each tensor-parallel group inside one node), when known."""
+    expert_mesh: DeviceMesh | None = None
+    """With ``expert_parallel_size > 1``: the data axis of this rank's ``(pp_rank, tp_rank)`` as a
+    2-D mesh ``("expert_data", "expert")`` (:func:`init_mesh`); ``None`` otherwise."""
+
+    @property
+    def expert_group(self) -> dist.ProcessGroup | None:
+        """The ranks that split this rank's experts (all-to-all of tokens); ``None`` without an
+        expert axis (every data rank holds every expert)."""
+        return None if self.expert_mesh is None else self.expert_mesh.get_group("expert")
+
+    @property
+    def expert_data_group(self) -> dist.ProcessGroup:
+        """The ranks holding the same experts as this rank: what expert gradients are reduced
+        (and, under ZeRO-1 or FSDP2, expert state sharded) over. The data group without an expert
+        axis."""
+        if self.expert_mesh is None:
+            return self.group(MeshAxis.DATA)
+        return self.expert_mesh.get_group("expert_data")
 
     @property
     def coordinates(self) -> RankCoordinates:
@@ -364,8 +418,35 @@ def init_mesh(layout: ParallelLayout, device_type: str, nodes: NodePlacement | N
                 group = dist.new_group(ranks, backend="gloo")
                 if rank in ranks:
                     host_data = group
+    expert_mesh = None
+    if layout.expert_parallel_size > 1:
+        # rank = (expert_replica x E + ep_rank) x (pp x tp) + model rank: the expert index is the
+        # middle dim, the replica of the experts the outer one (collective: every rank builds it).
+        e = layout.expert_parallel_size
+        world_mesh = init_device_mesh(
+            device_type,
+            (layout.data_parallel_size // e, e, layout.pipeline_parallel_size * layout.tensor_parallel_size),
+            mesh_dim_names=("expert_data", "expert", "model"),
+        )
+        expert_mesh = world_mesh["expert_data", "expert"]
     _let_workers_finish_at_exit()
-    return ParallelMesh(layout, rank, mesh, model_group, host_model, host_pipeline, host_data, nodes)
+    return ParallelMesh(
+        layout, rank, mesh, model_group, host_model, host_pipeline, host_data, nodes, expert_mesh
+    )
+
+
+def check_expert_parallel_size(expert_parallel_size: int, data_parallel_size: int) -> None:
+    """Raise unless ``expert_parallel_size`` is a count that divides ``data_parallel_size`` (the
+    expert axis borrows from the data axis)."""
+    check_count("expert_parallel_size", expert_parallel_size)
+    if data_parallel_size % expert_parallel_size != 0:
+        divisors = [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} does not divide data_parallel_size="
+            f"{data_parallel_size}: the expert axis borrows from the data axis (each group of "
+            f"expert_parallel_size data-parallel ranks splits the experts). Use one of {divisors}, or more "
+            "data-parallel ranks."
+        )
 
 
 def check_replicate_size(replicate_size: int, data_parallel_size: int) -> None:

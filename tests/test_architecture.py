@@ -134,6 +134,7 @@ ALLOWED: dict[str, set[str]] = {
     "arguments": set(),
     "collectives": set(),
     "mesh": {"arguments"},
+    "experts": set(),
     "faults": set(),
     "schedule": {"arguments"},
     "skip": set(),

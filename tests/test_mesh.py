@@ -223,7 +223,13 @@ def mesh_worker() -> dict[str, Any]:
         init_mesh(ParallelLayout(1, 2, 1), "cpu")
     except ValueError as err:
         wrong = str(err)
+    experts = init_mesh(ParallelLayout(4, 1, 1, expert_parallel_size=2), "cpu")
+    no_experts = init_mesh(ParallelLayout(4, 1, 1), "cpu")
     return {
+        "expert_group": dist.get_process_group_ranks(experts.expert_group),
+        "expert_data_group": dist.get_process_group_ranks(experts.expert_data_group),
+        "no_expert_group": no_experts.expert_group,
+        "no_expert_data_group": dist.get_process_group_ranks(no_experts.expert_data_group),
         "rank": rank,
         "mesh_rank": mesh.rank,
         "coordinates": mesh.coordinates,
@@ -249,3 +255,32 @@ def test_init_mesh_groups_match_layout() -> None:
         assert got["data_group"] == [c.pp_rank, 2 + c.pp_rank]
         assert got["tensor_group"] == [rank]
         assert got["wrong_world"] == "The layout dp=1 x pp=2 x tp=1 needs 2 processes but the world has 4."
+        # dp=4 with expert_parallel_size=2: experts split over consecutive data ranks {0,1}, {2,3};
+        # ranks with the same experts {0,2}, {1,3}; without an expert axis, the data group.
+        assert got["expert_group"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert got["expert_data_group"] == [rank % 2, rank % 2 + 2]
+        assert got["no_expert_group"] is None
+        assert got["no_expert_data_group"] == [0, 1, 2, 3]
+
+
+def test_expert_groups_borrow_from_the_data_axis() -> None:
+    """dp=4 x pp=2 x tp=2 with expert_parallel_size=2: an expert group is two consecutive dp_rank
+    values at the same pp_rank and tp_rank; the expert-data group the other two."""
+    layout = ParallelLayout(4, 2, 2, expert_parallel_size=2)
+    rank = layout.rank_of(3, 1, 0)
+    assert layout.expert_ranks(rank) == [layout.rank_of(2, 1, 0), layout.rank_of(3, 1, 0)]
+    assert layout.expert_data_ranks(rank) == [layout.rank_of(1, 1, 0), layout.rank_of(3, 1, 0)]
+    assert layout.ep_rank(rank) == 1
+    assert str(layout) == "dp=4 (ep=2) x pp=2 x tp=2"
+    groups = {tuple(layout.expert_ranks(r)) for r in range(layout.world_size)}
+    assert sorted(r for g in groups for r in g) == list(range(layout.world_size))  # a partition
+    assert ParallelLayout.resolve(8, 2, 1, expert_parallel_size=2).expert_parallel_size == 2
+
+
+def test_an_expert_size_that_does_not_divide_the_data_axis_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"expert_parallel_size=3 does not divide data_parallel_size=4.*\[1, 2, 4\]"
+    ):
+        ParallelLayout(4, 1, 1, expert_parallel_size=3)
+    with pytest.raises(ValueError, match="expert_parallel_size must be an integer >= 1, got 0"):
+        ParallelLayout(4, 1, 1, expert_parallel_size=0)
