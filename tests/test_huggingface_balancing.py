@@ -268,12 +268,15 @@ CASES: list[tuple[str, int, str, dict[str, Any]]] = [
     ("pp2", 1, "deepseek_v3", {}),
     ("pp2", 2, "mixtral", {}),
     ("pp2", 2, "gpt_oss", ZERO_BUBBLE),
+    ("pp2", 2, "qwen3_moe", {"schedule": "interleaved_1f1b", "virtual_stages": 2}),
     ("tp2", 1, "mixtral", {}),
     ("dp2", 1, "gpt_oss", {}),
+    ("dp2", 1, "mixtral", {"shard_parameters": True}),
 ]
 """(layout, micro-batches, family, options): pp=2 with one micro-batch is the model's own loss;
-two micro-batches (1F1B; the zero-bubble split with recomputation) or two data ranks give each
-part's own auxiliary loss, weighted by its tokens; tp=2 counts it once."""
+two micro-batches (1F1B; the zero-bubble split with recomputation; interleaved stages, the sums
+crossing the ranks twice) or two data ranks (replicated; FSDP2) give each part's own auxiliary
+loss, weighted by its tokens; tp=2 counts it once."""
 
 
 def reference(family: str, batch: dict[str, torch.Tensor], parts: int) -> dict[str, Any]:
@@ -330,6 +333,7 @@ def balancing_worker() -> dict[str, Any]:
         grads = _gathered_grads(model, runtime)
         runtime.close()
         case = f"{layout}/{microbatches}/{family}"
+        case += "/" + ",".join(f"{k}={v}" for k, v in extra.items())
         out[case] = {"loss": float(result.loss), "auxes": auxes}  # each rank's step saw its own
         if mesh.rank == 0:
             out[case]["grads"] = grads
@@ -344,8 +348,8 @@ def test_pipelined_balancing_loss_is_the_models_own_or_per_microbatch() -> None:
     got = ranks[0]
     batch = padded_batch(BATCH, seed=7)
     failures = []
-    for layout, microbatches, family, _ in CASES:
-        case = f"{layout}/{microbatches}/{family}"
+    for layout, microbatches, family, extra in CASES:
+        case = f"{layout}/{microbatches}/{family}/" + ",".join(f"{k}={v}" for k, v in extra.items())
         parts = microbatches * LAYOUTS[layout][0]
         expected = reference(family, batch, parts)
         result, tol = got[case], tolerance(family)
