@@ -139,9 +139,8 @@ class ModelCall:
                 )
             known = self._check_items(labels, given.get("shift_labels"))
             loss = causal_lm_loss(self.logits, labels, given.get("shift_labels"), known)
-            if aux is not None:
-                balancing = self.pipeline.balancing
-                assert balancing is not None  # the pipeline output carries aux only then
+            balancing = self.pipeline.balancing
+            if aux is not None and balancing is not None:  # the pipeline carries aux only then
                 loss = loss + balancing.coefficient * aux.to(loss.device)
         for flag in ("output_hidden_states", "output_attentions"):
             if given.get(flag):
@@ -157,19 +156,17 @@ class ModelCall:
     def _aux_loss(self, asked: bool | None) -> torch.Tensor | None:
         """The load-balancing loss the call asks for (``output_router_logits=``, else the config's),
         which the pipeline must have carried."""
-        if asked is None or asked:
-            if asked and self.aux_loss is None and self.pipeline.balancing is None:
-                name = type(self.pipeline.model).__name__
-                config = self.pipeline.parts.config
-                if not getattr(config, "output_router_logits", False):
-                    raise ModelCallError(
-                        f"{name}(output_router_logits=True) inside the step, but the model's config has "
-                        "output_router_logits=False, so the pipeline did not carry the routers' statistics "
-                        "for the load-balancing loss. Set model.config.output_router_logits = True before "
-                        "the Trainer starts (e.g. in configure_model) instead of passing it to the call."
-                    )
-            return self.aux_loss
-        return None
+        if asked is not None and not asked:
+            return None  # the model's own forward computes none then either
+        config = self.pipeline.parts.config
+        if asked and not getattr(config, "output_router_logits", False):
+            raise ModelCallError(
+                f"{type(self.pipeline.model).__name__}(output_router_logits=True) inside the step, but the "
+                "model's config has output_router_logits=False, so the pipeline did not carry the routers' "
+                "statistics for the load-balancing loss. Set model.config.output_router_logits = True before "
+                "the Trainer starts (e.g. in configure_model) instead of passing it to the call."
+            )
+        return self.aux_loss
 
     def _check_items(self, labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> bool | None:
         """The loss asked for averages over the tokens the runtime weighted this micro-batch by;
