@@ -225,6 +225,9 @@ def test_sequence_parallelism_with_the_balancing_loss_is_refused() -> None:
     pipeline = CausalLMPipeline(build_moe("mixtral"))
     with pytest.raises(UnsupportedModelError, match=r"under sequence parallelism .* sequence_parallel off"):
         pipeline.tensor_parallel_plan(2, sequence_parallel=True)
+    # With a plan given as an option (no plan derived): the sequence check stops every rank.
+    error = pipeline.check_sequence(pipeline.pipeline_input(padded_batch(2, seed=1)), pipeline.layers(), None)  # type: ignore[arg-type]
+    assert error is not None and "under sequence parallelism" in error
 
 
 def test_asking_for_the_loss_the_pipeline_did_not_carry() -> None:

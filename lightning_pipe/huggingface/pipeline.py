@@ -216,7 +216,10 @@ class CausalLMPipeline:
         self, probe: Any, own_layers: Sequence[nn.Module], group: dist.ProcessGroup
     ) -> str | None:
         """Whether this rank's decoder layers compute under sequence parallelism what they compute
-        without it (see :mod:`lightning_pipe.huggingface.sequence_check`)."""
+        without it (see :mod:`lightning_pipe.huggingface.sequence_check`). With a balancing loss
+        (which a plan given as an option does not stop earlier): an error on every rank."""
+        if self.balancing is not None:
+            return self._no_sequence_parallel()
         return check_sequence_split(self, probe, own_layers, group)
 
     def probe_kind(self, probe: Any) -> torch.Tensor:
