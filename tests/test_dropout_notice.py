@@ -38,3 +38,17 @@ def test_modules_in_eval_mode_draw_none() -> None:
     model[0][1].train()
     assert dropout_sources(model, list(model)) == ["0.1 (p=0.2)"]
     assert describe_dropout([], layer_seeded=False) == ""
+
+
+def test_router_jitter_is_named_as_it_draws_too() -> None:
+    """Mixtral's router jitter (``router_jitter_noise``) scales the tokens by random noise in
+    training: like dropout, it draws on other ranks and per micro-batch under a pipeline."""
+    import transformers
+
+    from tests.hf_families import config
+
+    made = config("mixtral")
+    made.router_jitter_noise = 0.01
+    model = transformers.MixtralForCausalLM(made).train()
+    layers = list(model.model.layers)
+    assert dropout_sources(model, layers) == [f"model.layers.{i}.mlp (jitter_noise=0.01)" for i in range(4)]

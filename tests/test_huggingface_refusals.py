@@ -46,12 +46,13 @@ def test_not_a_causal_lm() -> None:
         causal_lm_parts(torch.nn.Linear(2, 2))
 
 
-def test_router_loss_is_refused_with_the_setting_to_change() -> None:
+def test_router_loss_is_carried_not_refused() -> None:
+    """The load-balancing loss is carried along the pipeline (tests/test_huggingface_balancing.py);
+    what cannot be reproduced of it is refused there."""
     made = config("mixtral")
     made.output_router_logits = True
-    model = transformers.MixtralForCausalLM(made)
-    with pytest.raises(UnsupportedModelError, match=r"output_router_logits = False"):
-        causal_lm_parts(model)
+    pipeline = CausalLMPipeline(transformers.MixtralForCausalLM(made))
+    assert pipeline.balancing is not None and pipeline.balancing.num_experts == made.num_local_experts
 
 
 def test_heads_that_do_not_split_over_the_tensor_ranks() -> None:

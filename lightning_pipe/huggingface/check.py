@@ -141,10 +141,11 @@ def _check_pipeline(
         if problem is None and len(theirs) > 1 + len(layers) and not _same(theirs[1 + len(layers)][0], x[0]):
             problem = f"{where}: the input of the final norm differs from what the model's forward gives it."
         head = model.get_submodule(parts.head_name)
+        error = None
         if problem is None and any(layer is head for layer in own_layers):
-            problem = _compare_head(pipeline, probe, hidden, head, where)
+            problem, error = _compare_head(pipeline, probe, hidden, head, where)
     if problem is None:
-        return None, None
+        return error, None
     return (
         f"{problem} pipe_tp derives the pipeline of a Hugging Face model from its plan and rebuilds the "
         "masks and rotary tables on each stage; this family computes them otherwise, so training it this "
@@ -182,14 +183,19 @@ def _compare(theirs: Recorded, ours: Recorded, where: str) -> str | None:
 
 def _compare_head(
     pipeline: PipelineView, probe: Any, hidden: torch.Tensor, head: nn.Module, where: str
-) -> str | None:
+) -> tuple[str | None, str | None]:
+    """``(problem, None)``: the logits differ; ``(None, error)``: the balancing loss does (a whole
+    message); ``(None, None)``: neither."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     parts = pipeline.parts
     input_ids, mask, positions = probe
+    balancing = pipeline.balancing
+    routed = bool(getattr(parts.config, "output_router_logits", False))
 
     class Reply(BaseModelOutputWithPast):
-        """The base model's output: the hidden states; any other field (router logits) is None."""
+        """The base model's output: the hidden states; any other field is None, but the router
+        logits when the model asks for them."""
 
         def __getattr__(self, name: str) -> Any:
             if name.startswith("__"):
@@ -197,14 +203,74 @@ def _compare_head(
             return None
 
     reply = Reply(last_hidden_state=hidden)
+    router_logits = _router_logits(pipeline, input_ids, hidden.dtype) if routed else None
+    reply.router_logits = router_logits
+    common = dict(
+        input_ids=input_ids, attention_mask=mask_or_none(mask), position_ids=positions, use_cache=False
+    )
     with _stubbed([parts.base], [reply], None):
-        theirs = parts.model(
-            input_ids=input_ids, attention_mask=mask_or_none(mask), position_ids=positions, use_cache=False
-        ).logits
-    ours = pipeline.calls()[-1](head, (hidden, mask, positions))
-    if not _same(theirs, ours):
+        theirs = parts.model(**common)
+        if routed:
+            labelled = parts.model(**common, labels=input_ids)
+            plain = parts.model(**common, labels=input_ids, output_router_logits=False)
+    start = balancing.start(input_ids) if balancing is not None else ()
+    ours = pipeline.calls()[-1](head, (hidden, mask, positions, *start))
+    if not _same(theirs.logits, ours[0] if balancing is not None else ours):
         return (
             f"{where}: the causal LM's logits differ from lm_head's followed by the epilogue pipe_tp knows "
             "(soft-capping, logit_scale, logits_scaling)."
+        ), None
+    if routed:
+        return None, _compare_balancing(pipeline, router_logits, mask, labelled, plain, where)  # type: ignore[arg-type]
+    return None, None
+
+
+def _router_logits(
+    pipeline: PipelineView, input_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """Two layers' router logits (``[b * s, E]``) for the probe, the same on every rank."""
+    balancing = pipeline.balancing
+    experts = balancing.num_experts if balancing is not None else 4  # the model only returns them
+    generator = torch.Generator().manual_seed(1)
+    rows = input_ids.shape[0] * input_ids.shape[1]
+    return tuple(
+        torch.randn(rows, experts, generator=generator).to(dtype=dtype, device=input_ids.device)
+        for _ in range(2)
+    )
+
+
+def _compare_balancing(
+    pipeline: PipelineView,
+    router_logits: tuple[torch.Tensor, ...],
+    mask: torch.Tensor,
+    labelled: Any,
+    plain: Any,
+    where: str,
+) -> str | None:
+    """With ``output_router_logits=True``: the causal LM's ``aux_loss`` is the one pipe_tp carries
+    along the pipeline (or none when pipe_tp found none), and its loss adds it times the
+    coefficient pipe_tp read."""
+    balancing = pipeline.balancing
+    theirs = getattr(labelled, "aux_loss", None)
+    fix = "Set model.config.output_router_logits = False, or train without pipe_tp."
+    if balancing is None:
+        if theirs is not None or not _same(labelled.loss, plain.loss):
+            return (
+                f"{where}: with output_router_logits=True the causal LM adds an auxiliary loss that pipe_tp "
+                f"does not know (it has no router_aux_loss_coef attribute). {fix}"
+            )
+        return None
+    ours = balancing.of_logits(router_logits, mask_or_none(mask))
+    if theirs is None or not torch.allclose(theirs.to(ours.dtype), ours, rtol=1e-5, atol=0.0):
+        return (
+            f"{where}: its router load-balancing loss differs from Hugging Face's load_balancing_loss_func "
+            f"(Switch Transformer's, over all layers' router logits), which pipe_tp carries along the "
+            f"pipeline. {fix}"
+        )
+    expected = plain.loss + balancing.coefficient * theirs
+    if not torch.allclose(labelled.loss, expected.to(labelled.loss.dtype), rtol=1e-6, atol=0.0):
+        return (
+            f"{where}: its loss is not the language model's plus router_aux_loss_coef "
+            f"({balancing.coefficient}) times the load-balancing loss, as pipe_tp computes it. {fix}"
         )
     return None

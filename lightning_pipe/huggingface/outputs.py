@@ -12,6 +12,12 @@ shifted by one, ``-100`` ignored, the mean over the micro-batch's predicted toke
 weights each micro-batch by its share of the batch's tokens (:meth:`CausalLMPipeline.loss_items`),
 so the batch's loss is the mean over all its tokens, as one device computes it. A micro-batch
 without any predicted token contributes a zero loss (not Hugging Face's 0/0).
+
+With the router's load-balancing loss (``config.output_router_logits=True`` on a mixture of
+experts; :mod:`~lightning_pipe.huggingface.balancing`) the pipeline output is ``(logits, aux)``,
+and the answer is a ``MoeCausalLMOutputWithPast`` whose ``aux_loss`` is the micro-batch's ``aux``
+and whose ``loss`` adds ``router_aux_loss_coef * aux``, as the model's own forward does (its
+``router_logits`` stay on their stages: ``None``).
 """
 
 from __future__ import annotations
@@ -99,6 +105,10 @@ class ModelCall:
     ) -> None:
         self.pipeline = pipeline
         self.inputs = pipeline.pipeline_input(microbatch)
+        self.aux_loss: torch.Tensor | None = None
+        """The micro-batch's router load-balancing loss, when the pipeline carries one."""
+        if isinstance(logits, tuple):  # (logits, aux): see the module docstring
+            logits, self.aux_loss = logits
         self.logits = logits
         self.items = items
         """The micro-batch's loss items the runtime weighted it by (``None``: by samples)."""
@@ -113,10 +123,11 @@ class ModelCall:
         return self.sources.get(role, f"batch[{role!r}]")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
         given = call_arguments(self.pipeline.model, args, kwargs)
         self._check_inputs(given)
+        aux = self._aux_loss(given.get("output_router_logits"))
         labels = given.get("labels")
         loss = None
         if labels is not None or given.get("shift_labels") is not None:
@@ -128,6 +139,9 @@ class ModelCall:
                 )
             known = self._check_items(labels, given.get("shift_labels"))
             loss = causal_lm_loss(self.logits, labels, given.get("shift_labels"), known)
+            balancing = self.pipeline.balancing
+            if aux is not None and balancing is not None:  # the pipeline carries aux only then
+                loss = loss + balancing.coefficient * aux.to(loss.device)
         for flag in ("output_hidden_states", "output_attentions"):
             if given.get(flag):
                 raise ModelCallError(
@@ -135,7 +149,24 @@ class ModelCall:
                     "last stage holds the logits only (each stage's hidden states stay on its rank). Leave "
                     f"{flag} out, or compute what you need from the logits."
                 )
+        if aux is not None:
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=self.logits)
         return CausalLMOutputWithPast(loss=loss, logits=self.logits)
+
+    def _aux_loss(self, asked: bool | None) -> torch.Tensor | None:
+        """The load-balancing loss the call asks for (``output_router_logits=``, else the config's),
+        which the pipeline must have carried."""
+        if asked is not None and not asked:
+            return None  # the model's own forward computes none then either
+        config = self.pipeline.parts.config
+        if asked and not getattr(config, "output_router_logits", False):
+            raise ModelCallError(
+                f"{type(self.pipeline.model).__name__}(output_router_logits=True) inside the step, but the "
+                "model's config has output_router_logits=False, so the pipeline did not carry the routers' "
+                "statistics for the load-balancing loss. Set model.config.output_router_logits = True before "
+                "the Trainer starts (e.g. in configure_model) instead of passing it to the call."
+            )
+        return self.aux_loss
 
     def _check_items(self, labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> bool | None:
         """The loss asked for averages over the tokens the runtime weighted this micro-batch by;

@@ -190,13 +190,6 @@ def causal_lm_parts(model: nn.Module) -> CausalLMParts:
             f"layers and modules of the hidden states alone ({odd} take {[list(plan[n][0]) for n in odd]}); "
             "pipe_tp cannot follow it. Write configure_pipeline() by hand."
         )
-    if getattr(config, "output_router_logits", False):
-        raise UnsupportedModelError(
-            f"{name} ({family}) adds a router load-balancing loss (config.output_router_logits=True), which "
-            "spans every layer of the whole batch and is not carried along the pipeline yet. Set "
-            "model.config.output_router_logits = False (the experts are still trained by the language "
-            "model's loss), or train without pipe_tp."
-        )
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             f"{name} ({family}) uses bidirectional attention (config.use_bidirectional_attention=True), "

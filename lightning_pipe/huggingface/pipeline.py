@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.execution.layers import LayerCall
+from lightning_pipe.huggingface.balancing import BalancingLoss
 from lightning_pipe.huggingface.batch_roles import StepInputs
 from lightning_pipe.huggingface.check import check_pipeline
 from lightning_pipe.huggingface.context import (
@@ -37,9 +38,10 @@ from lightning_pipe.huggingface.context import (
     LayerContext,
     Prologue,
     default_positions,
+    mask_or_none,
     no_mask,
 )
-from lightning_pipe.huggingface.parts import CausalLMParts, causal_lm_parts
+from lightning_pipe.huggingface.parts import CausalLMParts, UnsupportedModelError, causal_lm_parts
 from lightning_pipe.huggingface.sequence_check import check_sequence_split
 from lightning_pipe.huggingface.tensor_parallel import DerivedPlan, derive_plan
 from lightning_pipe.runtime.hooks import ModelHooks
@@ -64,6 +66,10 @@ class CausalLMPipeline:
         self.context = LayerContext(self.parts)
         self.prologue = Prologue.of(self.parts)
         self.epilogue = Epilogue.of(self.parts)
+        self.balancing = BalancingLoss.of(self.parts)
+        """The router's load-balancing loss the model adds (``config.output_router_logits``), whose
+        running sums travel after the position ids (:mod:`~lightning_pipe.huggingface.balancing`);
+        ``None`` when it adds none."""
         self.step_inputs = StepInputs()
         """Which of a batch's tensors the step gives the model, learned from the step (set by the
         strategy before each step; nothing learned: the batch as it is)."""
@@ -105,23 +111,36 @@ class CausalLMPipeline:
         # sequence. (Before the layer is sliced, e.g. when timing layers, nothing is split.)
         if self.scatter_after_embedding and isinstance(layer, VocabParallelEmbedding):
             layer.sequence_output = True
-        return self.prologue(layer(input_ids)), mask, positions
+        sums = self.balancing.start(input_ids) if self.balancing is not None else ()
+        return self.prologue(layer(input_ids)), mask, positions, *sums
 
     def decoder_call(self, index: int) -> LayerCall:
         """How decoder layer ``index`` is called: its hidden states, and the masks, position ids
         and rotary table rebuilt for it (:class:`LayerContext`)."""
-        context = self.context
+        context, balancing = self.context, self.balancing
 
         def call(layer: nn.Module, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
-            hidden, mask, positions = args
-            out = layer(hidden, **context(index, hidden, mask, positions))
-            return (out[0] if isinstance(out, tuple) else out), mask, positions
+            hidden, mask, positions, *sums = args
+            kwargs = context(index, hidden, mask, positions)
+            if balancing is None:
+                out = layer(hidden, **kwargs)
+                return (out[0] if isinstance(out, tuple) else out), mask, positions
+            if hidden.shape[1] != positions.shape[-1]:  # this rank's part of the sequence
+                raise UnsupportedModelError(self._no_sequence_parallel())
+            with balancing.recording(layer) as logits:
+                out = layer(hidden, **kwargs)
+            sums = list(balancing.add(sums, logits, mask_or_none(mask)))
+            return (out[0] if isinstance(out, tuple) else out), mask, positions, *sums
 
         return call
 
-    def _head(self, layer: nn.Module, args: tuple[Any, ...]) -> torch.Tensor:
+    def _head(self, layer: nn.Module, args: tuple[Any, ...]) -> Any:
+        """The logits; with a balancing loss, ``(logits, aux)`` (formed from the carried sums)."""
         logits = layer(args[0])
-        return copy_vocab_parallel_tag(self.epilogue(logits), logits)
+        logits = copy_vocab_parallel_tag(self.epilogue(logits), logits)
+        if self.balancing is None:
+            return logits
+        return logits, self.balancing.loss(args[3:])
 
     # ------------------------------------------------------------------ batches
     def pipeline_input(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,9 +188,19 @@ class CausalLMPipeline:
         (see :mod:`lightning_pipe.huggingface.tensor_parallel`); with ``sequence_parallel``, also
         where the sequence is split and gathered. Call it before :meth:`hooks`: whether the
         embedding call splits the sequence is decided here."""
+        if sequence_parallel and self.balancing is not None:
+            raise UnsupportedModelError(self._no_sequence_parallel())
         derived = derive_plan(self.parts, self.prefix, tensor_parallel_size, sequence_parallel)
         self.scatter_after_embedding = derived.scatter_after_embedding
         return derived
+
+    def _no_sequence_parallel(self) -> str:
+        return (
+            f"{type(self.model).__name__} ({self.family}) adds a router load-balancing loss "
+            "(config.output_router_logits=True), which pipe_tp does not compute under sequence parallelism "
+            "(each tensor rank's routers see part of the sequence). Turn sequence_parallel off, or set "
+            "model.config.output_router_logits = False."
+        )
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise ``module``'s own tensors the way the model's ``post_init`` would (a
@@ -187,7 +216,10 @@ class CausalLMPipeline:
         self, probe: Any, own_layers: Sequence[nn.Module], group: dist.ProcessGroup
     ) -> str | None:
         """Whether this rank's decoder layers compute under sequence parallelism what they compute
-        without it (see :mod:`lightning_pipe.huggingface.sequence_check`)."""
+        without it (see :mod:`lightning_pipe.huggingface.sequence_check`). With a balancing loss
+        (which a plan given as an option does not stop earlier): an error on every rank."""
+        if self.balancing is not None:
+            return self._no_sequence_parallel()
         return check_sequence_split(self, probe, own_layers, group)
 
     def probe_kind(self, probe: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.execution.layers import LayerCall
+from lightning_pipe.huggingface.balancing import BalancingLoss
 from lightning_pipe.huggingface.context import LayerContext
 from lightning_pipe.huggingface.parts import CausalLMParts
 
@@ -32,6 +33,10 @@ class PipelineView(Protocol):
     @property
     def context(self) -> LayerContext:
         """The masks and rotary tables the decoder layers' calls rebuild (forgotten between runs)."""
+
+    @property
+    def balancing(self) -> BalancingLoss | None:
+        """The router's load-balancing loss the model adds, carried along the pipeline (or ``None``)."""
 
     def calls(self) -> list[LayerCall]:
         """How each pipeline layer is called, in order."""

@@ -122,14 +122,27 @@ class CausalLMModule(L.LightningModule):
         return self.model(**batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(**batch).loss
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+        output = self(**batch)
+        self.log("train_loss", output.loss, prog_bar=True)
+        self._log_balancing("train", output)
+        return output.loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = self(**batch).loss
+        output = self(**batch)
         # Perplexity is exp of the epoch's val_loss (a mean of per-batch exp(loss) is another number).
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_loss", output.loss, prog_bar=True, sync_dist=True)
+        self._log_balancing("val", output, sync_dist=True)
+
+    def _log_balancing(self, stage: str, output: Any, **options: Any) -> None:
+        """A mixture of experts with ``output_router_logits=True`` adds ``router_aux_loss_coef``
+        times its router load-balancing loss to the loss: logged apart, as ``{stage}_aux_loss``
+        (the balancing loss) and ``{stage}_lm_loss`` (the language model's alone)."""
+        aux = getattr(output, "aux_loss", None)
+        if aux is None or output.loss is None:
+            return
+        coefficient = float(getattr(self.model, "router_aux_loss_coef", 0.0))
+        self.log(f"{stage}_aux_loss", aux.detach(), **options)
+        self.log(f"{stage}_lm_loss", output.loss.detach() - coefficient * aux.detach(), **options)
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "configure_model() builds the model"

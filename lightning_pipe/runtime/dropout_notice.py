@@ -8,7 +8,8 @@ makes the masks the same on every layout (``layer_seeded_dropout=True``).
 Two kinds of module draw: dropout modules (``nn.Dropout`` and its kin, the tensor-parallel
 dropouts) with ``p > 0``, and modules that call functional dropout with a rate they hold as a
 number, as Hugging Face attention does with ``attention_dropout`` from the model's config (any
-attribute named ``*dropout*`` or ``*pdrop`` holding a positive number).
+attribute named ``*dropout*`` or ``*pdrop`` holding a positive number), or that scale their input
+by random noise (a mixture of experts' router jitter, Mixtral's ``jitter_noise``: ``*jitter*``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ _SHOWN = 4
 
 
 def _rate_names(module: nn.Module) -> list[str]:
-    """The positive dropout rates ``module`` holds as plain numbers (``attention_dropout=0.1``)."""
+    """The positive dropout rates ``module`` holds as plain numbers (``attention_dropout=0.1``,
+    ``jitter_noise=0.01``)."""
     found = []
     for attr, value in vars(module).items():
         lowered = attr.lower()
-        named = "dropout" in lowered or lowered.endswith("pdrop")
+        named = "dropout" in lowered or lowered.endswith("pdrop") or "jitter" in lowered
         if named and isinstance(value, float | int) and not isinstance(value, bool) and value > 0:
             found.append(f"{attr}={value}")
     return found
