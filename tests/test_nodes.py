@@ -9,10 +9,14 @@ between node counts, and a lost node.
   task (pp=4: another node count and layout), and under Lightning's own launcher started once per
   node with ``NODE_RANK`` (each starts its node's second process), continuing on the same losses.
 * SIGKILL to every process of one node (its torchrun agent and its ranks, as a node going down):
-  the other node's ranks end within seconds, naming the lost node and its ranks.
+  the other node's ranks end within seconds, naming the lost node and its ranks. Node 0, whose
+  agent hosts the store, under torchrun; node 1 (the store alive) on forked ranks with torchrun's
+  environment, since no agent takes part in naming it.
 
 Each launch costs fresh interpreters (seconds of imports on two cores), so the tests share one
-training run (a module fixture) and use as few launches as make the points.
+training run (a module fixture), use as few launches as make the points, and fork from the test
+harness's fork server (imports done) every process that no launcher under test starts: the
+resumes' ranks, each node's first process under Lightning's launcher, node 1's lost ranks.
 """
 
 from __future__ import annotations
