@@ -13,7 +13,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.consolidate import main as consolidate_main
-from tests.distributed import _script_main, run_distributed, run_script
+from tests.distributed import run_distributed, run_script, script_main
 from tests.lightning_models import Regressor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ def from_a_shell(script: str, argv: list[str], log: str) -> int | str | None:
     os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     code: int | str | None = 0
     try:
-        _script_main(str(ROOT / script), argv, str(ROOT))
+        script_main(str(ROOT / script), argv, str(ROOT))
     except SystemExit as exit:
         code = exit.code
     children = []

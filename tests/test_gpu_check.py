@@ -18,7 +18,7 @@ from lightning_pipe.data_parallel import replicas
 from lightning_pipe.execution.executor import receives_early
 from lightning_pipe.execution.wire import check_sendable
 from lightning_pipe.schedule import build_schedule
-from tests.distributed import _script_main, run_distributed
+from tests.distributed import run_distributed, script_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def gpu_check(argv: list[str], log: str) -> int | str | None:
     for fd, path in ((1, log), (2, f"{log}.err")):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     try:
-        _script_main(str(ROOT / "scripts" / "gpu_check.py"), argv, str(ROOT))
+        script_main(str(ROOT / "scripts" / "gpu_check.py"), argv, str(ROOT))
     except SystemExit as exit:
         return exit.code
     return 0

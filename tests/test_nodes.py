@@ -36,7 +36,7 @@ import lightning as L
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.distributed import _script_main, free_port, run_distributed, run_distributed_outcomes, run_script
+from tests.distributed import free_port, run_distributed, run_distributed_outcomes, run_script, script_main
 from tests.gpt_models import TinyGPT, token_data
 from tests.trainers import fit
 from tests.two_nodes import BATCH, CHECKPOINT, SAMPLES
@@ -265,7 +265,7 @@ def lightning_node(argv: list[str], log: str) -> None:
     for fd in (1, 2):
         os.dup2(out, fd)
     try:
-        _script_main(str(SCRIPT), argv, str(ROOT))
+        script_main(str(SCRIPT), argv, str(ROOT))
     finally:
         ended = []
         while True:
