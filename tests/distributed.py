@@ -326,7 +326,7 @@ def run_distributed_outcomes(
     return _launch(fn, world_size, args, timeout, pg_timeout, init_group, grace=timeout)
 
 
-def _script_main(path: str, argv: list[str], cwd: str) -> None:
+def script_main(path: str, argv: list[str], cwd: str) -> None:
     """Run ``path`` as ``python path *argv`` would run it, in ``cwd``, in this rank."""
     os.chdir(cwd)
     sys.argv = [path, *argv]
@@ -345,5 +345,5 @@ def run_script(
     of the launchers themselves (torchrun, Lightning's) start those instead.
     """
     run_distributed(
-        _script_main, world_size, str(path), list(argv), str(cwd), init_group=False, timeout=timeout
+        script_main, world_size, str(path), list(argv), str(cwd), init_group=False, timeout=timeout
     )

@@ -60,10 +60,27 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pipe"
 DOCS = PACKAGE.parent / "docs"
 
 
-def _fresh(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+def _fresh(*codes: str) -> list[str]:
+    """What each of ``codes`` prints, run by a fresh interpreter: all at once (each costs seconds
+    of imports on one core, and the CI machine has two)."""
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for code in codes
+    ]
+    outputs = []
+    try:
+        for process in started:
+            out, err = process.communicate(timeout=120)
+            assert process.returncode == 0, err[-3000:]
+            outputs.append(out)
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return outputs
 
 
 _REGISTERED = (
@@ -75,33 +92,30 @@ _REGISTERED = (
 
 
 @pytest.fixture(scope="module")
-def engine_first() -> list[str]:
-    """One fresh interpreter for two questions (each costs seconds of imports): which Lightning
-    modules the engine and the top-level package import (none), and whether ``"pipe_tp"`` is
-    registered when ``lightning_pipe`` is imported before ``lightning``."""
-    return (
-        _fresh(
-            "import sys, lightning_pipe.runtime, lightning_pipe\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))\n"
-            "import lightning\n" + _REGISTERED
-        )
-        .strip()
-        .splitlines()
+def fresh() -> dict[str, list[str]]:
+    """Two fresh interpreters, run side by side, for three questions (each costs seconds of
+    imports). Which module is imported first (``lightning_pipe``: the engine and the top-level
+    package first, which Lightning modules they imported (none), then ``lightning``; or
+    ``lightning``) -> the lines printed, the last saying whether ``"pipe_tp"`` is registered."""
+    engine_first, lightning_first = _fresh(
+        "import sys, lightning_pipe.runtime, lightning_pipe\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))\n"
+        "import lightning\n" + _REGISTERED,
+        "import lightning\nimport lightning_pipe\n" + _REGISTERED,
     )
+    return {
+        "lightning_pipe": engine_first.strip().splitlines(),
+        "lightning": lightning_first.strip().splitlines(),
+    }
 
 
-def test_the_engine_imports_no_lightning(engine_first: list[str]) -> None:
-    assert engine_first[0] == "[]", engine_first
+def test_the_engine_imports_no_lightning(fresh: dict[str, list[str]]) -> None:
+    assert fresh["lightning_pipe"][0] == "[]", fresh["lightning_pipe"]
 
 
 @pytest.mark.parametrize("first", ["lightning_pipe", "lightning"])
-def test_pipe_tp_is_registered_whichever_is_imported_first(
-    first: str, request: pytest.FixtureRequest
-) -> None:
-    if first == "lightning_pipe":
-        out = request.getfixturevalue("engine_first")
-    else:
-        out = _fresh("import lightning\nimport lightning_pipe\n" + _REGISTERED).strip().splitlines()
+def test_pipe_tp_is_registered_whichever_is_imported_first(first: str, fresh: dict[str, list[str]]) -> None:
+    out = fresh[first]
     assert out[-1] == "PipeTPStrategy True", out
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.consolidate import main as consolidate_main
-from tests.distributed import run_script
+from tests.distributed import run_distributed, run_script, script_main
 from tests.lightning_models import Regressor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +60,32 @@ def test_cli_help_lists_strategy_options(capsys: pytest.CaptureFixture[str]) -> 
     assert "find_unused_parameters" not in out and "static_graph" not in out
 
 
+def from_a_shell(script: str, argv: list[str], log: str) -> int | str | None:
+    """``python script *argv`` typed in a shell (no rank variables, no ``MASTER_*``: Lightning's
+    launcher starts the other processes itself), run in this process forked by the test harness
+    (the imports done) instead of a fresh interpreter; its stderr, and its children's, to ``log``.
+    Waits for the processes the launcher started, which must succeed; the exit status."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    os.environ["PYTHONPATH"] = str(ROOT)
+    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    code: int | str | None = 0
+    try:
+        script_main(str(ROOT / script), argv, str(ROOT))
+    except SystemExit as exit:
+        code = exit.code
+    children = []
+    while True:
+        try:
+            children.append(os.wait()[1])
+        except ChildProcessError:
+            break
+    assert children and all(status == 0 for status in children), (
+        f"the launched processes ended with {children}"
+    )
+    return code
+
+
 def _train_example(
     script: str, config: str, tmp_path: Path, *args: str, launcher: bool = True
 ) -> list[float]:
@@ -69,9 +93,10 @@ def _train_example(
     losses in order.
 
     ``launcher``: as the README's command runs it (``python script fit ...``: Lightning's launcher
-    starts the other process); otherwise on ranks forked from the tests' fork server with
-    torchrun's environment (:func:`tests.distributed.run_script`: the same script and arguments
-    without a fresh interpreter per rank importing Lightning again)."""
+    starts the other process; the first is forked, see :func:`from_a_shell`); otherwise on ranks
+    forked from the tests' fork server with torchrun's environment
+    (:func:`tests.distributed.run_script`: the same script and arguments without a fresh
+    interpreter per rank importing Lightning again)."""
     argv = [
         "fit", "--config", config, *args,
         "--trainer.enable_progress_bar=false",
@@ -80,11 +105,9 @@ def _train_example(
         f"--trainer.logger.save_dir={tmp_path}",
     ]  # fmt: skip
     if launcher:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run(
-            [sys.executable, script, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        log = tmp_path / "launcher.err"
+        (code,) = run_distributed(from_a_shell, 1, script, argv, str(log), init_group=False, timeout=300)
+        assert code == 0, log.read_text(errors="replace")[-4000:]
     else:
         run_script(ROOT / script, argv, 2, ROOT)
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))

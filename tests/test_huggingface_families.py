@@ -89,7 +89,10 @@ def _train(
     if sequence:  # the derived plan must be a sequence-parallel one, not tensor parallelism alone
         assert plan is not None and "sequence_gather" in plan.plan.values(), plan
     options = RuntimeOptions(
-        num_microbatches=4 // layout.data_parallel_size,
+        # Two micro-batches per replica (each replica's half of the batch at dp=2): the tokens
+        # weighting across micro-batches, the stages' exchanges and 1F1B's overlap are all there;
+        # more would repeat each micro-batch's ~56 small collectives (tp=2) for no new path.
+        num_microbatches=2,
         tensor_parallel_plan=plan.plan if plan is not None else None,
         timeout=timedelta(seconds=60),
         shard_parameters=shard,

@@ -115,7 +115,7 @@ def worker(family: str, pp: int, tp: int, habit: str, sequence: bool = False) ->
     strategy = PipeTPStrategy(
         pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
-        num_microbatches=4,
+        num_microbatches=2,
         timeout=timedelta(seconds=60),
         sequence_parallel=sequence,
     )
@@ -284,7 +284,7 @@ def _fit_structure(family: str, structure: str, pp: int, tp: int) -> dict[str, A
     module_type, collate = STRUCTURES[structure]
     model = module_type(family)
     strategy = PipeTPStrategy(
-        pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=4, timeout=timedelta(seconds=60)
+        pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=2, timeout=timedelta(seconds=60)
     )
     data = DataLoader(_tuple_rows(), batch_size=BATCH, collate_fn=collate)  # in order: the reference's
     try:

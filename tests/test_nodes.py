@@ -9,10 +9,14 @@ between node counts, and a lost node.
   task (pp=4: another node count and layout), and under Lightning's own launcher started once per
   node with ``NODE_RANK`` (each starts its node's second process), continuing on the same losses.
 * SIGKILL to every process of one node (its torchrun agent and its ranks, as a node going down):
-  the other node's ranks end within seconds, naming the lost node and its ranks.
+  the other node's ranks end within seconds, naming the lost node and its ranks. Node 0, whose
+  agent hosts the store, under torchrun; node 1 (the store alive) on forked ranks with torchrun's
+  environment, since no agent takes part in naming it.
 
 Each launch costs fresh interpreters (seconds of imports on two cores), so the tests share one
-training run (a module fixture) and use as few launches as make the points.
+training run (a module fixture), use as few launches as make the points, and fork from the test
+harness's fork server (imports done) every process that no launcher under test starts: the
+resumes' ranks, each node's first process under Lightning's launcher, node 1's lost ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +36,7 @@ import lightning as L
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.distributed import free_port, run_distributed, run_script
+from tests.distributed import free_port, run_distributed, run_distributed_outcomes, run_script, script_main
 from tests.gpt_models import TinyGPT, token_data
 from tests.trainers import fit
 from tests.two_nodes import BATCH, CHECKPOINT, SAMPLES
@@ -247,22 +252,43 @@ def test_the_two_node_checkpoint_resumes_under_slurm_on_four_nodes_at_pp4(
     )
 
 
+def lightning_node(argv: list[str], log: str) -> None:
+    """``python tests/two_nodes.py *argv`` on node ``RANK`` of two, with ``NODE_RANK``, ``MASTER_ADDR``
+    and ``MASTER_PORT`` set as a user sets them on each node (no ``RANK``, ``WORLD_SIZE`` or
+    ``LOCAL_RANK``: Lightning's launcher starts the node's other process itself), its output, and
+    that process's, to ``log{RANK}``; waits for the process it started, which must succeed."""
+    node = os.environ.pop("RANK")
+    for key in ("WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(key)
+    os.environ.update(NODE_RANK=node, PYTHONPATH=str(ROOT))
+    out = os.open(f"{log}{node}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd in (1, 2):
+        os.dup2(out, fd)
+    try:
+        script_main(str(SCRIPT), argv, str(ROOT))
+    finally:
+        ended = []
+        while True:
+            try:
+                ended.append(os.wait()[1])
+            except ChildProcessError:
+                break
+    assert ended and all(status == 0 for status in ended), f"node {node}'s other process ended with {ended}"
+
+
 def test_lightnings_launcher_started_per_node_with_node_rank_resumes_it(
     two_nodes: tuple[Path, dict[int, float], list[str]], one_device: dict[int, float]
 ) -> None:
     """``python tests/two_nodes.py`` once per node with ``NODE_RANK``, ``MASTER_ADDR`` and
     ``MASTER_PORT``, ``Trainer(num_nodes=2, devices=2)``: Lightning's launcher starts each node's
-    second process; together they resume the torchrun run's checkpoint at pp=2 x tp=2."""
+    second process; together they resume the torchrun run's checkpoint at pp=2 x tp=2. (Each
+    node's first process is forked by the test harness, as ``run_script`` does, instead of a fresh
+    interpreter: Lightning's launcher, what this tests, starts the second one.)"""
     root = two_nodes[0]
-    port = str(free_port())
-    command = [sys.executable, str(SCRIPT), "--root", str(root), "--tag", "lightning", *RESUME]
-    with _Nodes(root, "lightning-node") as nodes:
-        for node in (0, 1):
-            env = {**_environ(), "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            nodes.start(command, env)
-        codes = _wait(nodes.processes, LAUNCH_S)
-    outputs = nodes.outputs
-    assert codes == [0, 0], "\n".join(o[-4000:] for o in outputs)
+    log = str(root / "lightning-node")
+    argv = ["--root", str(root), "--tag", "lightning", *RESUME]
+    run_distributed(lightning_node, 2, argv, log, timeout=LAUNCH_S, init_group=False)
+    outputs = [Path(f"{log}{node}").read_text(errors="replace") for node in (0, 1)]
     assert "node 1 (" in outputs[0] and "ranks 2-3: dp_rank 0 pp_rank 1" in outputs[0], outputs[0][-4000:]
     _assert_same(
         _run(root, "lightning", "LightningEnvironment", [0, 0, 1, 1]),
@@ -292,13 +318,26 @@ def _ranks_training(pid_dir: Path, world: int, agents: list[subprocess.Popen[byt
     raise TimeoutError(f"the ranks did not start training within {LAUNCH_S:.0f} s")
 
 
-@pytest.mark.parametrize("down", [1, 0], ids=["node1", "node0-hosting-the-store"])
-def test_a_lost_node_ends_the_other_nodes_ranks_within_seconds_naming_it(tmp_path: Path, down: int) -> None:
+def _named(down: int) -> str:
+    """The words a survivor's error names node ``down`` with."""
+    host = os.uname().nodename
+    return {
+        1: f"node 1 ({host}) is lost: all of its ranks (2, 3) stopped at once without an error of their own",
+        0: f"the rendezvous store in torchrun's agent on node 0 ({host}), with ranks 0, 1 is unreachable: "
+        "that node's launcher has stopped (the node went down",
+    }[down]
+
+
+def test_a_lost_node_hosting_the_store_ends_the_other_nodes_ranks_within_seconds_naming_it(
+    tmp_path: Path,
+) -> None:
     """A node goes down mid-training (SIGKILL to its torchrun agent's process group and to its ranks,
     each of which torchrun starts in a session of its own): the other node's ranks, blocked in
     exchanges with them, end within seconds (their deadline is 60 s), and their error names the
     lost node and its ranks, not only the one peer each was exchanging with. Node 0's agent hosts
-    the store the ranks share: when it goes, the survivors say that store's node went down."""
+    the store the ranks share: when it goes, the survivors say that store's node went down. (Node
+    1 lost, the store alive: :func:`test_a_lost_node_without_the_store_is_named_by_the_other_nodes_ranks`.)"""
+    down = 0
     with _Nodes(tmp_path, "agent") as nodes:
         agents = _torchrun_agents(tmp_path, ["--until-killed", "--tag", "killed"], nodes)
         ranks = _ranks_training(tmp_path / "pids", 4, agents)
@@ -322,12 +361,7 @@ def test_a_lost_node_ends_the_other_nodes_ranks_within_seconds_naming_it(tmp_pat
         f"ranks {survivors} still ran {took:.1f} s after node {down} was lost:\n{output[-4000:]}"
     )
     assert code != 0
-    host = os.uname().nodename
-    named = {
-        1: f"node 1 ({host}) is lost: all of its ranks (2, 3) stopped at once without an error of their own",
-        0: f"the rendezvous store in torchrun's agent on node 0 ({host}), with ranks 0, 1 is unreachable: "
-        "that node's launcher has stopped (the node went down",
-    }[down]
+    named = _named(down)
     # A survivor's first line (before its traceback) names the node, whichever peer it lost; torchrun
     # ends the other ranks of a node as soon as one fails (SIGTERM), which may come first.
     said = [line for line in output.splitlines() if line.startswith("lightning_pipe: ")]
@@ -342,3 +376,66 @@ def test_a_lost_node_ends_the_other_nodes_ranks_within_seconds_naming_it(tmp_pat
         ended = any("received SIGTERM (torchrun sends SIGTERM to every rank" in line for line in mine)
         assert any(named in line for line in mine) or ended, (r, said, output[-4000:])
     assert naming >= 1, (said, output[-4000:])
+
+
+def torchrun_rank(argv: list[str]) -> None:
+    """One rank of ``torchrun --nnodes 2 --nproc-per-node 2``, with the environment torchrun's agent
+    gives it (its node's rank ``GROUP_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, a run id), but
+    forked by the test harness: no agent, the rendezvous store in global rank 0 (on node 0)."""
+    rank = int(os.environ["RANK"])
+    os.environ.update(
+        GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+        TORCHELASTIC_RUN_ID="nodes",
+    )  # fmt: skip
+    from tests.two_nodes import main
+
+    main(argv)
+
+
+def test_a_lost_node_without_the_store_is_named_by_the_other_nodes_ranks(tmp_path: Path) -> None:
+    """Node 1 goes down mid-training (SIGKILL to both of its ranks at once) while the store lives
+    on, on node 0: the other node's ranks, blocked in exchanges with them, end within seconds and
+    each names the lost node and all of its ranks, not only the one peer it was exchanging with.
+    The agents are not what this tests (the store's node going down, agent and all, is
+    :func:`test_a_lost_node_hosting_the_store_ends_the_other_nodes_ranks_within_seconds_naming_it`):
+    the ranks are forked with torchrun's environment, seconds of imports cheaper than torchrun."""
+    pid_dir = tmp_path / "pids"
+    ended = threading.Event()
+    seen: dict[str, Any] = {}
+
+    def kill_node_one() -> None:
+        files = [pid_dir / f"rank{r}.json" for r in range(4)]
+        while not all(f.exists() for f in files):
+            if ended.wait(0.1):
+                return
+        ranks = {r: json.loads(f.read_text()) for r, f in enumerate(files)}
+        seen["ranks"] = ranks
+        lost = [r for r, where in ranks.items() if where["node"] == 1]
+        killed = time.monotonic()
+        for r in lost:
+            os.kill(ranks[r]["pid"], signal.SIGKILL)
+        while any(_alive(ranks[r]["pid"]) for r in ranks if r not in lost):
+            if time.monotonic() - killed > 2 * LOST_NODE_S:
+                break
+            time.sleep(0.05)
+        seen["took"] = time.monotonic() - killed
+
+    killer = threading.Thread(target=kill_node_one, daemon=True)
+    killer.start()
+    argv = ["--root", str(tmp_path), "--until-killed", "--tag", "killed"]
+    try:
+        outcomes = run_distributed_outcomes(torchrun_rank, 4, argv, timeout=LAUNCH_S, init_group=False)
+    finally:
+        ended.set()
+        killer.join()
+    assert "ranks" in seen, ("the ranks did not train", outcomes)
+    ranks = seen["ranks"]
+    lost = [r for r, where in ranks.items() if where["node"] == 1]
+    assert lost == [2, 3], ranks
+    took = seen["took"]
+    print(f"node 0's ranks ended {took:.1f} s after node 1 was killed")
+    assert took < LOST_NODE_S, (f"ranks 0, 1 still ran {took:.1f} s after node 1 was lost", outcomes)
+    named = _named(1)
+    for o in outcomes[:2]:
+        assert not o.killed and o.exitcode == 1, o
+        assert named in (o.error or ""), (o.rank, (o.error or "")[-4000:])
