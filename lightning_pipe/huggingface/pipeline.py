@@ -39,6 +39,7 @@ from lightning_pipe.huggingface.context import (
     default_positions,
     no_mask,
 )
+from lightning_pipe.huggingface.experts import expert_plan
 from lightning_pipe.huggingface.parts import CausalLMParts, causal_lm_parts
 from lightning_pipe.huggingface.sequence_check import check_sequence_split
 from lightning_pipe.huggingface.tensor_parallel import DerivedPlan, derive_plan
@@ -172,6 +173,11 @@ class CausalLMPipeline:
         derived = derive_plan(self.parts, self.prefix, tensor_parallel_size, sequence_parallel)
         self.scatter_after_embedding = derived.scatter_after_embedding
         return derived
+
+    def expert_parallel_plan(self, expert_parallel_size: int) -> dict[str, str]:
+        """The model's own expert-parallel plan, as names inside the module trained, checked for
+        ``expert_parallel_size`` (see :mod:`lightning_pipe.huggingface.experts`)."""
+        return expert_plan(self.parts, self.prefix, expert_parallel_size)
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise ``module``'s own tensors the way the model's ``post_init`` would (a

@@ -31,6 +31,7 @@ from lightning_pipe.execution.compile import compile_layers
 from lightning_pipe.execution.executor import PipelineExecutor
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.experts.shard import expert_shard
 from lightning_pipe.faults.board import FaultBoard
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
@@ -270,6 +271,12 @@ def _refuse_before_partitioning(
             "configure_pipeline()."
         )
     refuse_parallelized(module)
+    if options.expert_parallel_size != layout.expert_parallel_size:
+        raise ConfigurationError(
+            f"expert_parallel_size={options.expert_parallel_size} in the options, but the mesh was laid "
+            f"out with expert_parallel_size={layout.expert_parallel_size} ({layout}); build the mesh "
+            "with ParallelLayout(..., expert_parallel_size=...) equal to the option."
+        )
     if not skips.plan.empty and options.sequence_parallel and layout.tensor_parallel_size > 1:
         raise ConfigurationError(
             "pipe_tp: skip connections (Stash / Pop, @skippable) cannot be combined with "
@@ -303,10 +310,21 @@ def make_replicas_equal(
     # Materialised tensors are equal on every replica by construction: not sent again.
     # (Sharded parameters are not sent at all: each data-parallel rank holds its own shard.)
     tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
+    # Expert blocks differ across an expert group: each is sent over the ranks holding the same
+    # experts, from the first expert group's.
+    experts = [t for t in tensors if isinstance(t, nn.Parameter) and expert_shard(t) is not None]
+    expert_ids = {id(t) for t in experts}
     with naming("making the replicas' weights equal"):
         broadcast_parameters(
-            [t for t in tensors if id(t) not in materialized], mesh.group(MeshAxis.DATA), src
+            [t for t in tensors if id(t) not in materialized and id(t) not in expert_ids],
+            mesh.group(MeshAxis.DATA),
+            src,
         )
+        if experts:
+            first = mesh.layout.rank_of(mesh.layout.ep_rank(mesh.rank), c.pp_rank, c.tp_rank)
+            broadcast_parameters(
+                [t for t in experts if id(t) not in materialized], mesh.expert_data_group, first
+            )
 
 
 def batch_norms_mixing(
