@@ -25,13 +25,11 @@ from torch import nn
 from lightning_pipe.construction.materialize import InitFn
 from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
-from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers, normalising_by_batch
 from lightning_pipe.execution.compile import compile_layers
 from lightning_pipe.execution.executor import PipelineExecutor
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
-from lightning_pipe.experts.shard import expert_shard
 from lightning_pipe.faults.board import FaultBoard
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
@@ -39,6 +37,7 @@ from lightning_pipe.partition.balance import measures_time
 from lightning_pipe.partition.model import PipelinePartition, partition_model
 from lightning_pipe.partition.profile import profile_layers
 from lightning_pipe.runtime.batch import sample_microbatch
+from lightning_pipe.runtime.experts import check_expert_layout, make_replicas_equal
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.runtime.model_recompute import ModelCheckpointing, take_over_checkpointing
@@ -271,12 +270,7 @@ def _refuse_before_partitioning(
             "configure_pipeline()."
         )
     refuse_parallelized(module)
-    if options.expert_parallel_size != layout.expert_parallel_size:
-        raise ConfigurationError(
-            f"expert_parallel_size={options.expert_parallel_size} in the options, but the mesh was laid "
-            f"out with expert_parallel_size={layout.expert_parallel_size} ({layout}); build the mesh "
-            "with ParallelLayout(..., expert_parallel_size=...) equal to the option."
-        )
+    check_expert_layout(options, layout)
     if not skips.plan.empty and options.sequence_parallel and layout.tensor_parallel_size > 1:
         raise ConfigurationError(
             "pipe_tp: skip connections (Stash / Pop, @skippable) cannot be combined with "
@@ -299,32 +293,6 @@ def options_without_effect(options: RuntimeOptions, layout: ParallelLayout) -> l
             "that alone, say layer_seeded_dropout=True."
         )
     return found
-
-
-def make_replicas_equal(
-    own: Sequence[nn.Module], mesh: ParallelMesh, materialized: frozenset[int], naming: CollectiveNaming
-) -> None:
-    """Every replica takes the first replica's parameters and buffers of this rank's layers."""
-    c = mesh.coordinates
-    src = mesh.layout.rank_of(0, c.pp_rank, c.tp_rank)
-    # Materialised tensors are equal on every replica by construction: not sent again.
-    # (Sharded parameters are not sent at all: each data-parallel rank holds its own shard.)
-    tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
-    # Expert blocks differ across an expert group: each is sent over the ranks holding the same
-    # experts, from the first expert group's.
-    experts = [t for t in tensors if isinstance(t, nn.Parameter) and expert_shard(t) is not None]
-    expert_ids = {id(t) for t in experts}
-    with naming("making the replicas' weights equal"):
-        broadcast_parameters(
-            [t for t in tensors if id(t) not in materialized and id(t) not in expert_ids],
-            mesh.group(MeshAxis.DATA),
-            src,
-        )
-        if experts:
-            first = mesh.layout.rank_of(mesh.layout.ep_rank(mesh.rank), c.pp_rank, c.tp_rank)
-            broadcast_parameters(
-                [t for t in experts if id(t) not in materialized], mesh.expert_data_group, first
-            )
 
 
 def batch_norms_mixing(

@@ -27,11 +27,11 @@ from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.execution.recompute import RecomputeMode
-from lightning_pipe.experts.apply import ExpertPlanError, ExpertSharding, expert_modules, shard_experts
-from lightning_pipe.experts.shard import expert_shard
+from lightning_pipe.experts.apply import ExpertSharding
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
 from lightning_pipe.partition.model import PipelinePartition
+from lightning_pipe.runtime.experts import split_experts
 from lightning_pipe.runtime.holdings import Holdings, gather_holdings
 from lightning_pipe.runtime.model_recompute import ModelCheckpointing
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
@@ -151,7 +151,8 @@ class Preparer:
             done.slicing, done.summed_over_tensor = self._slice_tensor_parallel(partition, layers)
         layers = [module.get_submodule(name) for name in partition.layer_names]  # sharded, if any
         if mesh.layout.expert_parallel_size > 1:  # before materialising: only the block gets storage
-            done.experts = self._shard_experts(partition, layers)
+            own = [layers[i] for s in self.stages for i in partition.layer_range(s)]
+            done.experts = split_experts(module, mesh, self.options, own, self.naming)
         materialized: frozenset[int] = frozenset()
         if on_meta:
             materialized = self._materialize(partition, layers)
@@ -214,45 +215,6 @@ class Preparer:
                 "They are ignored. Check for a misspelled or extra name, weights of another model "
                 "configuration, or a wrong pretrained_prefix."
             )
-
-    def _shard_experts(self, partition: PipelinePartition, layers: Sequence[nn.Module]) -> ExpertSharding:
-        """Cut the experts modules of this rank's stages to its block of experts (the expert group's
-        ranks first take the full experts of its first rank: every block then comes from one
-        model, whatever each rank built)."""
-        mesh, module = self.mesh, self.module
-        e = mesh.layout.expert_parallel_size
-        plan = self.options.expert_parallel_plan
-        if not plan:
-            raise ConfigurationError(
-                f"expert_parallel_size={e} needs an expert-parallel plan naming the model's experts "
-                "modules ('ep_dispatch_experts') and their stacked weights ('grouped_gemm'): a Hugging "
-                "Face mixture-of-experts model derives it from its config.base_model_ep_plan; else pass "
-                "expert_parallel_plan=..., or use expert_parallel_size=1."
-            )
-        try:
-            if not expert_modules(module, plan):
-                raise ExpertPlanError(
-                    f"expert_parallel_size={e}, but {type(module).__name__} has no mixture-of-experts layer "
-                    f"(its expert-parallel plan {sorted(plan)} matches no module). Use "
-                    "expert_parallel_size=1 for a dense model."
-                )
-            own = [layers[i] for s in self.stages for i in partition.layer_range(s)]
-            group = mesh.expert_group
-            assert group is not None  # an expert axis exists: E > 1
-            full = [
-                p
-                for name in expert_modules(module, plan)
-                if any(m is module.get_submodule(name) for layer in own for m in layer.modules())
-                for p in module.get_submodule(name).parameters(recurse=False)
-                if not p.is_meta and expert_shard(p) is None
-            ]
-            if full:
-                first = mesh.layout.expert_ranks(mesh.rank)[0]
-                with self.naming("making the full experts equal across the expert group before splitting"):
-                    broadcast_parameters(full, group, first)
-            return shard_experts(module, plan, own, group, e, mesh.layout.ep_rank(mesh.rank))
-        except ExpertPlanError as err:
-            raise ConfigurationError(str(err)) from None
 
     def _slice_tensor_parallel(
         self, partition: PipelinePartition, layers: Sequence[nn.Module]
