@@ -106,12 +106,13 @@ def _routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _record_routers(model: nn.Module, into: dict[str, list[torch.Tensor]]) -> list[Any]:
-    """Each router's logits, in call order (forward only: no recomputation runs here)."""
+    """Each router's logits, in call order (forward passes only, not recomputation)."""
     handles = []
     for name, router in _routers(model):
 
         def hook(_: nn.Module, __: Any, out: Any, name: str = name) -> None:
-            if torch.is_grad_enabled():
+            # Not in a backward (a recomputed forward runs inside one).
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
                 into.setdefault(name, []).append(out[0].detach().reshape(-1, EXPERTS).clone())
 
         handles.append(router.register_forward_hook(hook))
@@ -142,7 +143,8 @@ def _reference(family: str) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "routers": routers, "last": dict(model.state_dict())}
 
 
-def _train(family: str, layout: ParallelLayout, mesh: Any) -> dict[str, Any]:
+def _train(case: str, layout: ParallelLayout, mesh: Any) -> dict[str, Any]:
+    family, _, variant = case.partition("+")
     model = build(family)
     pipeline = CausalLMPipeline(model)
     e = layout.expert_parallel_size
@@ -151,6 +153,7 @@ def _train(family: str, layout: ParallelLayout, mesh: Any) -> dict[str, Any]:
         timeout=timedelta(seconds=60),
         expert_parallel_size=e,
         expert_parallel_plan=pipeline.expert_parallel_plan(e),
+        **VARIANTS[variant],
     )
     runtime = ParallelRuntime(
         model, pipeline.layers(), mesh, torch.device("cpu"), options, seed=0, hooks=pipeline.hooks()
@@ -236,6 +239,16 @@ def _prefix(model: nn.Module, layer: nn.Module) -> str:
     return next(n for n, m in model.named_modules() if m is layer)
 
 
+VARIANTS: dict[str, dict[str, Any]] = {
+    "": {},
+    # The all-to-all's backward inside the input-gradient pass, the weights' in the bubble.
+    "zb": {"schedule": "zb_h1"},
+    # The dispatch run again (counts exchanged again) in the backward of each recomputed layer.
+    "recompute": {"recompute": "always"},
+}
+"""``family+variant``: the family trained with these options too."""
+
+
 def experts_worker(sizes: tuple[int, int, int], families: list[str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     layout = ParallelLayout(*sizes, expert_parallel_size=2)
@@ -247,7 +260,7 @@ def experts_worker(sizes: tuple[int, int, int], families: list[str]) -> dict[str
     ("sizes", "families"),
     [
         ((2, 1, 1), list(MOE_FAMILIES)),
-        ((2, 2, 1), ["mixtral", "deepseek_v3"]),
+        ((2, 2, 1), ["mixtral+zb", "deepseek_v3+recompute"]),
     ],
     ids=["ep2_dp2", "ep2_dp2_pp2"],
 )
