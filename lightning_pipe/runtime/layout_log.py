@@ -4,8 +4,8 @@ Global rank 0 shows it (``ParallelRuntime.describe``) after the first setup: the
 schedule, the micro-batches, the recomputation (and whether the model's own checkpointing was
 taken over), each stage's layers and parameters, the nodes (each one's ranks, stages and tensor
 groups), the tensor-parallel slicing, the experts per rank, the skip connections sent between
-stages, the dropout that makes a run differ from one device, the data axis's sharding and a meta-built model's storage. It
-only reads what the runtime built.
+stages, the dropout that makes a run differ from one device, the data axis's sharding and a
+meta-built model's storage. It only reads what the runtime built.
 """
 
 from __future__ import annotations
