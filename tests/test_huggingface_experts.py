@@ -23,15 +23,16 @@ import transformers
 from torch import nn
 
 from lightning_pipe.experts import expert_shard
+from lightning_pipe.experts.apply import ExpertPlanError, shard_experts
 from lightning_pipe.huggingface import CausalLMPipeline
 from lightning_pipe.huggingface.outputs import causal_lm_loss
+from lightning_pipe.huggingface.parts import UnsupportedModelError
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, init_mesh
 from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
 from lightning_pipe.runtime.batch import Microbatch
 from tests.distributed import run_distributed
 from tests.hf_families import COMMON, batches, reference_loss
-
-pytestmark = pytest.mark.distributed
+from tests.hf_families import build as build_dense
 
 STEPS, BATCH, LR, MAX_NORM = 3, 8, 0.5, 0.5
 EXPERTS = 4
@@ -256,6 +257,7 @@ def experts_worker(sizes: tuple[int, int, int], families: list[str]) -> dict[str
     return {family: _train(family, layout, mesh) for family in families}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("sizes", "families"),
     [
@@ -276,3 +278,59 @@ def test_moe_families_with_split_experts_train_like_their_own_forward(
         if not gap <= 1e-9
     ]
     assert failures == [], "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def _refusal(model: nn.Module, e: int) -> str:
+    with pytest.raises(UnsupportedModelError) as caught:
+        CausalLMPipeline(model).expert_parallel_plan(e)
+    return str(caught.value)
+
+
+def _mixtral(**changes: Any) -> nn.Module:
+    model = build("mixtral")
+    for key, value in changes.items():
+        setattr(model.config, key, value)
+    return model
+
+
+def test_expert_sizes_that_do_not_divide_the_experts_are_refused_naming_the_layer() -> None:
+    message = _refusal(build("mixtral"), 3)
+    assert "expert_parallel_size=3 does not divide the 4 experts of model.layers.0.mlp.experts" in message
+    assert "[1, 2, 4]" in message
+
+
+def test_a_dense_model_is_refused() -> None:
+    assert "ships no expert-parallel plan" in _refusal(build_dense("llama"), 2)
+    # qwen3_moe with every layer dense: a plan, but no experts module to apply it to.
+    name, model_class, overrides = MOE_FAMILIES["qwen3_moe"]
+    config = getattr(transformers, name)(**{**COMMON, **overrides, "mlp_only_layers": [0, 1, 2, 3]})
+    assert "has no mixture-of-experts layer" in _refusal(getattr(transformers, model_class)(config), 2)
+
+
+def test_experts_that_cannot_be_dispatched_are_refused_naming_the_module_and_the_reason() -> None:
+    model = build("mixtral")
+    model.config.base_model_ep_plan = {"layers.*.mlp.experts": "ep_router"}
+    assert "gives 'layers.*.mlp.experts' the style 'ep_router'" in _refusal(model, 2)
+
+
+def test_options_a_dropless_dispatch_does_not_reproduce_are_refused() -> None:
+    assert "router_jitter_noise=0.1" in _refusal(_mixtral(router_jitter_noise=0.1), 2)
+    assert "moe_capacity_factor=1.25" in _refusal(_mixtral(moe_capacity_factor=1.25), 2)
+
+
+def test_an_experts_module_with_a_parameter_the_plan_does_not_split_is_refused() -> None:
+    model = build("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    experts.scale = nn.Parameter(torch.ones(3))
+    plan = CausalLMPipeline(model).expert_parallel_plan(2)
+    with pytest.raises(
+        ExpertPlanError, match=r"model.layers.0.mlp.experts \(MixtralExperts\) holds parameters"
+    ):
+        shard_experts(model, plan, [model.model.layers[0]], None, 2, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("option", ["shard_optimizer_state", "shard_parameters", "sequence_parallel"])
+def test_expert_parallelism_with_what_it_does_not_compose_with_yet_is_refused(option: str) -> None:
+    with pytest.raises(ValueError, match=f"expert_parallel_size=2 cannot be combined with {option}=True yet"):
+        RuntimeOptions(expert_parallel_size=2, **{option: True})
