@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_pipe import PipeTPStrategy
 from lightning_pipe.experts import expert_shard
 from lightning_pipe.experts.apply import ExpertPlanError, shard_experts
 from lightning_pipe.huggingface import CausalLMPipeline
@@ -33,6 +35,8 @@ from lightning_pipe.runtime.batch import Microbatch
 from tests.distributed import run_distributed
 from tests.hf_families import COMMON, batches, reference_loss
 from tests.hf_families import build as build_dense
+from tests.test_huggingface_lightning import TRAIN, HuggingFaceStep
+from tests.trainers import fit
 
 STEPS, BATCH, LR, MAX_NORM = 3, 8, 0.5, 0.5
 EXPERTS = 4
@@ -334,3 +338,47 @@ def test_an_experts_module_with_a_parameter_the_plan_does_not_split_is_refused()
 def test_expert_parallelism_with_what_it_does_not_compose_with_yet_is_refused(option: str) -> None:
     with pytest.raises(ValueError, match=f"expert_parallel_size=2 cannot be combined with {option}=True yet"):
         RuntimeOptions(expert_parallel_size=2, **{option: True})
+
+
+# ------------------------------------------------------------------------------------ Lightning
+def _fit(strategy: Any, devices: int) -> dict[str, torch.Tensor]:
+    """mixtral under Lightning: each of ``devices`` data ranks takes its share of every batch of
+    8 rows (the shuffling sampler deals the same 8 rows per step to one or two ranks); the
+    weights after the epoch, expert blocks gathered by ``ep_rank`` (= ``dp_rank`` here)."""
+    torch.set_num_threads(1)
+    model = HuggingFaceStep("mixtral")
+    sampler = DistributedSampler(TRAIN, num_replicas=1, rank=0, seed=0) if devices == 1 else None
+    train = DataLoader(TRAIN, batch_size=BATCH // devices, sampler=sampler)
+    fit(model, strategy, devices, train, max_epochs=1, num_sanity_val_steps=0)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if devices > 1:
+        blocks = {n: p for n, p in state.items() if expert_shard(model.get_parameter(n)) is not None}
+        shared: list[Any] = [None] * devices
+        dist.all_gather_object(shared, blocks)
+        state |= {n: torch.cat([held[n] for held in shared]) for n in blocks}
+    return state
+
+
+def lightning_worker() -> dict[str, torch.Tensor]:
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=1,
+        data_parallel_size=2,
+        expert_parallel_size=2,
+        num_microbatches=2,
+        timeout=timedelta(seconds=60),
+    )
+    return _fit(strategy, 2)
+
+
+@pytest.mark.distributed
+def test_a_mixture_of_experts_fits_under_the_strategy_like_one_device() -> None:
+    """PipeTPStrategy(expert_parallel_size=2) on two data ranks, the plan derived from mixtral's
+    own, in float32 (its grouped matrix products): the weights of one device after an epoch."""
+    got = run_distributed(lightning_worker, 2, timeout=300, init_group=False)
+    expected = _fit("auto", 1)
+    for rank, state in enumerate(got):
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=f"rank {rank}: {key}")
+    start = dict(build_dense("mixtral").named_parameters())
+    assert max((expected[f"model.{k}"] - v).abs().max().item() for k, v in start.items()) > 1e-3
