@@ -150,9 +150,8 @@ def main() -> None:
             for e in (1, 2)
         ],
     )
-    print(
-        f"expert bytes E=2 / E=1: {result['expert_bytes_ratio']:.3f} (goal 0.5); step ratio {result['step_ratio']:.2f}"
-    )
+    ratio, step = result["expert_bytes_ratio"], result["step_ratio"]
+    print(f"expert bytes E=2 / E=1: {ratio:.3f} (goal 0.5); step time E=2 / E=1: {step:.2f}")
 
 
 if __name__ == "__main__":
