@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
+from lightning_pipe.construction.materialize import materialize
 from lightning_pipe.experts import expert_shard
 from lightning_pipe.experts.apply import ExpertPlanError, shard_experts
 from lightning_pipe.huggingface import CausalLMPipeline
@@ -254,11 +255,40 @@ VARIANTS: dict[str, dict[str, Any]] = {
 """``family+variant``: the family trained with these options too."""
 
 
+def _meta_built(mesh: Any) -> dict[str, Any]:
+    """A mixtral built on the meta device: each rank materialises only its block of experts, and
+    the blocks are the full experts' (as one process materialises them) cut by ``ep_rank``."""
+
+    def meta() -> nn.Module:
+        with torch.device("meta"):
+            return build("mixtral")
+
+    model = meta()
+    pipeline = CausalLMPipeline(model)
+    options = RuntimeOptions(expert_parallel_size=2, expert_parallel_plan=pipeline.expert_parallel_plan(2))
+    runtime = ParallelRuntime(
+        model, pipeline.layers(), mesh, torch.device("cpu"), options, seed=0, init=pipeline.init_weights
+    )
+    blocks = {n: p.detach().clone() for n, p in model.named_parameters() if expert_shard(p) is not None}
+    shared: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shared, blocks)
+    runtime.close()
+    whole = meta()
+    materialize(whole, torch.device("cpu"), 0, set(), CausalLMPipeline(whole).init_weights)
+    expected = dict(whole.named_parameters())
+    held = {n: t.shape[0] for n, t in blocks.items()}
+    gap = max((torch.cat([h[n] for h in shared]) - expected[n]).abs().max().item() for n in blocks)
+    return {"blocks": len(blocks), "held": sorted(set(held.values())), "gap": gap}
+
+
 def experts_worker(sizes: tuple[int, int, int], families: list[str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     layout = ParallelLayout(*sizes, expert_parallel_size=2)
     mesh = init_mesh(layout, "cpu")
-    return {family: _train(family, layout, mesh) for family in families}
+    trained = {family: _train(family, layout, mesh) for family in families}
+    if sizes == (2, 1, 1):
+        trained["meta"] = _meta_built(mesh)
+    return trained
 
 
 @pytest.mark.distributed
@@ -275,6 +305,8 @@ def test_moe_families_with_split_experts_train_like_their_own_forward(
 ) -> None:
     world = sizes[0] * sizes[1] * sizes[2]
     got = run_distributed(experts_worker, world, sizes, families, timeout=600, pg_timeout=120)[0]
+    if "meta" in got:  # 8 expert tensors (2 per layer), 2 of 4 experts each, the full ones' blocks
+        assert got.pop("meta") == {"blocks": 8, "held": [2], "gap": 0.0}
     failures = [
         f"{family}: {what} differ by {gap:.2e}"
         for family, gaps in got.items()
