@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
+from lightning_pipe.checkpoint.full import gather_model_state
 from lightning_pipe.construction.materialize import materialize
 from lightning_pipe.experts import expert_shard
 from lightning_pipe.experts.apply import ExpertPlanError, shard_experts
@@ -154,8 +155,10 @@ def _train(case: str, layout: ParallelLayout, mesh: Any) -> dict[str, Any]:
     model = build(family)
     pipeline = CausalLMPipeline(model)
     e = layout.expert_parallel_size
+    tp = layout.tensor_parallel_size
     options = RuntimeOptions(
         num_microbatches=2,
+        tensor_parallel_plan=pipeline.tensor_parallel_plan(tp).plan if tp > 1 else None,
         timeout=timedelta(seconds=60),
         expert_parallel_size=e,
         expert_parallel_plan=pipeline.expert_parallel_plan(e),
@@ -207,6 +210,7 @@ def _train(case: str, layout: ParallelLayout, mesh: Any) -> dict[str, Any]:
     shared: list[Any] = [None] * dist.get_world_size()
     firsts = {n: s.first_expert for n, s in blocks.items() if s is not None}
     dist.all_gather_object(shared, (mesh.coordinates.dp_rank, state, routers, firsts))
+    whole = gather_model_state(model, runtime.partition, mesh)  # tensor slices gathered whole
     runtime.close()
     if mesh.rank != 0:
         return {}
@@ -221,6 +225,7 @@ def _train(case: str, layout: ParallelLayout, mesh: Any) -> dict[str, Any]:
                 last.setdefault(n, t)
         for n, t in rank_routers.items():
             whole_routers.setdefault(n, {})[rank_dp] = t
+    last |= {n: t for n, t in whole.items() if n not in pieces}
     last |= {n: torch.cat([by_first[f] for f in sorted(by_first)]) for n, by_first in pieces.items()}
     routers = {n: torch.cat([by_dp[d] for d in sorted(by_dp)]) for n, by_dp in whole_routers.items()}
     expected = _reference(family)
@@ -297,8 +302,10 @@ def experts_worker(sizes: tuple[int, int, int], families: list[str]) -> dict[str
     [
         ((2, 1, 1), list(MOE_FAMILIES)),
         ((2, 2, 1), ["mixtral+zb", "deepseek_v3+recompute"]),
+        # Experts whole inside each tensor group, each tensor rank dispatching in its expert group.
+        ((2, 1, 2), ["mixtral", "qwen3_moe"]),
     ],
-    ids=["ep2_dp2", "ep2_dp2_pp2"],
+    ids=["ep2_dp2", "ep2_dp2_pp2", "ep2_dp2_tp2"],
 )
 def test_moe_families_with_split_experts_train_like_their_own_forward(
     sizes: tuple[int, int, int], families: list[str]
