@@ -148,7 +148,7 @@ ALLOWED: dict[str, set[str]] = {
     "arguments": set(),
     "collectives": set(),
     "mesh": {"arguments"},
-    "experts": set(),
+    "experts": {"tensor_parallel"},
     "faults": set(),
     "schedule": {"arguments"},
     "skip": set(),

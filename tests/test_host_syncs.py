@@ -48,6 +48,12 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "batch in the same copy, reach the host once per step before the schedule: each micro-batch's "
         "loss, logged values and Lightning's epoch weights are its share of the tokens, host numbers"
     ),
+    ("tolist", "lightning_pipe/experts/dispatch.py", "dispatch_combine"): (
+        "Expert parallelism (expert_parallel_size > 1): the dropless dispatch's split sizes, how many "
+        "rows go to and come from each rank of the expert group, reach the host once per "
+        "mixture-of-experts layer and forward (all_to_all_single takes host split sizes), as in "
+        "Megatron-Core's and torchtitan's dropless all-to-all dispatchers"
+    ),
 }
 """(what, the file and the function where it is made) -> why it stays. Nothing else may wait."""
 

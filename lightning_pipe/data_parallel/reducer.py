@@ -93,6 +93,10 @@ class GradientReducer:
     bucket_cap_mb: float = 25.0
     shard: bool = False
     late: Sequence[nn.Parameter] = ()
+    divisor: int | None = None
+    """What the summed gradients are divided by (default: the group's size). Expert parameters are
+    summed over the ranks holding the same experts but divided by the whole data axis's size: each
+    rank's gradient of them already sums its expert group's tokens (the all-to-all's backward)."""
     shards: list[torch.Tensor] = field(default_factory=list, init=False)
     """With ``shard``: this rank's averaged slice of each bucket (after :meth:`finish`)."""
     used: dict[int, bool] = field(default_factory=dict, init=False)
@@ -120,6 +124,7 @@ class GradientReducer:
         self.params = unique
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        self._divide_by = self.size if self.divisor is None else self.divisor
         self._scatter = dist.get_backend(self.group) == "nccl"
         cap = int(self.bucket_cap_mb * 1024 * 1024)
         for group_params, late in ((early, False), (late_params, True)):
@@ -225,7 +230,7 @@ class GradientReducer:
                 # Autograd handed a new gradient over (it was None): move it into the bucket, divided
                 # on the way if nothing will be added to it before the all-reduce (one pass).
                 if self._armed and not bucket.late and not bucket.launched:
-                    torch.mul(grad, 1.0 / self.size, out=view)
+                    torch.mul(grad, 1.0 / self._divide_by, out=view)
                     bucket.divided[slot] = True
                 else:
                     view.copy_(grad)
@@ -252,11 +257,11 @@ class GradientReducer:
         # Average = sum of pre-divided parts (DDP's order); slices divided on their way in are not
         # divided again (the used flags need no division: they are only compared with 0).
         if not any(bucket.divided):
-            bucket.buffer.div_(self.size)
+            bucket.buffer.div_(self._divide_by)
         elif not all(bucket.divided):
             for view, divided in zip(bucket.views, bucket.divided, strict=True):
                 if not divided:
-                    view.div_(self.size)
+                    view.div_(self._divide_by)
         if self.shard and self._scatter:
             bucket.work = reduce_scatter_flat(
                 self.shards[bucket.index],

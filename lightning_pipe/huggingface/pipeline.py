@@ -41,6 +41,7 @@ from lightning_pipe.huggingface.context import (
     mask_or_none,
     no_mask,
 )
+from lightning_pipe.huggingface.experts import expert_plan
 from lightning_pipe.huggingface.parts import CausalLMParts, UnsupportedModelError, causal_lm_parts
 from lightning_pipe.huggingface.sequence_check import check_sequence_split
 from lightning_pipe.huggingface.tensor_parallel import DerivedPlan, derive_plan
@@ -201,6 +202,11 @@ class CausalLMPipeline:
             "(each tensor rank's routers see part of the sequence). Turn sequence_parallel off, or set "
             "model.config.output_router_logits = False."
         )
+
+    def expert_parallel_plan(self, expert_parallel_size: int) -> dict[str, str]:
+        """The model's own expert-parallel plan, as names inside the module trained, checked for
+        ``expert_parallel_size`` (see :mod:`lightning_pipe.huggingface.experts`)."""
+        return expert_plan(self.parts, self.prefix, expert_parallel_size)
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise ``module``'s own tensors the way the model's ``post_init`` would (a

@@ -25,7 +25,6 @@ from torch import nn
 from lightning_pipe.construction.materialize import InitFn
 from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
-from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers, normalising_by_batch
 from lightning_pipe.execution.compile import compile_layers
 from lightning_pipe.execution.executor import PipelineExecutor
@@ -38,6 +37,7 @@ from lightning_pipe.partition.balance import measures_time
 from lightning_pipe.partition.model import PipelinePartition, partition_model
 from lightning_pipe.partition.profile import profile_layers
 from lightning_pipe.runtime.batch import sample_microbatch
+from lightning_pipe.runtime.experts import check_expert_layout, make_replicas_equal
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.runtime.model_recompute import ModelCheckpointing, take_over_checkpointing
@@ -270,6 +270,7 @@ def _refuse_before_partitioning(
             "configure_pipeline()."
         )
     refuse_parallelized(module)
+    check_expert_layout(options, layout)
     if not skips.plan.empty and options.sequence_parallel and layout.tensor_parallel_size > 1:
         raise ConfigurationError(
             "pipe_tp: skip connections (Stash / Pop, @skippable) cannot be combined with "
@@ -292,21 +293,6 @@ def options_without_effect(options: RuntimeOptions, layout: ParallelLayout) -> l
             "that alone, say layer_seeded_dropout=True."
         )
     return found
-
-
-def make_replicas_equal(
-    own: Sequence[nn.Module], mesh: ParallelMesh, materialized: frozenset[int], naming: CollectiveNaming
-) -> None:
-    """Every replica takes the first replica's parameters and buffers of this rank's layers."""
-    c = mesh.coordinates
-    src = mesh.layout.rank_of(0, c.pp_rank, c.tp_rank)
-    # Materialised tensors are equal on every replica by construction: not sent again.
-    # (Sharded parameters are not sent at all: each data-parallel rank holds its own shard.)
-    tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
-    with naming("making the replicas' weights equal"):
-        broadcast_parameters(
-            [t for t in tensors if id(t) not in materialized], mesh.group(MeshAxis.DATA), src
-        )
 
 
 def batch_norms_mixing(

@@ -27,6 +27,7 @@ from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer, ShardedOptimizer, ShardingError
 from lightning_pipe.data_parallel.sharded_state import ShardedStateView, local
+from lightning_pipe.experts.shard import expert_shard
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
@@ -93,14 +94,29 @@ class Gradients:
         self.summed_over_tensor = list(summed_over_tensor)
         self.fully_sharded = fully_sharded
         self.reducer: GradientReducer | None = None
+        self.experts = [p for p in self.parameters if expert_shard(p) is not None]
+        """Expert parameters (expert parallelism): reduced over the ranks holding the same experts,
+        their norm summed over the expert group."""
+        self.expert_reducer: GradientReducer | None = None
         if mesh.layout.data_parallel_size > 1 and fully_sharded is None:
+            expert_ids = {id(p) for p in self.experts}
             self.reducer = GradientReducer(
-                self.parameters,
+                [p for p in self.parameters if id(p) not in expert_ids],
                 mesh.group(MeshAxis.DATA),
                 bucket_cap_mb,
                 shard=shard,
                 late=[p for p, _, _ in self.tied] + self.summed_over_tensor,
             )
+            if self.experts:
+                # Each expert owner's gradient already sums the tokens of its expert group (the
+                # all-to-all's backward): summed over the expert-data group, it covers every data
+                # rank's tokens once, divided as the others by the whole data axis's size.
+                self.expert_reducer = GradientReducer(
+                    self.experts,
+                    mesh.expert_data_group,
+                    bucket_cap_mb,
+                    divisor=mesh.layout.data_parallel_size,
+                )
         self.sharded: dict[int, ShardedOptimizer] = {}
         """ZeRO-1 optimizers, by ``id()`` of the user's optimizer (at most one)."""
 
@@ -173,15 +189,17 @@ class Gradients:
 
     def begin(self) -> None:
         """Start an accumulation window (after zeroing the gradients)."""
-        if self.reducer is not None:
-            self.reducer.attach()
+        for reducer in (self.reducer, self.expert_reducer):
+            if reducer is not None:
+                reducer.attach()
         if self.fully_sharded is not None:
             self.fully_sharded.begin()
 
     def arm(self) -> None:
         """The next backward is the window's last: overlap the averaging with it."""
-        if self.reducer is not None:
-            self.reducer.arm()
+        for reducer in (self.reducer, self.expert_reducer):
+            if reducer is not None:
+                reducer.arm()
 
     def finish(self) -> None:
         """Average over the replicas (the reducer's last buckets) and sum tied copies across stages."""
@@ -231,6 +249,9 @@ class Gradients:
         if self.reducer is not None:
             with self.naming("averaging gradients over the data-parallel group"):
                 self.reducer.finish()
+        if self.expert_reducer is not None:
+            with self.naming("averaging expert gradients over the ranks holding the same experts"):
+                self.expert_reducer.finish()
         sum_tied()
 
     def clip_(self, max_norm: float, device: torch.device) -> torch.Tensor:
@@ -240,7 +261,9 @@ class Gradients:
         # a replicated parameter (not sliced across the tensor group) on tensor rank 0 only.
         not_counted = {id(p) for p, _, counts in self.tied if not counts}
         replicas_counted = self.mesh.coordinates.tp_rank == 0
-        local_sum = torch.zeros((), dtype=torch.float32, device=device)
+        # Each gradient's squares summed in float32 (in float64 for float64 gradients, as torch's
+        # clip_grad_norm_ does), the sums added in float64 (one dtype on every rank).
+        local_sum = torch.zeros((), dtype=torch.float64, device=device)
         # Sharded (ZeRO-1), each replica holds its slices' averaged gradients: the norm is summed
         # over the replicas too, each element counted once.
         grads = (
@@ -258,6 +281,8 @@ class Gradients:
         # rank of that group and counted on its first.
         shard_group = self.fully_sharded.shard_group() if self.fully_sharded is not None else None
         whole_counted = shard_group is None or dist.get_rank(shard_group) == 0
+        expert_ids = {id(p) for p in self.experts}
+        expert_sum = torch.zeros((), dtype=torch.float64, device=device)
         for p, grad in grads:
             if grad is None or id(p) in not_counted:
                 continue
@@ -265,7 +290,18 @@ class Gradients:
                 continue
             if shard_group is not None and not isinstance(grad, DTensor) and not whole_counted:
                 continue
-            local_sum += local(grad).detach().float().pow(2).sum()
+            g = local(grad).detach()
+            squares = (g if g.dtype == torch.float64 else g.float()).pow(2).sum()
+            if id(p) in expert_ids:
+                expert_sum += squares
+            else:
+                local_sum += squares
+        expert_group = self.mesh.expert_group
+        if expert_group is not None:
+            # Each rank of an expert group holds other experts: each expert counted once.
+            with self.naming("summing the experts' gradient norm over the expert group"):
+                dist.all_reduce(expert_sum, op=dist.ReduceOp.SUM, group=expert_group)
+        local_sum += expert_sum
         with self.naming("summing the gradient norm over the model's ranks"):
             dist.all_reduce(local_sum, op=dist.ReduceOp.SUM, group=self.mesh.model_group)
             if self.sharded:
@@ -277,4 +313,4 @@ class Gradients:
         for _, grad in grads:
             if grad is not None:
                 local(grad).detach().mul_(coef.to(grad.dtype))
-        return total
+        return total if any(p.dtype == torch.float64 for p in self.parameters) else total.float()

@@ -3,9 +3,9 @@
 Global rank 0 shows it (``ParallelRuntime.describe``) after the first setup: the layout and
 schedule, the micro-batches, the recomputation (and whether the model's own checkpointing was
 taken over), each stage's layers and parameters, the nodes (each one's ranks, stages and tensor
-groups), the tensor-parallel slicing, the skip connections sent between stages, the dropout that
-makes a run differ from one device, the data axis's sharding and a meta-built model's storage. It
-only reads what the runtime built.
+groups), the tensor-parallel slicing, the experts per rank, the skip connections sent between
+stages, the dropout that makes a run differ from one device, the data axis's sharding and a
+meta-built model's storage. It only reads what the runtime built.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def describe_layout(
         text += f"\n{nodes.describe(layout)}"
     if done.slicing:
         text += f"\n{done.slicing}"
+    if done.experts is not None and done.experts.modules:
+        text += f"\n{done.experts.describe(layout.expert_parallel_size)}"
     if skip_routes:
         routes = ", ".join(f"{r.producer} -> {r.consumer} ({', '.join(r.names)})" for r in skip_routes)
         text += f"\n  skip connections sent between stages: {routes}"

@@ -118,6 +118,22 @@ class RuntimeOptions:
     param_dtype: torch.dtype | None = None
     """Under ``shard_parameters``: the dtype parameters are gathered and computed in (FSDP2's
     ``MixedPrecisionPolicy``; gradients reduced in float32). ``None``: their own."""
+    expert_parallel_size: int = 1
+    """Ranks of the data axis that split each mixture-of-experts layer's experts between them
+    (expert parallelism: it divides ``data_parallel_size`` and the expert count of every such
+    layer). Each rank of an expert group holds ``1/expert_parallel_size`` of the experts (a block
+    by global expert index) and the tokens go to the ranks holding their chosen experts and come
+    back by all-to-all (dropless); routers, shared experts and everything else stay whole on every
+    data rank. Expert gradients are reduced over the ranks holding the same experts, the rest over
+    the whole data axis; the experts stay whole inside a tensor group
+    (:mod:`lightning_pipe.experts`). A Hugging Face mixture-of-experts model takes its plan from
+    its ``config.base_model_ep_plan``. Not yet with ``shard_optimizer_state``,
+    ``shard_parameters`` or ``sequence_parallel``."""
+    expert_parallel_plan: Mapping[str, str] | None = None
+    """Module-name pattern -> expert-parallel style (Hugging Face's ``base_model_ep_plan`` format:
+    ``"ep_dispatch_experts"`` on each experts module, ``"grouped_gemm"`` on its weights stacked by
+    expert; :mod:`lightning_pipe.experts.apply`); needed when ``expert_parallel_size > 1`` (derived
+    for a Hugging Face model)."""
     bucket_cap_mb: float = 25.0
     """Size of the gradient buckets of the data-parallel reducer, whose all-reduces overlap the
     last backward of each optimizer step."""
@@ -169,6 +185,7 @@ class RuntimeOptions:
                 f"schedule={self.schedule_kind.value!r}."
             )
         self._check_sharding()
+        self._check_experts()
         check_positive("bucket_cap_mb", self.bucket_cap_mb, "megabytes per gradient bucket")
         for name in (
             "shard_optimizer_state",
@@ -196,6 +213,18 @@ class RuntimeOptions:
         if self.layer_seeded_dropout is None:
             return self.sequence_parallel
         return self.layer_seeded_dropout
+
+    def _check_experts(self) -> None:
+        check_count("expert_parallel_size", self.expert_parallel_size)
+        if self.expert_parallel_size == 1:
+            return
+        for name in ("shard_optimizer_state", "shard_parameters", "sequence_parallel"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"expert_parallel_size={self.expert_parallel_size} cannot be combined with {name}=True "
+                    f"yet (expert parameters are reduced over their own data ranks, which {name} does not "
+                    f"know); use {name}=False, or expert_parallel_size=1."
+                )
 
     def _check_sharding(self) -> None:
         check_flag("shard_parameters", self.shard_parameters)

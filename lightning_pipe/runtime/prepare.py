@@ -27,9 +27,11 @@ from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.experts.apply import ExpertSharding
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
 from lightning_pipe.partition.model import PipelinePartition
+from lightning_pipe.runtime.experts import split_experts
 from lightning_pipe.runtime.holdings import Holdings, gather_holdings
 from lightning_pipe.runtime.model_recompute import ModelCheckpointing
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
@@ -73,6 +75,9 @@ class Preparation:
     model_checkpointing: ModelCheckpointing | None = None
     """The model's own gradient checkpointing, taken over by the first runtime (later runtimes
     recompute as it did)."""
+    experts: ExpertSharding | None = None
+    """With ``expert_parallel_size > 1``: the experts modules this rank's stages cut to its block
+    of experts (:mod:`lightning_pipe.experts.apply`)."""
     skips: SkipLayers | None = None
     """The pipeline layers' skip connections (their declarations and :class:`Stash` / :class:`Pop`
     wrappers), read from the layers of the first setup, which later setups are not given."""
@@ -145,6 +150,9 @@ class Preparer:
         if mesh.layout.tensor_parallel_size > 1:
             done.slicing, done.summed_over_tensor = self._slice_tensor_parallel(partition, layers)
         layers = [module.get_submodule(name) for name in partition.layer_names]  # sharded, if any
+        if mesh.layout.expert_parallel_size > 1:  # before materialising: only the block gets storage
+            own = [layers[i] for s in self.stages for i in partition.layer_range(s)]
+            done.experts = split_experts(module, mesh, self.options, own, self.naming)
         materialized: frozenset[int] = frozenset()
         if on_meta:
             materialized = self._materialize(partition, layers)

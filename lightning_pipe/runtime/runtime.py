@@ -6,10 +6,9 @@ runtime owns everything between "here is a batch" and "the gradients are ready f
 ``PipeTPStrategy`` adapts Lightning's hooks onto it, and a loop without a Trainer drives it
 directly (``examples/train_engine.py``).
 
-This module is the facade: its methods are the API both callers use (listed in the class
-docstring), and each delegates to the module that holds the concept: what a runtime is built of
-(:mod:`.build`), running one batch (:mod:`.step`), the agreement around it (:mod:`.step_checks`),
-micro-batches (:mod:`.batch`), gradients (:mod:`.gradients`), the layout log (:mod:`.layout_log`).
+The facade: its methods are the API both callers use (in the class docstring), each delegating to the
+module of the concept: what a runtime is built of (:mod:`.build`), one batch (:mod:`.step`), its agreement
+(:mod:`.step_checks`), micro-batches (:mod:`.batch`), gradients (:mod:`.gradients`), the layout log.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from lightning_pipe.mesh import ParallelMesh
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.runtime.batch import BatchResult, Head
 from lightning_pipe.runtime.build import build, own_layers
+from lightning_pipe.runtime.experts import refuse_expert_checkpoints
 from lightning_pipe.runtime.gradients import GradientSharding
 from lightning_pipe.runtime.holdings import Holdings
 from lightning_pipe.runtime.hooks import ModelHooks
@@ -191,6 +191,7 @@ class ParallelRuntime:
     @property
     def part(self) -> rank_state.RankPart:
         """What this rank holds, as checkpoints see it."""
+        refuse_expert_checkpoints(self.parameters, self.mesh.layout)
         return rank_state.RankPart(
             self.module,
             self.partition,

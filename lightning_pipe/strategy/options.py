@@ -27,7 +27,12 @@ from typing import Any, Literal
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pipe.arguments import check_count, check_flag
-from lightning_pipe.mesh import ParallelLayout, check_replicate_size, check_tensor_groups_in_nodes
+from lightning_pipe.mesh import (
+    ParallelLayout,
+    check_expert_parallel_size,
+    check_replicate_size,
+    check_tensor_groups_in_nodes,
+)
 from lightning_pipe.runtime import RuntimeOptions, as_timeout
 from lightning_pipe.schedule.builders import ScheduleKind
 
@@ -146,6 +151,7 @@ def split_arguments(arguments: Mapping[str, Any]) -> tuple[StrategyOptions, Runt
     options = RuntimeOptions(**engine)
     if own.data_parallel_size != "auto":  # else once the world size is known (check_layout_fits)
         check_replicate_size(options.data_parallel_replicate_size, int(own.data_parallel_size))
+        check_expert_parallel_size(options.expert_parallel_size, int(own.data_parallel_size))
     return own, options
 
 
@@ -166,6 +172,7 @@ def check_layout_fits(
         raise MisconfigurationException(f"{where}: {err}") from None
     try:
         check_replicate_size(options.data_parallel_replicate_size, layout.data_parallel_size)
+        check_expert_parallel_size(options.expert_parallel_size, layout.data_parallel_size)
     except ValueError as err:
         raise MisconfigurationException(
             f"{where} as dp={layout.data_parallel_size} x pp={layout.pipeline_parallel_size} x "

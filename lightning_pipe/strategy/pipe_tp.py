@@ -86,6 +86,8 @@ class PipeTPStrategy(PipeTPSetup):
         layer_seeded_dropout: bool | None = None,
         shard_parameters: bool = False,
         data_parallel_replicate_size: PositiveInt = 1,
+        expert_parallel_size: PositiveInt = 1,
+        expert_parallel_plan: dict[str, str] | None = None,
         reshard_after_forward: bool | None = None,
         tensor_parallel_plan: dict[str, str] | None = None,
         timeline: str | None = None,

@@ -16,7 +16,7 @@ so that later Trainer calls (validate after fit) use the same one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,3 +197,17 @@ def _derived(
         huggingface=pipeline,
         step_inputs=learned,
     )
+
+
+def expert_parallel_plan(
+    view: PipelineModel, expert_parallel_size: int, option: Mapping[str, str] | None
+) -> Mapping[str, str] | None:
+    """The expert-parallel plan: the option, else a derived Hugging Face pipeline's (from the
+    model's ``base_model_ep_plan``, refused with the reason where it cannot be dispatched)."""
+    if option is not None or expert_parallel_size == 1 or view.huggingface is None:
+        return option
+    try:
+        plan: dict[str, str] = view.huggingface.expert_parallel_plan(expert_parallel_size)
+    except UnsupportedModelError as err:
+        raise MisconfigurationException(str(err)) from err
+    return plan

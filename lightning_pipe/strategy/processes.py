@@ -169,7 +169,11 @@ class PipeTPProcesses(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, self._timeout, self.root_device
         )
         layout = ParallelLayout.resolve(
-            self.world_size, self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size
+            self.world_size,
+            self.pipeline_parallel_size,
+            self.tensor_parallel_size,
+            self.data_parallel_size,
+            self.options.expert_parallel_size,
         )
         self.faults.start(layout, self.global_rank, self._kill_launched_processes)
         self._mesh = None

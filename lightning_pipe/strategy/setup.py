@@ -42,7 +42,12 @@ from lightning_pipe.runtime import (
 from lightning_pipe.schedule.builders import ScheduleKind
 from lightning_pipe.strategy.compat import optimizers_to_device, skip_closure_backward, use_pipeline_summary
 from lightning_pipe.strategy.options import StrategyOptions
-from lightning_pipe.strategy.pipeline_model import PipelineModel, find_causal_lm, read_module
+from lightning_pipe.strategy.pipeline_model import (
+    PipelineModel,
+    expert_parallel_plan,
+    find_causal_lm,
+    read_module,
+)
 from lightning_pipe.strategy.precision import (
     PipeTPPrecision,
     check_precision,
@@ -197,6 +202,11 @@ class PipeTPSetup(PipeTPProcesses):
         options = dataclasses.replace(
             self.options,
             tensor_parallel_plan=view.tensor_parallel_plan,
+            expert_parallel_plan=expert_parallel_plan(
+                view, layout.expert_parallel_size, self.options.expert_parallel_plan
+            )
+            if first
+            else self.options.expert_parallel_plan,
             timeout=self._timeout,
             # bf16-mixed under shard_parameters: parameters gathered (and computed) in bfloat16.
             param_dtype=torch.bfloat16 if bf16 else None,
