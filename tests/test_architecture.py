@@ -141,10 +141,10 @@ ALLOWED: dict[str, set[str]] = {
     "execution": {"schedule", "faults", "arguments", "skip"},
     "partition": {"execution", "arguments", "skip"},
     "batches": {"execution", "mesh", "skip"},
-    "data_parallel": {"collectives"},
+    "data_parallel": {"collectives", "experts"},
     "tensor_parallel": {"data_parallel", "collectives", "arguments"},
-    "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh"},
-    "construction": {"checkpoint", "tensor_parallel"},
+    "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh", "experts"},
+    "construction": {"checkpoint", "tensor_parallel", "experts"},
 }
 _ENGINE = set(ALLOWED)
 ALLOWED["runtime"] = _ENGINE
