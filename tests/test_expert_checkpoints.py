@@ -18,12 +18,13 @@ What this file proves (two launches, of 4 and 2 ranks):
 * Consolidation gives the full tensors (every expert, in order) and the Adam state numbered as one
   device numbers it; the live single-file gather (``checkpoint/full.py``) gives them too.
 * A checkpoint without expert blocks is still written as format version 1 (what every earlier
-  release reads).
+  release reads); metadata whose expert blocks do not cover the experts is refused as damaged.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ import torch
 from torch import nn
 
 from lightning_pipe.checkpoint import consolidate_checkpoint
-from lightning_pipe.checkpoint.metadata import METADATA_FILE
+from lightning_pipe.checkpoint.metadata import METADATA_FILE, CheckpointError
+from tests.checkpoint_files import edit_metadata
 from tests.distributed import run_distributed
 
 NUM_EXPERTS = 4
@@ -247,3 +249,12 @@ def test_expert_checkpoints_move_between_expert_sizes_and_consolidate(tmp_path: 
         for position, name in enumerate(names):
             for key, value in state[name].items():
                 assert torch.equal(optimizer["state"][position][key], value), f"{source.name}: {name} {key}"
+
+    # Metadata whose expert blocks do not cover the experts once each is damaged, said as such.
+    damaged = tmp_path / "damaged.ckpt"
+    shutil.copytree(saved, damaged)
+    edit_metadata(damaged, lambda d: d["model"]["1.weight"].update(experts=[[0, 2], [1, 2]]))
+    with pytest.raises(
+        CheckpointError, match=r"do not cover its 4 experts once each; the checkpoint is damaged"
+    ):
+        consolidate_checkpoint(damaged)
