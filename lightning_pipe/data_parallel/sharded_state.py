@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_pipe.experts.shard import expert_shard
+
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's elements of ``tensor`` (its shard, for a DTensor)."""
@@ -63,13 +65,20 @@ class ShardedStateView:
             its stage's whole optimizer state.
         to_host: move each gathered value to the host at once (a checkpoint directory's writer:
             the stage's whole state never sits on the device).
+        keep_experts: ``keep_whole`` for the state of parameters holding blocks of experts (whose
+            writers are the first expert group, not the first replica); ``None``: ``keep_whole``.
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, keep_whole: bool = True, to_host: bool = False
+        self,
+        optimizer: torch.optim.Optimizer,
+        keep_whole: bool = True,
+        to_host: bool = False,
+        keep_experts: bool | None = None,
     ) -> None:
         self._optimizer = optimizer
         self._keep_whole = keep_whole
+        self._keep_experts = keep_whole if keep_experts is None else keep_experts
         self._to_host = to_host
         self._saved: dict[str, Any] | None = None
 
@@ -77,14 +86,19 @@ class ShardedStateView:
     def param_groups(self) -> list[dict[str, Any]]:
         return self._optimizer.param_groups
 
-    def _whole(self, value: Any) -> Any:
-        return gather_whole(value, self._keep_whole, self._to_host)
+    def _whole(self, value: Any, param: torch.Tensor) -> Any:
+        shard = expert_shard(param)
+        experts = shard is not None and shard.local_experts < shard.num_experts
+        return gather_whole(value, self._keep_experts if experts else self._keep_whole, self._to_host)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state, gathered once per view (a save reads it more than once)."""
         if self._saved is None:
             saved = self._optimizer.state_dict()
-            state = {i: {k: self._whole(v) for k, v in e.items()} for i, e in saved["state"].items()}
+            params = [p for group in self.param_groups for p in group["params"]]
+            state = {
+                i: {k: self._whole(v, params[i]) for k, v in e.items()} for i, e in saved["state"].items()
+            }
             self._saved = {"state": state, "param_groups": saved["param_groups"]}
         return self._saved
 

@@ -150,9 +150,14 @@ class Gradients:
         if sharded is not None:
             return LogicalOptimizer(sharded)
         if self.fully_sharded is not None:
-            keep = whole_everywhere or self.mesh.coordinates.dp_rank == 0
+            dp_rank = self.mesh.coordinates.dp_rank
+            keep = whole_everywhere or dp_rank == 0
+            # Blocks of experts are written by the first expert group (every block once).
+            experts = whole_everywhere or dp_rank < self.mesh.layout.expert_parallel_size
             # A single-file gather goes on over the tensor group (on NCCL, device tensors only).
-            return ShardedStateView(optimizer, keep_whole=keep, to_host=not whole_everywhere)
+            return ShardedStateView(
+                optimizer, keep_whole=keep, to_host=not whole_everywhere, keep_experts=experts
+            )
         return optimizer
 
     def wait_for_parameters(self) -> None:
