@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +85,45 @@ def one_device() -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Ten
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, state
 
 
-def _runtime(dp: int, pp: int, experts: int) -> tuple[Any, nn.Sequential, torch.optim.Optimizer]:
-    """This rank's model (its experts sliced and marked), runtime and Adam, at ``dp x pp`` with
-    ``experts`` expert ranks."""
+@dataclass
+class Rank:
+    """One rank's part of the model as the checkpoint engine sees it
+    (:class:`~lightning_pipe.checkpoint.rank_state.RankPart`), and its mesh. The checkpoint calls
+    are those of ``ParallelRuntime.save_checkpoint`` / ``load_checkpoint``, without a runtime:
+    what cuts the experts is not what is tested here."""
+
+    part: Any
+    mesh: Any
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.part.module.parameters() if id(p) in self.part.parameters]
+
+    def save_checkpoint(self, path: str, optimizers: list[torch.optim.Optimizer]) -> None:
+        from lightning_pipe.checkpoint import rank_state
+
+        checkpoint = {
+            "state_dict": rank_state.model_state(self.part),
+            "optimizer_states": [rank_state.optimizer_state(self.part, o) for o in optimizers],
+        }
+        rank_state.write(self.part, path, checkpoint)
+
+    def load_checkpoint(self, path: str, optimizers: list[torch.optim.Optimizer]) -> None:
+        from lightning_pipe.checkpoint import rank_state
+
+        checkpoint = rank_state.read(self.part, path, optimizers)
+        rank_state.load_model(self.part, checkpoint)
+        rank_state.load_optimizers(self.part, checkpoint, optimizers)
+
+
+def _runtime(dp: int, pp: int, experts: int) -> tuple[Rank, nn.Sequential, torch.optim.Optimizer]:
+    """This rank's model (its experts sliced and marked), its part and Adam over its stage, at
+    ``dp x pp`` with ``experts`` expert ranks."""
+    from lightning_pipe.checkpoint.optimizer_view import keep_own
+    from lightning_pipe.checkpoint.rank_state import RankPart
     from lightning_pipe.experts import ExpertShard, mark_expert_shard
     from lightning_pipe.mesh import ParallelLayout, init_mesh
-    from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
+    from lightning_pipe.partition.model import partition_model
 
     mesh = init_mesh(ParallelLayout(dp, pp, 1, experts), "cpu")
     model = build_model()
@@ -101,12 +135,13 @@ def _runtime(dp: int, pp: int, experts: int) -> tuple[Any, nn.Sequential, torch.
                 block = nn.Parameter(p.detach()[ep_rank * local : (ep_rank + 1) * local].clone())
                 mark_expert_shard(block, ExpertShard(NUM_EXPERTS, ep_rank * local, local))
                 setattr(layer, name, block)
-    balance = {1: [4], 2: [2, 2], 4: [1, 1, 1, 1]}[pp]
-    runtime = ParallelRuntime(
-        model, list(model), mesh, torch.device("cpu"), RuntimeOptions(num_microbatches=1, partition=balance)
-    )
-    optimizer = runtime.keep_own(torch.optim.Adam(model.parameters(), lr=0.1))
-    return runtime, model, optimizer
+    partition = partition_model(model, list(model), pp, {1: [4], 2: [2, 2], 4: [1, 1, 1, 1]}[pp])
+    stages = partition.stages_of_rank(mesh.coordinates.pp_rank, pp)
+    own = {id(p) for s in stages for i in partition.layer_range(s) for p in model[i].parameters()}
+    part = RankPart(model, partition, stages, mesh.layout, mesh.coordinates, frozenset(own), mesh.rank == 0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    keep_own(optimizer, model, own)
+    return Rank(part, mesh), model, optimizer
 
 
 def _cut(name: str, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -119,7 +154,7 @@ def _cut(name: str, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return value.narrow(shard.dim, shard.first_expert, shard.local_experts)
 
 
-def _train_and_save(runtime: Any, model: nn.Sequential, optimizer: torch.optim.Optimizer, path: str) -> None:
+def _train_and_save(runtime: Rank, model: nn.Sequential, optimizer: torch.optim.Optimizer, path: str) -> None:
     """Set this rank's parameters from the reference, take the steps with its gradients, save."""
     params, grads = reference_values()
     own = {id(p) for p in runtime.parameters}
@@ -133,7 +168,7 @@ def _train_and_save(runtime: Any, model: nn.Sequential, optimizer: torch.optim.O
     runtime.save_checkpoint(path, [optimizer])
 
 
-def _held(runtime: Any, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _held(runtime: Rank, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What this rank holds after a load: its own parameters, their Adam state and expert marks."""
     from lightning_pipe.experts import expert_shard
 
@@ -163,7 +198,7 @@ def save_and_load_four(root: str) -> dict[str, Any]:
     path = str(Path(root) / "experts.ckpt")
     runtime, model, optimizer = _runtime(2, 2, 2)
     _train_and_save(runtime, model, optimizer, path)
-    gathered = gather_model_state(model, runtime.partition, runtime.mesh)
+    gathered = gather_model_state(model, runtime.part.partition, runtime.mesh)
     return {"E4": _load(4, 1, 4, path), "pp4": _load(1, 4, 1, path), "gathered": gathered}
 
 

@@ -7,20 +7,24 @@ to all of them, and the partial outputs are summed over the group, each rank kee
 tokens' (autograd functions below). The owner of an expert block thus gets a gradient that sums its
 whole expert group's contributions, as with an all-to-all dispatch.
 
-What this file proves (one launch of 4 ranks: dp=4, E=2, ``shard_parameters=True``):
+What this file proves (one launch of 4 ranks: dp=4, E=2, FSDP2 through
+:class:`~lightning_pipe.data_parallel.fully_sharded.FullyShardedStages` and the checkpoint engine,
+without a runtime, whose cutting of experts is not what is tested here):
 
 * The expert module is its own FSDP unit over the expert-data group (2 ranks): each rank holds
   1/2 of its block of 2 experts (1/4 of the experts), the other parameters 1/4 of them over the
-  whole data axis; the layout log says so.
-* Weights after three Adam steps equal one device's (1e-5): expert gradients divided by the whole
-  data axis (``expert_gradient_divisor``), not by the expert-data group's size.
+  whole data axis.
+* Weights and Adam's state after three steps equal one device's (1e-5), with FSDP's per-backward
+  reduction and with the pipeline's deferred one (two micro-batches, one reduction per step):
+  expert gradients divided by the whole data axis (``expert_gradient_divisor``), not by the
+  expert-data group's size (Adam's ``exp_avg`` catches a factor that its update hides).
 * A checkpoint saved there holds every expert by global index (Adam's state too), and loads at
   E=4 under FSDP2 (expert-data groups of one rank) with the same values.
+* A module holding both experts and other parameters is refused with the fix.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -149,52 +153,100 @@ def one_device() -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Ten
     return {n: p.detach().clone() for n, p in model.named_parameters()}, state
 
 
-def _runtime(experts: int) -> tuple[Any, nn.Sequential, torch.optim.Optimizer]:
+def _apply(layers: Any, x: Any, stage: int) -> Any:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def _sharded(experts: int, deferred: bool) -> tuple[Any, Any, nn.Sequential, torch.optim.Optimizer, Any]:
+    """This rank's model at dp=4 with ``experts`` expert ranks under FSDP2 (one stage), its part
+    as checkpoints see it, and Adam over its shards."""
+    from lightning_pipe.checkpoint.rank_state import RankPart
+    from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
+    from lightning_pipe.experts import expert_gradient_divisor
     from lightning_pipe.mesh import ParallelLayout, init_mesh
-    from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
+    from lightning_pipe.partition.model import partition_model
 
     mesh = init_mesh(ParallelLayout(4, 1, 1, experts), "cpu")
     model = build(mesh.expert_group, mesh.layout.ep_rank(mesh.rank), experts)
-    options = RuntimeOptions(
-        shard_parameters=True, num_microbatches=1, check_forward=False, timeout=timedelta(seconds=60)
+    partition = partition_model(model, list(model), 1)
+    sharded = FullyShardedStages(
+        {0: list(model)},
+        mesh.device_mesh["dp"],
+        _apply,
+        reshard_after_forward=not deferred,
+        expert_mesh=mesh.expert_mesh["expert_data"] if mesh.expert_mesh is not None else None,
+        expert_divide_factor=expert_gradient_divisor(4),
     )
-    runtime = ParallelRuntime(model, list(model), mesh, torch.device("cpu"), options)
-    return runtime, model, runtime.keep_own(torch.optim.Adam(model.parameters(), lr=0.05))
+    own = frozenset(id(p) for p in model.parameters())
+    part = RankPart(model, partition, (0,), mesh.layout, mesh.coordinates, own, mesh.rank == 0)
+    return sharded, part, model, torch.optim.Adam(model.parameters(), lr=0.05), mesh
+
+
+def _train(sharded: Any, part: Any, optimizer: torch.optim.Optimizer) -> None:
+    """The steps on this rank's quarter of each batch; with deferred reduction, as two micro-batches."""
+    rank = part.coordinates.dp_rank
+    for x, y in batches():
+        optimizer.zero_grad()
+        sharded.begin()
+        pieces = 2 if sharded.deferred else 1
+        for xs, ys in zip(x.chunk(4)[rank].chunk(pieces), y.chunk(4)[rank].chunk(pieces), strict=True):
+            (F.mse_loss(sharded.roots[0](xs), ys) / pieces).backward()
+        sharded.reduce()
+        optimizer.step()
+
+
+def _views(part: Any, optimizer: torch.optim.Optimizer, whole: bool = False) -> Any:
+    from lightning_pipe.data_parallel.sharded_state import ShardedStateView
+
+    dp_rank, e = part.coordinates.dp_rank, part.layout.expert_parallel_size
+    # As ParallelRuntime.logical gives it: the writers keep what they write.
+    return ShardedStateView(
+        optimizer, keep_whole=whole or dp_rank == 0, to_host=not whole, keep_experts=whole or dp_rank < e
+    )
 
 
 def fsdp_worker(root: str) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
+    from lightning_pipe.checkpoint import rank_state
     from lightning_pipe.checkpoint.full import gather_model_state
 
-    runtime, model, optimizer = _runtime(2)
-    rank = runtime.mesh.coordinates.dp_rank
+    sharded, part, model, optimizer, mesh = _sharded(2, deferred=False)
     weight = model[1].experts.weight
     assert isinstance(weight, DTensor)
     held = {
         "expert_local": tuple(weight.to_local().shape),
         "expert_mesh": weight.device_mesh.size(),
         "router_local": tuple(model[1].router.weight.to_local().shape),
+        "expert_units": sharded.expert_units,
     }
-    for x, y in batches():
-        optimizer.zero_grad()
-        runtime.begin_accumulation()
-        runtime.train_batch((x.chunk(4)[rank], y.chunk(4)[rank]), lambda out, mb: F.mse_loss(out, mb.data[1]))
-        optimizer.step()
+    _train(sharded, part, optimizer)
     path = str(Path(root) / "fsdp.ckpt")
-    runtime.save_checkpoint(path, [optimizer])
-    gathered = gather_model_state(model, runtime.partition, runtime.mesh)
+    checkpoint = {
+        "state_dict": rank_state.model_state(part),
+        "optimizer_states": [rank_state.optimizer_state(part, _views(part, optimizer))],
+    }
+    rank_state.write(part, path, checkpoint)
+    gathered = gather_model_state(model, part.partition, mesh)
+    # Deferred reduction (a pipeline's: once per window, after two micro-batches).
+    sharded_d, part_d, model_d, optimizer_d, _ = _sharded(2, deferred=True)
+    _train(sharded_d, part_d, optimizer_d)
     # Loaded at E=4 under FSDP2: each rank one expert, expert-data groups of one rank.
-    runtime4, model4, optimizer4 = _runtime(4)
-    runtime4.load_checkpoint(path, [optimizer4])
-    view = runtime4.logical(optimizer4, whole_everywhere=True).state_dict()
+    _, part4, model4, optimizer4, _ = _sharded(4, deferred=False)
+    view4 = _views(part4, optimizer4)
+    loaded = rank_state.read(part4, path, [view4])
+    rank_state.load_model(part4, loaded)
+    rank_state.load_optimizers(part4, loaded, [view4])
     names = [n for n, _ in model4.named_parameters()]
+    state4 = _views(part4, optimizer4, whole=True).state_dict()["state"]
     return {
         **held,
-        "layout_log": runtime.describe(1),
         "gathered": gathered,
+        "deferred": {n: p.full_tensor().clone() for n, p in model_d.named_parameters()},
         "E4_weights": {n: p.full_tensor().clone() for n, p in model4.named_parameters()},
-        "E4_state": {names[i]: s for i, s in view["state"].items()},
+        "E4_state": {names[i]: s for i, s in state4.items()},
     }
 
 
@@ -208,12 +260,11 @@ def test_fsdp2_shards_experts_over_the_expert_data_group_and_trains_like_one_dev
         assert r["expert_local"] == (1, D, D), "1/2 of the rank's 2 experts"
         assert r["expert_mesh"] == 2, "sharded over the expert-data group"
         assert r["router_local"] == (1, D), "the router over the whole data axis"
-        assert (
-            "the 1 modules holding blocks of experts over the ranks holding the same experts"
-            in r["layout_log"]
-        )
+        assert r["expert_units"] == 1
     for name, value in weights.items():
         torch.testing.assert_close(got[0]["gathered"][name], value, atol=TOL, rtol=0, msg=name)
+    for rank, r in enumerate(got):
+        _check_blocks(r["deferred"], weights, 2, rank, "deferred")
     consolidated = consolidate_checkpoint(tmp_path / "fsdp.ckpt")
     (saved,) = consolidated["optimizer_states"]
     for position, (name, value) in enumerate(weights.items()):
@@ -223,11 +274,36 @@ def test_fsdp2_shards_experts_over_the_expert_data_group_and_trains_like_one_dev
                 saved["state"][position][key], expected, atol=TOL, rtol=0, msg=f"{name} {key}"
             )
     for rank, r in enumerate(got):
-        for name, value in r["E4_weights"].items():
-            expected = weights[name][rank : rank + 1] if name in _expert_shapes() else weights[name]
-            torch.testing.assert_close(value, expected, atol=TOL, rtol=0, msg=f"E=4 rank {rank} {name}")
-            for key, v in state[name].items():
+        _check_blocks(r["E4_weights"], weights, 4, rank, "E=4")
+        for name, entries in state.items():
+            for key, v in entries.items():
                 cut = v[rank : rank + 1] if name in _expert_shapes() and v.dim() > 0 else v
                 torch.testing.assert_close(
                     r["E4_state"][name][key], cut, atol=TOL, rtol=0, msg=f"{name} {key}"
                 )
+
+
+def _check_blocks(
+    held: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], experts: int, rank: int, where: str
+) -> None:
+    """``held`` (a rank's whole values) equal one device's ``weights``, of the experts its block."""
+    local = NUM_EXPERTS // experts
+    first = (rank % experts) * local
+    assert set(held) == set(weights)
+    for name, value in held.items():
+        expected = weights[name][first : first + local] if name in _expert_shapes() else weights[name]
+        torch.testing.assert_close(value, expected, atol=TOL, rtol=0, msg=f"{where} rank {rank} {name}")
+
+
+def test_a_module_holding_experts_and_other_parameters_is_refused() -> None:
+    from lightning_pipe.data_parallel.fully_sharded import ExpertShardingError, expert_modules
+    from lightning_pipe.experts import ExpertShard, mark_expert_shard
+
+    layer = Experts(0, 2)
+    layer.scale = nn.Parameter(torch.ones(D))
+    mark_expert_shard(layer.weight, ExpertShard(NUM_EXPERTS, 0, 2))
+    mark_expert_shard(layer.bias, ExpertShard(NUM_EXPERTS, 0, 2))
+    with pytest.raises(ExpertShardingError, match=r"holds blocks of experts \(\['weight', 'bias'\]\) and "):
+        expert_modules([layer])
+    del layer.scale
+    assert expert_modules([nn.Sequential(layer)]) == [layer]

@@ -31,7 +31,6 @@ from lightning_pipe.execution.compile import compile_layers
 from lightning_pipe.execution.executor import PipelineExecutor
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
-from lightning_pipe.experts.shard import expert_shard
 from lightning_pipe.faults.board import FaultBoard
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
@@ -298,26 +297,16 @@ def options_without_effect(options: RuntimeOptions, layout: ParallelLayout) -> l
 def make_replicas_equal(
     own: Sequence[nn.Module], mesh: ParallelMesh, materialized: frozenset[int], naming: CollectiveNaming
 ) -> None:
-    """Every replica takes the first replica's parameters and buffers of this rank's layers; a
-    block of experts, the first of the ranks holding the same experts (the other expert ranks of
-    the first replica hold other experts)."""
+    """Every replica takes the first replica's parameters and buffers of this rank's layers."""
     c = mesh.coordinates
     src = mesh.layout.rank_of(0, c.pp_rank, c.tp_rank)
     # Materialised tensors are equal on every replica by construction: not sent again.
     # (Sharded parameters are not sent at all: each data-parallel rank holds its own shard.)
     tensors = [t for layer in own for t in (*layer.parameters(), *layer.buffers())]
-    sent = [t for t in tensors if id(t) not in materialized]
-    experts = [t for t in sent if _holds_expert_block(t)]
     with naming("making the replicas' weights equal"):
-        broadcast_parameters([t for t in sent if not _holds_expert_block(t)], mesh.group(MeshAxis.DATA), src)
-        if mesh.layout.expert_parallel_size > 1:  # every rank, even one holding no experts
-            first = mesh.layout.rank_of(mesh.layout.ep_rank(mesh.rank), c.pp_rank, c.tp_rank)
-            broadcast_parameters(experts, mesh.expert_data_group, first)
-
-
-def _holds_expert_block(tensor: torch.Tensor) -> bool:
-    shard = expert_shard(tensor)
-    return shard is not None and shard.local_experts < shard.num_experts
+        broadcast_parameters(
+            [t for t in tensors if id(t) not in materialized], mesh.group(MeshAxis.DATA), src
+        )
 
 
 def batch_norms_mixing(
