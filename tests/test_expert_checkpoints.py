@@ -193,13 +193,19 @@ def _load(dp: int, pp: int, experts: int, path: str) -> dict[str, Any]:
 
 def save_and_load_four(root: str) -> dict[str, Any]:
     """Four ranks: save at dp=2 (E=2) x pp=2; load at E=4 (dp=4) and at dp=1 x pp=4."""
-    from lightning_pipe.checkpoint.full import gather_model_state
+    from lightning_pipe.checkpoint.full import gather_model_state, gather_optimizer_state
 
     path = str(Path(root) / "experts.ckpt")
     runtime, model, optimizer = _runtime(2, 2, 2)
     _train_and_save(runtime, model, optimizer, path)
     gathered = gather_model_state(model, runtime.part.partition, runtime.mesh)
-    return {"E4": _load(4, 1, 4, path), "pp4": _load(1, 4, 1, path), "gathered": gathered}
+    gathered_state = gather_optimizer_state(optimizer, runtime.mesh, model)
+    return {
+        "E4": _load(4, 1, 4, path),
+        "pp4": _load(1, 4, 1, path),
+        "gathered": gathered,
+        "gathered_state": gathered_state,
+    }
 
 
 def load_two(root: str) -> dict[str, Any]:
@@ -273,14 +279,17 @@ def test_expert_checkpoints_move_between_expert_sizes_and_consolidate(tmp_path: 
     assert {n for r in (four0, four1, four2, four3) for n in r["pp4"]["params"]} == set(params)
 
     # The live gather, and consolidation, give every expert by global index; Adam numbered as one device.
+    names = list(build_model().state_dict())
     for name, value in params.items():
         assert torch.equal(four0["gathered"][name], value), name
+        for key, expected in state[name].items():
+            got = four0["gathered_state"]["state"][names.index(name)][key]
+            assert torch.equal(got, expected), f"gathered {name} {key}"
     for source in (saved, tmp_path / "plain.ckpt"):
         consolidated = consolidate_checkpoint(source)
         for name, value in params.items():
             assert torch.equal(consolidated["state_dict"][name], value), f"{source.name}: {name}"
         (optimizer,) = consolidated["optimizer_states"]
-        names = list(build_model().state_dict())
         for position, name in enumerate(names):
             for key, value in state[name].items():
                 assert torch.equal(optimizer["state"][position][key], value), f"{source.name}: {name} {key}"
