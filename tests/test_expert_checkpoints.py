@@ -16,7 +16,8 @@ What this file proves (two launches, of 4 and 2 ranks):
   data parallelism over four stages (dp=1, pp=4), and back at E=2 (dp=2, pp=1).
 * A checkpoint saved without an expert axis (E=1) loads at E=2, each rank cutting its block.
 * Consolidation gives the full tensors (every expert, in order) and the Adam state numbered as one
-  device numbers it; the live single-file gather (``checkpoint/full.py``) gives them too.
+  device numbers it (``python -m lightning_pipe.consolidate`` too, naming the saving layout); the
+  live single-file gather (``checkpoint/full.py``) gives them too.
 * A checkpoint without expert blocks is still written as format version 1 (what every earlier
   release reads); metadata whose expert blocks do not cover the experts is refused as damaged.
 """
@@ -35,6 +36,7 @@ from torch import nn
 
 from lightning_pipe.checkpoint import consolidate_checkpoint
 from lightning_pipe.checkpoint.metadata import METADATA_FILE, CheckpointError
+from lightning_pipe.consolidate import main as consolidate_main
 from tests.checkpoint_files import edit_metadata
 from tests.distributed import run_distributed
 
@@ -233,7 +235,9 @@ def _check(held: dict[str, Any], params: dict[str, torch.Tensor], state: dict[st
 
 
 @pytest.mark.distributed
-def test_expert_checkpoints_move_between_expert_sizes_and_consolidate(tmp_path: Path) -> None:
+def test_expert_checkpoints_move_between_expert_sizes_and_consolidate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     params, state = one_device()
     (four0, four1, four2, four3) = run_distributed(save_and_load_four, 4, str(tmp_path), timeout=180)
     two = run_distributed(load_two, 2, str(tmp_path), timeout=180)
@@ -293,6 +297,12 @@ def test_expert_checkpoints_move_between_expert_sizes_and_consolidate(tmp_path: 
         for position, name in enumerate(names):
             for key, value in state[name].items():
                 assert torch.equal(optimizer["state"][position][key], value), f"{source.name}: {name} {key}"
+
+    # The command line consolidates it too, and says the layout it was saved with.
+    assert consolidate_main([str(saved), str(tmp_path / "model.ckpt")]) == 0
+    assert "saved with dp=2 (ep=2) x pp=2 x tp=1" in capsys.readouterr().out
+    single = torch.load(tmp_path / "model.ckpt", weights_only=True)
+    assert all(torch.equal(single["state_dict"][n], v) for n, v in params.items())
 
     # Metadata whose expert blocks do not cover the experts once each is damaged, said as such.
     damaged = tmp_path / "damaged.ckpt"
