@@ -141,7 +141,7 @@ ALLOWED: dict[str, set[str]] = {
     "execution": {"schedule", "faults", "arguments", "skip"},
     "partition": {"execution", "arguments", "skip"},
     "batches": {"execution", "mesh", "skip"},
-    "data_parallel": {"collectives", "experts"},
+    "data_parallel": {"collectives"},
     "tensor_parallel": {"data_parallel", "collectives", "arguments"},
     "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh", "experts"},
     "construction": {"checkpoint", "tensor_parallel", "experts"},

@@ -165,6 +165,7 @@ def _sharded(experts: int, deferred: bool) -> tuple[Any, Any, nn.Sequential, tor
     from lightning_pipe.checkpoint.rank_state import RankPart
     from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
     from lightning_pipe.experts import expert_gradient_divisor
+    from lightning_pipe.experts.shard import held_block
     from lightning_pipe.mesh import ParallelLayout, init_mesh
     from lightning_pipe.partition.model import partition_model
 
@@ -178,6 +179,7 @@ def _sharded(experts: int, deferred: bool) -> tuple[Any, Any, nn.Sequential, tor
         reshard_after_forward=not deferred,
         expert_mesh=mesh.expert_mesh["expert_data"] if mesh.expert_mesh is not None else None,
         expert_divide_factor=expert_gradient_divisor(4),
+        is_expert=lambda p: held_block(p) is not None,
     )
     own = frozenset(id(p) for p in model.parameters())
     part = RankPart(model, partition, (0,), mesh.layout, mesh.coordinates, own, mesh.rank == 0)
@@ -199,11 +201,17 @@ def _train(sharded: Any, part: Any, optimizer: torch.optim.Optimizer) -> None:
 
 def _views(part: Any, optimizer: torch.optim.Optimizer, whole: bool = False) -> Any:
     from lightning_pipe.data_parallel.sharded_state import ShardedStateView
+    from lightning_pipe.experts.shard import held_block
 
     dp_rank, e = part.coordinates.dp_rank, part.layout.expert_parallel_size
+    blocks = frozenset(id(p) for g in optimizer.param_groups for p in g["params"] if held_block(p))
     # As ParallelRuntime.logical gives it: the writers keep what they write.
     return ShardedStateView(
-        optimizer, keep_whole=whole or dp_rank == 0, to_host=not whole, keep_experts=whole or dp_rank < e
+        optimizer,
+        keep_whole=whole or dp_rank == 0,
+        to_host=not whole,
+        keep_experts=whole or dp_rank < e,
+        experts=blocks,
     )
 
 
@@ -298,12 +306,17 @@ def _check_blocks(
 def test_a_module_holding_experts_and_other_parameters_is_refused() -> None:
     from lightning_pipe.data_parallel.fully_sharded import ExpertShardingError, expert_modules
     from lightning_pipe.experts import ExpertShard, mark_expert_shard
+    from lightning_pipe.experts.shard import held_block
+
+    def is_block(p: torch.Tensor) -> bool:
+        return held_block(p) is not None
 
     layer = Experts(0, 2)
     layer.scale = nn.Parameter(torch.ones(D))
     mark_expert_shard(layer.weight, ExpertShard(NUM_EXPERTS, 0, 2))
     mark_expert_shard(layer.bias, ExpertShard(NUM_EXPERTS, 0, 2))
     with pytest.raises(ExpertShardingError, match=r"holds blocks of experts \(\['weight', 'bias'\]\) and "):
-        expert_modules([layer])
+        expert_modules([layer], is_block)
     del layer.scale
-    assert expert_modules([nn.Sequential(layer)]) == [layer]
+    assert expert_modules([nn.Sequential(layer)], is_block) == [layer]
+    assert expert_modules([layer], None) == []

@@ -28,7 +28,7 @@ from torch import nn
 from lightning_pipe.checkpoint.metadata import CheckpointError, TensorEntry
 from lightning_pipe.checkpoint.optimizer_view import local_groups, whole_groups, whole_model_names
 from lightning_pipe.checkpoint.reader import CheckpointDirectory
-from lightning_pipe.experts.shard import ExpertShard, expert_shard
+from lightning_pipe.experts.shard import held_block
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 
@@ -62,12 +62,9 @@ def writes_key(partition: PipelinePartition, key: str, stages: Stages) -> bool:
     return stage in held if stage is not None else 0 in held
 
 
-def held_experts(param: torch.Tensor | None) -> ExpertShard | None:
-    """The experts ``param`` holds when it holds some of them only (expert parallelism): the
-    block a checkpoint records by global expert index. ``None`` for every other parameter, and for
-    one marked as holding all its experts (no expert axis), which is saved whole."""
-    shard = expert_shard(param) if param is not None else None
-    return shard if shard is not None and shard.local_experts < shard.num_experts else None
+held_experts = held_block
+"""The experts a parameter holds when it holds some of them only: the block a checkpoint records
+by global expert index (a parameter marked as holding all its experts is saved whole)."""
 
 
 def full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:

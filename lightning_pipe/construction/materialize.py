@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.construction.pretrained import WeightFiles
-from lightning_pipe.experts.shard import ExpertShard, expert_shard
+from lightning_pipe.experts.shard import held_block
 from lightning_pipe.tensor_parallel.sources import source_of
 
 _SHOWN = 8
@@ -157,7 +157,7 @@ class _Values:
         """``tensor``'s value from the weight files, cast to its dtype, or ``None``."""
         assert self.weights is not None
         for key in self.keys[id(tensor)]:
-            value = self.weights.get(key, _block_of_experts(tensor))
+            value = self.weights.get(key, held_block(tensor))
             if value is None:
                 continue
             if tuple(value.shape) != tuple(tensor.shape):
@@ -191,7 +191,7 @@ class _Values:
         if self.weights is None:
             return None
         metas = [(attr, t) for attr, t, _ in _direct(module) if t.is_meta]
-        if not metas or any(_block_of_experts(t) is None for _, t in metas):
+        if not metas or any(held_block(t) is None for _, t in metas):
             return None
         values = {}
         for attr, t in metas:
@@ -237,12 +237,6 @@ class _Values:
             values = {attr: t.detach() for attr, t, _ in _direct(built)}
         self._memo[id(module)] = values
         return values
-
-
-def _block_of_experts(tensor: torch.Tensor) -> ExpertShard | None:
-    """The experts ``tensor`` holds when it holds some of them only (expert parallelism)."""
-    shard = expert_shard(tensor)
-    return shard if shard is not None and shard.local_experts < shard.num_experts else None
 
 
 def materialize(

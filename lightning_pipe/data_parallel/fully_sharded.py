@@ -50,7 +50,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_pipe.data_parallel import fsdp_internals
-from lightning_pipe.experts.shard import expert_shard
 
 ApplyLayers = Callable[[Sequence[nn.Module], Any, int], Any]
 """How a stage applies its layers: ``apply(layers, x, stage_index)``."""
@@ -64,21 +63,22 @@ class ExpertShardingError(ValueError):
     """Expert parameters that cannot be sharded over their expert-data group."""
 
 
-def holds_expert_block(param: torch.Tensor) -> bool:
-    """Whether ``param`` holds some of its layer's experts only (expert parallelism)."""
-    shard = expert_shard(param)
-    return shard is not None and shard.local_experts < shard.num_experts
+IsExpertBlock = Callable[[torch.Tensor], bool]
+"""Whether a parameter holds a block of experts (the caller reads the mark:
+:func:`lightning_pipe.experts.shard.held_block`; this package imports nothing of ``experts``)."""
 
 
-def expert_modules(layers: Sequence[nn.Module]) -> list[nn.Module]:
+def expert_modules(layers: Sequence[nn.Module], is_expert: IsExpertBlock | None) -> list[nn.Module]:
     """The modules of ``layers`` that hold blocks of experts as their own parameters: each is
     sharded over the expert-data group. One that holds other parameters too is refused (FSDP
     shards a module's parameters over one group)."""
+    if is_expert is None:
+        return []
     found = []
     for layer in layers:
         for name, sub in layer.named_modules():
             own = dict(sub.named_parameters(recurse=False))
-            experts = [n for n, p in own.items() if holds_expert_block(p)]
+            experts = [n for n, p in own.items() if is_expert(p)]
             if not experts:
                 continue
             others = sorted(set(own) - set(experts))
@@ -168,6 +168,7 @@ class FullyShardedStages:
             experts are sharded (``None``: no expert axis; blocks of experts are then refused).
         expert_divide_factor: what those modules' summed gradients are divided by
             (:func:`~lightning_pipe.experts.reduction.expert_gradient_divisor`).
+        is_expert: which parameters hold a block of experts (``None``: none).
     """
 
     def __init__(
@@ -180,8 +181,10 @@ class FullyShardedStages:
         param_dtype: torch.dtype | None = None,
         expert_mesh: DeviceMesh | None = None,
         expert_divide_factor: float | None = None,
+        is_expert: IsExpertBlock | None = None,
     ) -> None:
         self.mesh = mesh
+        self._is_expert = is_expert
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
@@ -246,7 +249,7 @@ class FullyShardedStages:
     ) -> None:
         """Each module of ``group`` holding blocks of experts: its own unit over ``expert_mesh``
         (before the layer's unit, which then leaves its parameters to it)."""
-        modules = expert_modules(group)
+        modules = expert_modules(group, self._is_expert)
         if not modules:
             return
         if expert_mesh is None or self.replicate_size > 1:
@@ -280,7 +283,7 @@ class FullyShardedStages:
         """
         for group in groups:
             # The layers' unit and the units of their experts inside it (each gathers its own).
-            units = [_fsdp(group[0]), *(_fsdp(m) for m in expert_modules(group))]
+            units = [_fsdp(group[0]), *(_fsdp(m) for m in expert_modules(group, self._is_expert))]
             for unit in units:
                 unit.unshard()
             gathered = {id(p): p for m in group for p in m.parameters()}

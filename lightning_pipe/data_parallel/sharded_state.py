@@ -16,8 +16,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_pipe.experts.shard import expert_shard
-
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's elements of ``tensor`` (its shard, for a DTensor)."""
@@ -65,8 +63,9 @@ class ShardedStateView:
             its stage's whole optimizer state.
         to_host: move each gathered value to the host at once (a checkpoint directory's writer:
             the stage's whole state never sits on the device).
-        keep_experts: ``keep_whole`` for the state of parameters holding blocks of experts (whose
-            writers are the first expert group, not the first replica); ``None``: ``keep_whole``.
+        keep_experts: ``keep_whole`` for the state of the parameters in ``experts`` (``id()`` of
+            those holding blocks of experts, whose writers are the first expert group, not the
+            first replica); ``None``: ``keep_whole``.
     """
 
     def __init__(
@@ -75,8 +74,10 @@ class ShardedStateView:
         keep_whole: bool = True,
         to_host: bool = False,
         keep_experts: bool | None = None,
+        experts: frozenset[int] = frozenset(),
     ) -> None:
         self._optimizer = optimizer
+        self._experts = experts
         self._keep_whole = keep_whole
         self._keep_experts = keep_whole if keep_experts is None else keep_experts
         self._to_host = to_host
@@ -87,9 +88,8 @@ class ShardedStateView:
         return self._optimizer.param_groups
 
     def _whole(self, value: Any, param: torch.Tensor) -> Any:
-        shard = expert_shard(param)
-        experts = shard is not None and shard.local_experts < shard.num_experts
-        return gather_whole(value, self._keep_experts if experts else self._keep_whole, self._to_host)
+        keep = self._keep_experts if id(param) in self._experts else self._keep_whole
+        return gather_whole(value, keep, self._to_host)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state, gathered once per view (a save reads it more than once)."""

@@ -27,6 +27,7 @@ from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer, ShardedOptimizer, ShardingError
 from lightning_pipe.data_parallel.sharded_state import ShardedStateView, local
+from lightning_pipe.experts.shard import held_block
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
@@ -155,8 +156,11 @@ class Gradients:
             # Blocks of experts are written by the first expert group (every block once).
             experts = whole_everywhere or dp_rank < self.mesh.layout.expert_parallel_size
             # A single-file gather goes on over the tensor group (on NCCL, device tensors only).
+            blocks = frozenset(
+                id(p) for g in optimizer.param_groups for p in g["params"] if held_block(p) is not None
+            )
             return ShardedStateView(
-                optimizer, keep_whole=keep, to_host=not whole_everywhere, keep_experts=experts
+                optimizer, keep_whole=keep, to_host=not whole_everywhere, keep_experts=experts, experts=blocks
             )
         return optimizer
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from lightning_pipe.data_parallel.fully_sharded import ExpertShardingError, FullyShardedStages
 from lightning_pipe.execution.layers import apply_layers
 from lightning_pipe.experts.reduction import expert_gradient_divisor
+from lightning_pipe.experts.shard import held_block
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import ParallelMesh, check_replicate_size, data_parallel_mesh
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
@@ -99,6 +100,7 @@ def shard_parameters(
                 param_dtype=options.param_dtype,
                 expert_mesh=expert_mesh,
                 expert_divide_factor=expert_gradient_divisor(dp),
+                is_expert=lambda p: held_block(p) is not None,
             )
         except ExpertShardingError as err:
             raise ConfigurationError(str(err)) from None
