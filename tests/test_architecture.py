@@ -157,8 +157,8 @@ ALLOWED: dict[str, set[str]] = {
     "batches": {"execution", "mesh", "skip"},
     "data_parallel": {"collectives"},
     "tensor_parallel": {"data_parallel", "collectives", "arguments"},
-    "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh"},
-    "construction": {"checkpoint", "tensor_parallel"},
+    "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh", "experts"},
+    "construction": {"checkpoint", "tensor_parallel", "experts"},
 }
 _ENGINE = set(ALLOWED)
 ALLOWED["runtime"] = _ENGINE

@@ -1,8 +1,9 @@
 """The whole model's (and optimizer's) state on global rank 0, for single-file checkpoints.
 
 Used with ``PipeTPStrategy(save_distributed_checkpoint=False)`` and by tests: each stage's tensor
-ranks all-gather their shards into full tensors, then the first replica's tensor-rank-0 ranks send
-their stage's entries to rank 0 with one ``gather_object``. Rank 0 briefly holds the whole model,
+ranks all-gather their shards into full tensors (and each expert group its experts, by global expert
+index), then the first replica's tensor-rank-0 ranks send their stage's entries to rank 0 with one
+``gather_object``. Rank 0 briefly holds the whole model,
 which is what the sharded format avoids; the result is an ordinary Lightning checkpoint.
 """
 
@@ -14,20 +15,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.checkpoint.metadata import CheckpointError
 from lightning_pipe.checkpoint.optimizer_view import local_to_whole, whole_groups
-from lightning_pipe.checkpoint.state import parameter_names, writes_key
+from lightning_pipe.checkpoint.state import held_experts, parameter_names, writes_key
 from lightning_pipe.data_parallel.sharded_state import full
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.tensor_parallel.layers import gather_slices, tensor_parallel_dim
 
 
-def unshard(value: Any, param: torch.Tensor | None, group: dist.ProcessGroup) -> Any:
-    """Collective over ``group``: the full tensor for a value shaped like a shard of ``param``."""
-    dim = tensor_parallel_dim(param) if param is not None else None
-    if dim is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:  # type: ignore[union-attr]
+def unshard(
+    value: Any, param: torch.Tensor | None, group: dist.ProcessGroup, experts: dist.ProcessGroup | None = None
+) -> Any:
+    """Collective over ``group``: the full tensor for a value shaped like a shard of ``param``;
+    of a parameter holding a block of experts, collective over its expert group ``experts`` (whose
+    ranks hold the blocks in global expert order) too."""
+    if param is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:
         return value
-    return gather_slices(value.detach(), dim, group)
+    value = value.detach()
+    dim = tensor_parallel_dim(param)
+    if dim is not None:
+        value = gather_slices(value, dim, group)
+    held = held_experts(param)
+    if held is not None:
+        if experts is None or held.first_expert != dist.get_rank(experts) * held.local_experts:
+            raise CheckpointError(
+                f"A parameter holds experts {held.first_expert}-{held.first_expert + held.local_experts - 1} "
+                f"of {held.num_experts}, which are not this rank's block of its expert group; the experts "
+                "must be split in global order over the expert group (ep_rank e holds the e-th block)."
+            )
+        value = gather_slices(value, held.dim, experts)
+    return value
 
 
 def to_cpu(value: Any) -> Any:
@@ -57,10 +75,10 @@ def gather_model_state(module: nn.Module, partition: PipelinePartition, mesh: Pa
     stages = partition.stages_of_rank(mesh.coordinates.pp_rank, mesh.layout.pipeline_parallel_size)
     current = module.state_dict(keep_vars=True)
     group = mesh.group(MeshAxis.TENSOR)
-    # Every tensor rank of a stage gathers the same keys in the same order.
+    # Every tensor (and expert) rank of a stage gathers the same keys in the same order.
     # A parameter sharded over the data axis (shard_parameters) is gathered whole first.
     own = {
-        k: unshard(full(v), v if isinstance(v, torch.Tensor) else None, group)
+        k: unshard(full(v), v if isinstance(v, torch.Tensor) else None, group, mesh.expert_group)
         for k, v in current.items()
         if writes_key(partition, k, stages)
     }
@@ -79,7 +97,7 @@ def gather_optimizer_state(
     whole = local_to_whole(optimizer, module, parameter_names(optimizer, module))
     group = mesh.group(MeshAxis.TENSOR)
     full = {
-        whole[index]: {k: unshard(v, params[index], group) for k, v in entry.items()}
+        whole[index]: {k: unshard(v, params[index], group, mesh.expert_group) for k, v in entry.items()}
         for index, entry in sorted(state["state"].items())
     }
     merged = _gather_to_rank0(full, mesh, {})

@@ -3,9 +3,10 @@
 A checkpoint is a dictionary as Lightning writes one: ``state_dict`` (the model),
 ``optimizer_states`` (one per optimizer) and anything else (loop counters, schedulers, a training
 script's own state). Here ``state_dict`` and each optimizer's ``state`` hold *this rank's* part,
-keyed by the unsharded model's names; :func:`write` makes every rank of the first replica write its
-file into one directory, and :func:`read` gives each rank back its own entries, already cut for
-the current layout, whatever layout wrote them (:mod:`lightning_pipe.checkpoint`).
+keyed by the unsharded model's names; :func:`write` makes every rank of the first replica (the first
+expert group, under expert parallelism) write its file into one directory, and :func:`read` gives
+each rank back its own entries, already cut for the current layout, whatever layout wrote them
+(:mod:`lightning_pipe.checkpoint`).
 
 What a rank holds reaches this module as a small value, :class:`RankPart`, and optimizers as the
 views checkpoints see (a ZeRO-1 optimizer's unsharded view): the checkpoint code knows nothing of
@@ -23,7 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.checkpoint.metadata import CheckpointError, CheckpointMetadata, part_file_name
+from lightning_pipe.checkpoint.metadata import (
+    EXPERT_LAYOUT_KEY,
+    CheckpointError,
+    CheckpointMetadata,
+    part_file_name,
+)
 from lightning_pipe.checkpoint.optimizer_view import local_groups, local_to_whole
 from lightning_pipe.checkpoint.reader import CheckpointDirectory
 from lightning_pipe.checkpoint.state import (
@@ -39,6 +45,7 @@ from lightning_pipe.checkpoint.state import (
     parameter_names,
     slice_for,
     slice_optimizer_state,
+    writes_value,
 )
 from lightning_pipe.checkpoint.writer import PartFile, write_checkpoint_directory
 from lightning_pipe.data_parallel.sharded_state import gather_whole, shard_like
@@ -65,24 +72,46 @@ class RankPart:
     is_writer: bool
     """Whether this rank writes the metadata and the rest of the checkpoint (global rank 0)."""
 
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert group (0 without an expert axis)."""
+        return self.coordinates.dp_rank % self.layout.expert_parallel_size
+
+    @property
+    def writes_part(self) -> bool:
+        """Whether this rank writes a part file: the ranks of the first replica, which under expert
+        parallelism is the first expert group (the data ranks ``0 .. E-1``, whose experts together
+        are every expert)."""
+        return self.coordinates.dp_rank < self.layout.expert_parallel_size
+
 
 def model_state(part: RankPart) -> dict[str, Any]:
     """This rank's part of the model state, keyed by the unsharded model's names.
 
     Collective over the data axis under ``shard_parameters``: each parameter is gathered whole
-    from its shards, one at a time, and kept, on the host, by the first replica only (which
-    writes it).
+    from its shards, one at a time, and kept, on the host, by the rank that writes it only (the
+    first replica; of an expert parameter, the first expert group).
     """
-    state = model_part(part.module, part.partition, part.stages, part.coordinates.tp_rank)
-    keep = part.coordinates.dp_rank == 0
-    # On the host at once: the writer never holds its whole stage on the device.
-    return {k: gather_whole(v, keep, to_host=True) for k, v in state.items()}
+    c = part.coordinates
+    # Every expert rank takes part in every gather (what ep_rank 0 writes), then keeps its own.
+    state = model_part(part.module, part.partition, part.stages, c.tp_rank)
+    params = part.module.state_dict(keep_vars=True)
+    out = {}
+    for key, value in state.items():
+        param = params[key] if isinstance(params.get(key), torch.Tensor) else None
+        writes = part.writes_part and writes_value(value, param, c.tp_rank, part.ep_rank)
+        # On the host at once: the writer never holds its whole stage on the device.
+        gathered = gather_whole(value, writes, to_host=True)
+        if writes:
+            out[key] = gathered
+    return out
 
 
 def optimizer_state(part: RankPart, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's part of ``optimizer``'s state (the view checkpoints see), keyed by parameter
     name, with its groups."""
-    return optimizer_part(optimizer, part.module, part.partition, part.stages, part.coordinates.tp_rank)
+    c = part.coordinates
+    return optimizer_part(optimizer, part.module, part.partition, part.stages, c.tp_rank, part.ep_rank)
 
 
 def write(part: RankPart, path: str | Path, checkpoint: dict[str, Any]) -> None:
@@ -94,9 +123,9 @@ def write(part: RankPart, path: str | Path, checkpoint: dict[str, Any]) -> None:
     checkpoint = dict(checkpoint)
     model = checkpoint.pop("state_dict")
     optimizers = checkpoint.pop("optimizer_states", None)
-    file = part_file_name(c.pp_rank, c.tp_rank)
+    file = part_file_name(c.pp_rank, c.tp_rank, part.ep_rank)
     mine = None
-    if c.dp_rank == 0:  # the other replicas hold the same values
+    if part.writes_part:  # the other replicas hold the same values
         mine = PartFile(
             file,
             {"model": model, "optimizers": [o["state"] for o in optimizers or []]},
@@ -110,6 +139,7 @@ def write(part: RankPart, path: str | Path, checkpoint: dict[str, Any]) -> None:
             "data_parallel_size": layout.data_parallel_size,
             "pipeline_parallel_size": layout.pipeline_parallel_size,
             "tensor_parallel_size": tp,
+            EXPERT_LAYOUT_KEY: layout.expert_parallel_size,
         },
         layer_names=list(part.partition.layer_names),
         balance=list(part.partition.balance),

@@ -1,10 +1,11 @@
 """Read values out of a sharded checkpoint, whole, whatever layout wrote it.
 
 :class:`CheckpointDirectory` returns each value as the full (unsharded) tensor: the shards listed by
-its record, concatenated along the saved ``tp_dim``. Callers then cut the slice their own layout
-needs. Shard files are opened once each with ``mmap=True``, so a rank that needs a few of a file's
-tensors reads those pages, not the file, and always with ``weights_only=True``: a shard file holds
-nothing but tensors, strings and numbers.
+its record, concatenated along the saved ``tp_dim`` (or, for a value split by experts, its expert
+blocks along ``expert_dim``, or only the blocks holding the experts asked for). Callers then cut the
+slice their own layout needs. Shard files are opened once each with ``mmap=True``, so a rank that
+needs a few of a file's tensors reads those pages, not the file, and always with
+``weights_only=True``: a shard file holds nothing but tensors, strings and numbers.
 
 Every read is checked (:mod:`~lightning_pipe.checkpoint.integrity`): each value's bytes against
 the CRC32 its record holds, each opened file's pickle against its zip entry's CRC32, and a file
@@ -107,7 +108,31 @@ class CheckpointDirectory:
                 f"loading it would give other values than were saved. {_EARLIER}"
             )
 
-    def _read(self, record: TensorEntry, where: tuple[str, ...], what: str) -> Any:
+    def _blocks(self, record: TensorEntry, what: str) -> list[tuple[int, int]]:
+        """The expert blocks of a value split by experts, checked: one per file, in order, covering
+        the experts of its shape without a gap or an overlap."""
+        dim, blocks, shape = record.expert_dim, list(record.experts or ()), record.shape
+        if shape is None or dim is None or not 0 <= dim < len(shape):
+            raise CheckpointError(
+                f"The metadata of {self.path} splits {what} by experts along dim {dim} of a value of "
+                f"shape {shape}; the checkpoint is damaged. {_EARLIER}"
+            )
+        starts = [0] + [first + count for first, count in blocks[:-1]]
+        if (
+            len(blocks) != len(record.files)
+            or [first for first, _ in blocks] != starts
+            or sum(count for _, count in blocks) != shape[dim]
+        ):
+            raise CheckpointError(
+                f"The metadata of {self.path} places the experts {blocks} of {what} in {len(record.files)} "
+                f"files, which do not cover its {shape[dim]} experts once each; the checkpoint is damaged. "
+                f"{_EARLIER}"
+            )
+        return blocks
+
+    def _read(
+        self, record: TensorEntry, where: tuple[str, ...], what: str, experts: range | None = None
+    ) -> Any:
         if not record.files:
             raise CheckpointError(
                 f"The metadata of {self.path} names no shard file for {what}; the checkpoint is damaged. "
@@ -118,8 +143,18 @@ class CheckpointDirectory:
                 f"The metadata of {self.path} records {len(record.crc32)} checksums for {what}, which it "
                 f"places in {len(record.files)} files; the checkpoint is damaged. {_EARLIER}"
             )
+        indices = range(len(record.files))
+        blocks: list[tuple[int, int]] = []
+        if record.expert_dim is not None:
+            blocks = self._blocks(record, what)
+            if experts is not None:  # the files holding the wanted experts only
+                indices = range(0)
+                wanted = [i for i, (f, n) in enumerate(blocks) if f < experts.stop and experts.start < f + n]
+                if wanted:
+                    indices = range(wanted[0], wanted[-1] + 1)
         parts = []
-        for index, name in enumerate(record.files):
+        for index in indices:
+            name = record.files[index]
             node: Any = self._file(name)
             try:
                 for step in where:
@@ -131,6 +166,8 @@ class CheckpointDirectory:
                 ) from None
             self._check_bytes(record, index, name, node, what)
             parts.append(node)
+        if record.expert_dim is not None:
+            return self._experts_of(record, parts, blocks, indices, experts, what)
         value = parts[0] if record.tp_dim is None else torch.cat(parts, dim=record.tp_dim)
         if record.shape is not None and (
             not isinstance(value, torch.Tensor) or tuple(value.shape) != record.shape
@@ -142,11 +179,44 @@ class CheckpointDirectory:
             )
         return value
 
+    def _experts_of(
+        self,
+        record: TensorEntry,
+        parts: list[Any],
+        blocks: list[tuple[int, int]],
+        indices: range,
+        experts: range | None,
+        what: str,
+    ) -> torch.Tensor:
+        """The experts ``experts`` (all: ``None``) of a value split by experts, from the ``parts``
+        read from the files ``indices`` of its record, each checked against its block."""
+        dim, shape = record.expert_dim, record.shape
+        assert dim is not None and shape is not None  # checked by _blocks
+        for index, part in zip(indices, parts, strict=True):
+            expected = (*shape[:dim], blocks[index][1], *shape[dim + 1 :])
+            if not isinstance(part, torch.Tensor) or tuple(part.shape) != expected:
+                got = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
+                raise CheckpointError(
+                    f"The experts {list(blocks[index])} of {what} in {self.path / record.files[index]} are "
+                    f"{got}, but the metadata records {expected}; the checkpoint is damaged. {_EARLIER}"
+                )
+        if experts is None:
+            return torch.cat(parts, dim=dim)
+        if not parts or not (0 <= experts.start < experts.stop <= shape[dim]):
+            raise CheckpointError(
+                f"{what} in {self.path} holds {shape[dim]} experts; the experts [{experts.start}, "
+                f"{experts.stop}) were asked for. Build the model it was saved from."
+            )
+        first = blocks[indices[0]][0]
+        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        return value.narrow(dim, experts.start - first, len(experts))
+
     def check_complete(self) -> None:
         """Raise unless the metadata and the shard files describe the same values, and every shard
         file the saving layout wrote is there.
 
-        Each rank of the first replica wrote one file (``shard-pp{p}-tp{t}.pt``); every model and
+        Each rank of the first replica wrote one file (``shard-pp{p}-tp{t}.pt``, and
+        ``shard-pp{p}-tp{t}-ep{e}.pt`` under expert parallelism); every model and
         optimizer entry in a file must be recorded, with that file, in the metadata, and every
         file a record names must hold the entry. A metadata file that lost an entry would otherwise
         give a checkpoint without that tensor, or, when resuming, look like a checkpoint of another
@@ -155,9 +225,10 @@ class CheckpointDirectory:
         """
         layout = self.metadata.layout
         expected = [
-            part_file_name(p, t)
+            part_file_name(p, t, e)
             for p in range(layout["pipeline_parallel_size"])
             for t in range(layout["tensor_parallel_size"])
+            for e in range(self.metadata.expert_parallel_size)
         ]
         absent = [f for f in expected if not (self.path / f).is_file()]
         if absent:
@@ -201,17 +272,22 @@ class CheckpointDirectory:
                 "keys.)"
             )
 
-    def model_value(self, key: str) -> Any:
-        """The full saved value of the model's state-dict entry ``key``."""
-        return self._read(self.metadata.model[key], ("model", key), f"the model entry {key!r}")
+    def model_value(self, key: str, experts: range | None = None) -> Any:
+        """The full saved value of the model's state-dict entry ``key``; of a value split by
+        experts, only the global ``experts`` given (read from the files that hold them)."""
+        return self._read(self.metadata.model[key], ("model", key), f"the model entry {key!r}", experts)
 
-    def optimizer_value(self, index: int, param_name: str, state_key: str) -> Any:
-        """The full saved ``state_key`` entry of optimizer ``index`` for parameter ``param_name``."""
+    def optimizer_value(
+        self, index: int, param_name: str, state_key: str, experts: range | None = None
+    ) -> Any:
+        """The full saved ``state_key`` entry of optimizer ``index`` for parameter ``param_name``
+        (only the global ``experts`` given, as :meth:`model_value`)."""
         record = self.metadata.optimizers[index][param_name][state_key]
         return self._read(
             record,
             ("optimizers", index, param_name, state_key),  # type: ignore[arg-type]
             f"optimizer {index}'s {state_key!r} for {param_name!r}",
+            experts,
         )
 
     def lightning_state(self, weights_only: bool | None = True) -> dict[str, Any]:

@@ -3,14 +3,18 @@
 Saving: a rank writes the state-dict keys of its pipeline stage (the module's keys outside every
 pipeline layer go with stage 0, unless they alias a layer's tensor), its own slice of each
 tensor-parallel parameter and, on tensor rank 0 only, the replicated ones; only the first
-data-parallel replica writes. The optimizer state of a parameter is written by the stage that
+data-parallel replica writes. Under expert parallelism the first replica is the first expert group:
+each of its ranks writes its block of every parameter marked with an
+:class:`~lightning_pipe.experts.shard.ExpertShard` (recorded by global expert index), and the rest
+only from ``ep_rank`` 0. The optimizer state of a parameter is written by the stage that
 writes the parameter itself (for a tied parameter, the stage of its first name), keyed by parameter
 name rather than by position.
 
 Loading: a rank takes the keys its stage holds in the *current* layout, asks the reader for each
-full value and cuts the slice its tensor rank needs. The same cutting serves plain single-file
-checkpoints, which hold full tensors already. Every mismatch (a missing or unexpected key, a shape,
-an optimizer whose parameters differ) is reported before anything is loaded.
+full value (of an expert parameter, the experts it holds) and cuts the slice its tensor rank needs.
+The same cutting serves plain single-file checkpoints, which hold full tensors already. Every
+mismatch (a missing or unexpected key, a shape, an optimizer whose parameters differ) is reported
+before anything is loaded.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from lightning_pipe.checkpoint.metadata import CheckpointError, TensorEntry
 from lightning_pipe.checkpoint.optimizer_view import local_groups, whole_groups, whole_model_names
 from lightning_pipe.checkpoint.reader import CheckpointDirectory
+from lightning_pipe.experts.shard import held_block
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 
@@ -57,44 +62,70 @@ def writes_key(partition: PipelinePartition, key: str, stages: Stages) -> bool:
     return stage in held if stage is not None else 0 in held
 
 
+held_experts = held_block
+"""The experts a parameter holds when it holds some of them only: the block a checkpoint records
+by global expert index (a parameter marked as holding all its experts is saved whole)."""
+
+
 def full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
-    """The unsharded shape of a (possibly tensor-parallel) parameter."""
+    """The unsharded shape of a (possibly tensor-parallel, or expert-parallel) parameter."""
     shape = list(param.shape)
     dim = tensor_parallel_dim(param)
     if dim is not None:
         shape[dim] *= tp
+    experts = held_experts(param)
+    if experts is not None:
+        shape[experts.dim] = experts.num_experts
     return tuple(shape)
 
 
 def slice_for(value: Any, param: torch.Tensor | None, tp: int, tp_rank: int) -> Any:
-    """This tensor rank's copy of a saved full ``value`` of (or shaped like) ``param``.
+    """This tensor rank's copy of a saved full ``value`` of (or shaped like) ``param``: its slice
+    along the tensor-parallel dim, and its block of experts along the expert dim (a value that
+    holds that block only, as a reader gives it, is kept).
 
     Always a fresh tensor: values read from a memory-mapped shard file must not stay backed by it.
     """
     if not isinstance(value, torch.Tensor):
         return value
-    dim = tensor_parallel_dim(param) if param is not None else None
-    # A value not shaped like its parameter (Adam's 0-dim ``step``) is the same on every tensor rank.
-    if dim is None or param is None or value.dim() != param.dim() or value.shape == param.shape:
+    # A value not shaped like its parameter (Adam's 0-dim ``step``) is the same on every rank.
+    if param is None or value.dim() != param.dim() or value.shape == param.shape:
         return value.detach().clone()
-    return value.chunk(tp, dim)[tp_rank].clone()
+    experts = held_experts(param)
+    if experts is not None and value.shape[experts.dim] == experts.num_experts:
+        value = value.narrow(experts.dim, experts.first_expert, experts.local_experts)
+    dim = tensor_parallel_dim(param)
+    if dim is not None and value.shape != param.shape:
+        value = value.chunk(tp, dim)[tp_rank]
+    return value.detach().clone()
 
 
 def _record(
     value: Any, param: torch.Tensor | None, tp: int, tp_rank: int, file: str
 ) -> tuple[TensorEntry, int]:
+    """Where ``value`` (of, or shaped like, ``param``) goes in ``file``, and this rank's position
+    among the value's files (its tensor rank, or its first expert)."""
     if not isinstance(value, torch.Tensor):
         return TensorEntry(files=(file,)), 0
+    dtype = str(value.dtype).removeprefix("torch.")
+    shaped = param is not None and value.shape == param.shape
+    experts = held_experts(param) if shaped else None
+    if experts is not None:
+        assert param is not None
+        shape = list(value.shape)
+        shape[experts.dim] = experts.num_experts
+        block = (experts.first_expert, experts.local_experts)
+        entry = TensorEntry((file,), tuple(shape), dtype, expert_dim=experts.dim, experts=(block,))
+        return entry, experts.first_expert
     dim = tensor_parallel_dim(param) if param is not None else None
-    sharded = dim is not None and param is not None and value.shape == param.shape
+    sharded = dim is not None and shaped
     shape = list(value.shape)
     if sharded:
         shape[dim] *= tp  # type: ignore[index]
     return (
-        TensorEntry(files=(file,), shape=tuple(shape), dtype=str(value.dtype).removeprefix("torch."),
-                     tp_dim=dim if sharded else None),
+        TensorEntry(files=(file,), shape=tuple(shape), dtype=dtype, tp_dim=dim if sharded else None),
         tp_rank if sharded else 0,
-    )  # fmt: skip
+    )
 
 
 def _is_sharded(value: Any, param: torch.Tensor) -> bool:
@@ -105,18 +136,49 @@ def _is_sharded(value: Any, param: torch.Tensor) -> bool:
     )
 
 
+def _is_expert_block(value: Any, param: torch.Tensor) -> bool:
+    return held_experts(param) is not None and isinstance(value, torch.Tensor) and value.shape == param.shape
+
+
+def writes_value(value: Any, param: torch.Tensor | None, tp_rank: int, ep_rank: int) -> bool:
+    """Whether the rank at ``tp_rank`` and ``ep_rank`` (of the first replica) saves ``value`` (of,
+    or shaped like, ``param``): every tensor rank its slice, every expert rank its block of experts;
+    what is the same on several of them, the first of them."""
+    if param is None:
+        return tp_rank == 0 and ep_rank == 0
+    return (tp_rank == 0 or _is_sharded(value, param)) and (ep_rank == 0 or _is_expert_block(value, param))
+
+
+def check_expert_parameter(param: torch.Tensor, name: str) -> None:
+    """Refuse a parameter split both by tensor ranks and by experts: a checkpoint records one
+    split per value."""
+    experts = held_experts(param)
+    if experts is not None and tensor_parallel_dim(param) is not None:
+        raise CheckpointError(
+            f"The parameter {name!r} holds experts {experts.first_expert}-"
+            f"{experts.first_expert + experts.local_experts - 1} of {experts.num_experts} and is also a "
+            f"tensor-parallel slice (dim {tensor_parallel_dim(param)}); pipe_tp checkpoints record one "
+            "split per value. Keep the experts whole inside a tensor-parallel group (leave them out of "
+            "the tensor-parallel plan)."
+        )
+
+
 # ---------------------------------------------------------------------------------------- saving
 def model_part(
-    module: nn.Module, partition: PipelinePartition, stages: Stages, tp_rank: int
+    module: nn.Module, partition: PipelinePartition, stages: Stages, tp_rank: int, ep_rank: int = 0
 ) -> dict[str, Any]:
-    """The model state this rank saves: its stage's keys, split ones always, replicated on tp 0."""
+    """The model state this rank saves: its stage's keys, split ones always, replicated on tp 0
+    (and, under expert parallelism, its experts always, the rest on ``ep_rank`` 0: what ``ep_rank``
+    0 saves is a superset of what any expert rank of the same tensor rank saves)."""
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
         if not writes_key(partition, key, stages):
             continue
-        if tp_rank != 0 and not (isinstance(value, torch.Tensor) and tensor_parallel_dim(value) is not None):
-            continue
-        out[key] = value.detach() if isinstance(value, torch.Tensor) else value
+        param = value if isinstance(value, torch.Tensor) else None
+        if param is not None:
+            check_expert_parameter(param, key)
+        if writes_value(value, param, tp_rank, ep_rank):
+            out[key] = value.detach() if isinstance(value, torch.Tensor) else value
     return out
 
 
@@ -147,6 +209,7 @@ def optimizer_part(
     partition: PipelinePartition,
     stages: Stages,
     tp_rank: int,
+    ep_rank: int = 0,
 ) -> dict[str, Any]:
     """This rank's part of the optimizer state, keyed by parameter name, with the param groups."""
     saved = optimizer.state_dict()
@@ -158,7 +221,8 @@ def optimizer_part(
         if not writes_key(partition, name, stages):
             continue
         check_cuttable(entry, param, name)
-        kept = {k: v for k, v in entry.items() if tp_rank == 0 or _is_sharded(v, param)}
+        check_expert_parameter(param, name)
+        kept = {k: v for k, v in entry.items() if writes_value(v, param, tp_rank, ep_rank)}
         if kept:
             state[name] = kept
     # Groups numbered over the whole model, as one device numbers them: every rank (and one
@@ -169,21 +233,22 @@ def optimizer_part(
 
 
 def check_cuttable(entry: Mapping[str, Any], param: torch.Tensor, name: str) -> None:
-    """Refuse state of a tensor-parallel parameter that is neither shaped like it nor a scalar.
+    """Refuse state of a tensor-parallel (or expert-parallel) parameter that is neither shaped like
+    it nor a scalar.
 
-    Such state (Adafactor's row and column factors) differs between tensor ranks in a way the
-    checkpoint cannot describe: saving only tensor rank 0's copy would silently give every tensor
+    Such state (Adafactor's row and column factors) differs between tensor (or expert) ranks in a
+    way the checkpoint cannot describe: saving only the first rank's copy would silently give every
     rank that copy on load.
     """
-    if tensor_parallel_dim(param) is None:
+    if tensor_parallel_dim(param) is None and held_experts(param) is None:
         return
     for key, value in entry.items():
         if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != param.shape:
             raise CheckpointError(
-                f"The optimizer state {key!r} of the tensor-parallel parameter {name!r} has shape "
+                f"The optimizer state {key!r} of the tensor- or expert-parallel parameter {name!r} has shape "
                 f"{list(value.shape)}, neither the parameter's {list(param.shape)} nor a scalar, so a "
                 "checkpoint cannot cut it for another layout. Use an optimizer whose state is shaped "
-                "like its parameters (SGD, Adam, AdamW...) for the tensor-parallel layers."
+                "like its parameters (SGD, Adam, AdamW...) for the tensor- and expert-parallel layers."
             )
 
 
@@ -273,11 +338,25 @@ def load_model_part(
     check_shapes({k: r.shape for k, r in saved.items()}, current, tp, f"The checkpoint {reader.path}")
     return {
         key: slice_for(
-            reader.model_value(key), value if isinstance(value, torch.Tensor) else None, tp, tp_rank
+            reader.model_value(key, _experts_to_read(reader.metadata.model[key], value)),
+            value if isinstance(value, torch.Tensor) else None,
+            tp,
+            tp_rank,
         )
         for key, value in current.items()
         if key in saved and holds_key(partition, key, stages)
     }
+
+
+def _experts_to_read(record: TensorEntry, param: Any) -> range | None:
+    """The experts of ``record``'s value that the rank holding ``param`` needs, when the value is
+    saved in expert blocks along the dim ``param`` holds its experts along (``None``: all of it)."""
+    experts = held_experts(param) if isinstance(param, torch.Tensor) else None
+    if experts is None or record.expert_dim != experts.dim or record.shape is None:
+        return None
+    if record.shape[experts.dim] != experts.num_experts:
+        return None  # another model: the shape check says so
+    return experts.experts
 
 
 def load_optimizer_part(
@@ -317,7 +396,10 @@ def load_optimizer_part(
     state = {}
     for i, (name, param) in enumerate(zip(names, params, strict=True)):
         if id(param) in owned and name in records:
-            state[i] = {k: reader.optimizer_value(index, name, k) for k in records[name]}
+            state[i] = {
+                k: reader.optimizer_value(index, name, k, _experts_to_read(r, param))
+                for k, r in records[name].items()
+            }
     return {"state": slice_optimizer_state(state, params, owned, tp, tp_rank), "param_groups": groups}
 
 

@@ -61,8 +61,8 @@ class PartFile:
     """What one writing rank saves: its file's payload and where each value of it belongs.
 
     ``parts`` holds, for each record, this rank's position among the record's files (its tensor
-    rank for a split value, 0 otherwise), so that rank 0 can merge the records of all ranks into
-    one file list per value.
+    rank for a value split by tensor ranks, its first expert for one split by experts, 0
+    otherwise), so that rank 0 can merge the records of all ranks into one file list per value.
     """
 
     file_name: str
@@ -141,6 +141,10 @@ def _merge(
             tp_dim=first.tp_dim,
             # One per file, or none: a piece without one (not a tensor) leaves the value unchecked.
             crc32=None if any(c is None for c in checksums) else tuple(c for cs in checksums for c in cs),  # type: ignore[union-attr]
+            expert_dim=first.expert_dim,
+            experts=None
+            if first.expert_dim is None
+            else tuple(block for _, r in pieces for block in r.experts or ()),
         )
     return merged
 

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.construction.pretrained import WeightFiles
+from lightning_pipe.experts.shard import held_block
 from lightning_pipe.tensor_parallel.sources import source_of
 
 _SHOWN = 8
@@ -156,7 +157,7 @@ class _Values:
         """``tensor``'s value from the weight files, cast to its dtype, or ``None``."""
         assert self.weights is not None
         for key in self.keys[id(tensor)]:
-            value = self.weights.get(key)
+            value = self.weights.get(key, held_block(tensor))
             if value is None:
                 continue
             if tuple(value.shape) != tuple(tensor.shape):
@@ -182,6 +183,24 @@ class _Values:
         values.update(loaded)
         return values
 
+    def _expert_blocks(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The values of a module cut to a block of experts (every tensor it holds marked with
+        its :class:`~lightning_pipe.experts.shard.ExpertShard`), each read as that block from the
+        weight files; ``None`` when a tensor is not such a block or the files lack one (the full
+        layer is then made and cut, as any cut module's)."""
+        if self.weights is None:
+            return None
+        metas = [(attr, t) for attr, t, _ in _direct(module) if t.is_meta]
+        if not metas or any(held_block(t) is None for _, t in metas):
+            return None
+        values = {}
+        for attr, t in metas:
+            value = self._read(t)
+            if value is None:
+                return None
+            values[attr] = value
+        return values
+
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """The initial value of ``tensor`` (on the CPU)."""
         name, holder, attr = self.owners[id(tensor)]
@@ -195,7 +214,10 @@ class _Values:
         if id(module) in self._memo:
             return self._memo[id(module)]
         source = source_of(module)
-        if source is None or not any(t.is_meta for _, t, _ in _direct(source[0])):
+        blocks = self._expert_blocks(module) if source is not None else None
+        if blocks is not None:
+            values = blocks  # the files hold this rank's experts: read those, not the full layer
+        elif source is None or not any(t.is_meta for _, t, _ in _direct(source[0])):
             values = self._loaded_or_initialised(module, name)
         else:
             # The full layer's values (each full tensor from its own owner), then the same cut.

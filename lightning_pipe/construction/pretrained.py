@@ -4,7 +4,9 @@ A model built on the meta device starts from pretrained weights when
 :func:`~lightning_pipe.construction.materialize.materialize` is given a :class:`WeightFiles`: every
 tensor the rank materialises is looked up by its state-dict key and read on its own, so a rank
 reads its stage's tensors and no others (for a tensor-parallel slice, the full tensor is read
-and cut, one tensor at a time). This is weights only, not a resume: no optimizer or loop state.
+and cut, one tensor at a time; for a parameter holding a block of a mixture-of-experts layer's
+stacked experts, marked with an :class:`~lightning_pipe.experts.shard.ExpertShard`, that block
+only). This is weights only, not a resume: no optimizer or loop state.
 
 Formats, told apart by what ``path`` is:
 
@@ -36,6 +38,7 @@ import torch
 
 from lightning_pipe.checkpoint.metadata import CheckpointError, is_checkpoint_directory
 from lightning_pipe.checkpoint.reader import CheckpointDirectory
+from lightning_pipe.experts.shard import ExpertShard
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -148,26 +151,52 @@ class WeightFiles:
         key = key[len(self.prefix) :]
         return key if key in self._keys else None
 
-    def get(self, key: str) -> torch.Tensor | None:
-        """The full tensor for the module's state-dict ``key`` (``None`` when the files lack it)."""
+    def get(self, key: str, experts: ExpertShard | None = None) -> torch.Tensor | None:
+        """The full tensor for the module's state-dict ``key`` (``None`` when the files lack it);
+        with ``experts``, only that block of experts along its dim, read alone where the format
+        allows it (a safetensors slice, a sharded checkpoint's files holding those experts), so a
+        rank reads ``1/E`` of a mixture-of-experts layer's stacked experts. A stored value whose
+        expert dim is not ``experts.num_experts`` long is returned whole (the caller names the
+        shape that does not fit)."""
         found = self.file_key(key)
         if found is None:
             return None
         if self._sharded is not None:
+            record = self._sharded.metadata.model[found]
+            fits = experts is not None and record.shape is not None and _fits(record.shape, experts)
+            if fits and record.expert_dim == experts.dim:  # type: ignore[union-attr]
+                return self._tensor(self._sharded.model_value(found, experts.experts), found)  # type: ignore[union-attr]
             value = self._sharded.model_value(found)
         elif self._state is not None:
             value = self._state[found]
         else:
             name = self._where[found]
             try:
-                value = self._open(name).get_tensor(found)
+                handle = self._open(name)
+                if experts is not None and _fits(tuple(handle.get_slice(found).get_shape()), experts):
+                    block = slice(experts.first_expert, experts.first_expert + experts.local_experts)
+                    return self._tensor(
+                        handle.get_slice(found)[(slice(None),) * experts.dim + (block,)], found
+                    )
+                value = handle.get_tensor(found)
             except CheckpointError:
                 raise
             except Exception as err:
                 raise _damaged(self.directory / name, err, f"safetensors (reading {found!r})") from err
+        value = self._tensor(value, found)
+        if experts is not None and _fits(tuple(value.shape), experts):
+            return value.narrow(experts.dim, experts.first_expert, experts.local_experts)
+        return value
+
+    def _tensor(self, value: Any, found: str) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"The entry {found!r} of {self.path} is not a tensor.")
         return value
 
     def __repr__(self) -> str:
         return f"WeightFiles({str(self.path)!r}, prefix={self.prefix!r})"
+
+
+def _fits(shape: tuple[int, ...], experts: ExpertShard) -> bool:
+    """Whether a stored value of ``shape`` holds every expert along ``experts.dim``."""
+    return len(shape) > experts.dim and shape[experts.dim] == experts.num_experts

@@ -28,6 +28,12 @@ only decides where its units go and when they gather and reduce, which is what a
 
 * **Mixed precision**: FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` (parameters
   gathered in ``param_dtype``, gradients reduced in float32).
+* **Experts** (expert parallelism): each module that holds a block of experts (parameters marked
+  with an :class:`~lightning_pipe.experts.shard.ExpertShard`) is an FSDP unit of its own, inside
+  its layer's, sharded over the *expert-data* group (the ranks holding the same experts) instead
+  of the whole data axis, as torchtitan shards a mixture-of-experts layer's experts. Its gradients
+  are divided by the whole data axis's size, not the group's
+  (:func:`~lightning_pipe.experts.reduction.expert_gradient_divisor`).
 
 How checkpoints see the sharded state (whole, and cut back on load) is :mod:`.sharded_state`.
 """
@@ -48,8 +54,44 @@ from lightning_pipe.data_parallel import fsdp_internals
 ApplyLayers = Callable[[Sequence[nn.Module], Any, int], Any]
 """How a stage applies its layers: ``apply(layers, x, stage_index)``."""
 
-_COPIED_ATTRIBUTES = ("tensor_parallel_dim",)
-"""Attributes of our parameters (a tensor-parallel slice's dim) that FSDP's new ones must keep."""
+_COPIED_ATTRIBUTES = ("tensor_parallel_dim", "expert_shard")
+"""Attributes of our parameters (a tensor-parallel slice's dim, the experts a parameter holds)
+that FSDP's new ones must keep."""
+
+
+class ExpertShardingError(ValueError):
+    """Expert parameters that cannot be sharded over their expert-data group."""
+
+
+IsExpertBlock = Callable[[torch.Tensor], bool]
+"""Whether a parameter holds a block of experts (the caller reads the mark:
+:func:`lightning_pipe.experts.shard.held_block`; this package imports nothing of ``experts``)."""
+
+
+def expert_modules(layers: Sequence[nn.Module], is_expert: IsExpertBlock | None) -> list[nn.Module]:
+    """The modules of ``layers`` that hold blocks of experts as their own parameters: each is
+    sharded over the expert-data group. One that holds other parameters too is refused (FSDP
+    shards a module's parameters over one group)."""
+    if is_expert is None:
+        return []
+    found = []
+    for layer in layers:
+        for name, sub in layer.named_modules():
+            own = dict(sub.named_parameters(recurse=False))
+            experts = [n for n, p in own.items() if is_expert(p)]
+            if not experts:
+                continue
+            others = sorted(set(own) - set(experts))
+            if others:
+                raise ExpertShardingError(
+                    f"The module {name or type(sub).__name__!r} holds blocks of experts ({experts}) and "
+                    f"parameters every expert rank holds whole ({others}): shard_parameters=True shards "
+                    "a module's parameters over one group, the experts' over the ranks holding the same "
+                    "experts. Keep the experts in a module of their own (as Hugging Face's "
+                    "`mlp.experts` does), or shard_parameters=False."
+                )
+            found.append(sub)
+    return found
 
 
 class StageRoot(nn.Module):
@@ -122,6 +164,11 @@ class FullyShardedStages:
             ``True``: FSDP's ordinary per-backward behaviour.
         param_dtype: the dtype parameters are gathered and computed in (``None``: their own);
             gradients are then reduced in float32.
+        expert_mesh: the expert-data group as a 1-D mesh, over which the modules holding blocks of
+            experts are sharded (``None``: no expert axis; blocks of experts are then refused).
+        expert_divide_factor: what those modules' summed gradients are divided by
+            (:func:`~lightning_pipe.experts.reduction.expert_gradient_divisor`).
+        is_expert: which parameters hold a block of experts (``None``: none).
     """
 
     def __init__(
@@ -132,8 +179,12 @@ class FullyShardedStages:
         *,
         reshard_after_forward: bool,
         param_dtype: torch.dtype | None = None,
+        expert_mesh: DeviceMesh | None = None,
+        expert_divide_factor: float | None = None,
+        is_expert: IsExpertBlock | None = None,
     ) -> None:
         self.mesh = mesh
+        self._is_expert = is_expert
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
@@ -142,6 +193,8 @@ class FullyShardedStages:
             param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype is not None else None
         )
         self.roots: dict[int, StageRoot] = {}
+        self.expert_units = 0
+        """Modules holding blocks of experts, each an FSDP unit over the expert-data group."""
         unsharded: dict[int, nn.Parameter] = {}
         groups: list[list[nn.Module]] = []
         self._attributes: _Attributes = []
@@ -155,6 +208,7 @@ class FullyShardedStages:
                     continue  # nothing to shard (no parameters, or scalars only)
                 self._attributes += _attributes(group)
                 groups.append(group)
+                self._shard_experts(group, expert_mesh, expert_divide_factor, policy)
                 fully_shard(
                     group if len(group) > 1 else group[0],
                     mesh=mesh,
@@ -186,6 +240,36 @@ class FullyShardedStages:
         """Whether a window began and has not reduced yet."""
         self._track_use(groups)
 
+    def _shard_experts(
+        self,
+        group: list[nn.Module],
+        expert_mesh: DeviceMesh | None,
+        divide_factor: float | None,
+        policy: MixedPrecisionPolicy,
+    ) -> None:
+        """Each module of ``group`` holding blocks of experts: its own unit over ``expert_mesh``
+        (before the layer's unit, which then leaves its parameters to it)."""
+        modules = expert_modules(group, self._is_expert)
+        if not modules:
+            return
+        if expert_mesh is None or self.replicate_size > 1:
+            why = "HSDP (data_parallel_replicate_size > 1)" if expert_mesh is not None else "no expert axis"
+            raise ExpertShardingError(
+                f"{type(modules[0]).__name__} holds blocks of experts, which shard_parameters=True shards "
+                f"over the ranks holding the same experts; with {why} there is no such group. Use "
+                "expert_parallel_size > 1 with data_parallel_replicate_size=1, or shard_parameters=False."
+            )
+        for module in modules:
+            fully_shard(
+                module, mesh=expert_mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy
+            )
+            if divide_factor is not None:
+                unit = _fsdp(module)
+                unit.set_gradient_divide_factor(divide_factor)
+                # A sum, then a division: gloo has no pre-multiplied sum (NCCL's, one kernel less).
+                unit.set_force_sum_reduction_for_comms(True)
+        self.expert_units += len(modules)
+
     def _track_use(self, groups: list[list[nn.Module]]) -> None:
         """Mark which parameters receive a gradient in a window, for :meth:`drop_unused`.
 
@@ -198,10 +282,13 @@ class FullyShardedStages:
         ``backward`` too) marks it used. They are reached by gathering each unit once, here.
         """
         for group in groups:
-            unit = _fsdp(group[0])
-            unit.unshard()
+            # The layers' unit and the units of their experts inside it (each gathers its own).
+            units = [_fsdp(group[0]), *(_fsdp(m) for m in expert_modules(group, self._is_expert))]
+            for unit in units:
+                unit.unshard()
             gathered = {id(p): p for m in group for p in m.parameters()}
-            unit.reshard()
+            for unit in units:
+                unit.reshard()
             shards = {id(p): p for m in group for p in m.parameters()}
             for whole, shard in zip(gathered.values(), shards.values(), strict=True):
                 if shard.requires_grad:

@@ -63,13 +63,23 @@ class ShardedStateView:
             its stage's whole optimizer state.
         to_host: move each gathered value to the host at once (a checkpoint directory's writer:
             the stage's whole state never sits on the device).
+        keep_experts: ``keep_whole`` for the state of the parameters in ``experts`` (``id()`` of
+            those holding blocks of experts, whose writers are the first expert group, not the
+            first replica); ``None``: ``keep_whole``.
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, keep_whole: bool = True, to_host: bool = False
+        self,
+        optimizer: torch.optim.Optimizer,
+        keep_whole: bool = True,
+        to_host: bool = False,
+        keep_experts: bool | None = None,
+        experts: frozenset[int] = frozenset(),
     ) -> None:
         self._optimizer = optimizer
+        self._experts = experts
         self._keep_whole = keep_whole
+        self._keep_experts = keep_whole if keep_experts is None else keep_experts
         self._to_host = to_host
         self._saved: dict[str, Any] | None = None
 
@@ -77,14 +87,18 @@ class ShardedStateView:
     def param_groups(self) -> list[dict[str, Any]]:
         return self._optimizer.param_groups
 
-    def _whole(self, value: Any) -> Any:
-        return gather_whole(value, self._keep_whole, self._to_host)
+    def _whole(self, value: Any, param: torch.Tensor) -> Any:
+        keep = self._keep_experts if id(param) in self._experts else self._keep_whole
+        return gather_whole(value, keep, self._to_host)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole state, gathered once per view (a save reads it more than once)."""
         if self._saved is None:
             saved = self._optimizer.state_dict()
-            state = {i: {k: self._whole(v) for k, v in e.items()} for i, e in saved["state"].items()}
+            params = [p for group in self.param_groups for p in group["params"]]
+            state = {
+                i: {k: self._whole(v, params[i]) for k, v in e.items()} for i, e in saved["state"].items()
+            }
             self._saved = {"state": state, "param_groups": saved["param_groups"]}
         return self._saved
 

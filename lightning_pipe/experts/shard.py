@@ -68,3 +68,11 @@ def expert_shard(param: torch.Tensor) -> ExpertShard | None:
     whole (routers, shared experts, everything outside the experts)."""
     shard = getattr(param, _ATTRIBUTE, None)
     return shard if isinstance(shard, ExpertShard) else None
+
+
+def held_block(param: torch.Tensor | None) -> ExpertShard | None:
+    """The experts ``param`` holds when it holds some of them only (expert parallelism): a block
+    that checkpoints save by global expert index and FSDP2 shards over the expert-data group.
+    ``None`` for every other parameter, and for one marked as holding all its experts."""
+    shard = expert_shard(param) if param is not None else None
+    return shard if shard is not None and shard.local_experts < shard.num_experts else None

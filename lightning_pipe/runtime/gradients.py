@@ -27,7 +27,7 @@ from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer, ShardedOptimizer, ShardingError
 from lightning_pipe.data_parallel.sharded_state import ShardedStateView, local
-from lightning_pipe.experts.shard import expert_shard
+from lightning_pipe.experts.shard import expert_shard, held_block
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
@@ -166,9 +166,17 @@ class Gradients:
         if sharded is not None:
             return LogicalOptimizer(sharded)
         if self.fully_sharded is not None:
-            keep = whole_everywhere or self.mesh.coordinates.dp_rank == 0
+            dp_rank = self.mesh.coordinates.dp_rank
+            keep = whole_everywhere or dp_rank == 0
+            # Blocks of experts are written by the first expert group (every block once).
+            experts = whole_everywhere or dp_rank < self.mesh.layout.expert_parallel_size
             # A single-file gather goes on over the tensor group (on NCCL, device tensors only).
-            return ShardedStateView(optimizer, keep_whole=keep, to_host=not whole_everywhere)
+            blocks = frozenset(
+                id(p) for g in optimizer.param_groups for p in g["params"] if held_block(p) is not None
+            )
+            return ShardedStateView(
+                optimizer, keep_whole=keep, to_host=not whole_everywhere, keep_experts=experts, experts=blocks
+            )
         return optimizer
 
     def wait_for_parameters(self) -> None:

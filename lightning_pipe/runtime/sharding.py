@@ -15,8 +15,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
+from lightning_pipe.data_parallel.fully_sharded import ExpertShardingError, FullyShardedStages
 from lightning_pipe.execution.layers import apply_layers
+from lightning_pipe.experts.reduction import expert_gradient_divisor
+from lightning_pipe.experts.shard import held_block
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import ParallelMesh, check_replicate_size, data_parallel_mesh
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
@@ -86,14 +88,22 @@ def shard_parameters(
         )
     stages = {s: [layers[i] for i in partition.layer_range(s)] for s in stage_indices}
     data_mesh = data_parallel_mesh(mesh, replicate)  # collective when replicate > 1
+    # Blocks of experts: over the ranks holding the same experts (mesh.py), divided by the data axis.
+    expert_mesh = mesh.expert_mesh["expert_data"] if mesh.expert_mesh is not None else None
     with naming("sharding the parameters over the data-parallel group (FSDP2)"):
-        sharded = FullyShardedStages(
-            stages,
-            data_mesh,
-            apply_layers,
-            reshard_after_forward=options.resolved_reshard_after_forward(pp),
-            param_dtype=options.param_dtype,
-        )
+        try:
+            sharded = FullyShardedStages(
+                stages,
+                data_mesh,
+                apply_layers,
+                reshard_after_forward=options.resolved_reshard_after_forward(pp),
+                param_dtype=options.param_dtype,
+                expert_mesh=expert_mesh,
+                expert_divide_factor=expert_gradient_divisor(dp),
+                is_expert=lambda p: held_block(p) is not None,
+            )
+        except ExpertShardingError as err:
+            raise ConfigurationError(str(err)) from None
     done.fully_sharded = sharded
     return sharded
 
@@ -142,7 +152,13 @@ def describe_sharding(options: RuntimeOptions, dp: int, sharded: FullyShardedSta
         else "each stage gathered once per step, gradients reduce-scattered once per optimizer step"
     )
     dtype = f", gathered in {str(options.param_dtype).removeprefix('torch.')}" if options.param_dtype else ""
+    experts = (
+        f"; the {sharded.expert_units} modules holding blocks of experts over the ranks holding the same "
+        "experts (one unit each)"
+        if sharded.expert_units
+        else ""
+    )
     return (
         f"\n  parameters, gradients and optimizer state sharded over {over} (FSDP2, one unit per "
-        f"pipeline layer): {when}{dtype}"
+        f"pipeline layer): {when}{dtype}{experts}"
     )
