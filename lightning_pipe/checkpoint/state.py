@@ -240,15 +240,19 @@ def check_cuttable(entry: Mapping[str, Any], param: torch.Tensor, name: str) -> 
     way the checkpoint cannot describe: saving only the first rank's copy would silently give every
     rank that copy on load.
     """
-    if tensor_parallel_dim(param) is None and held_experts(param) is None:
+    if tensor_parallel_dim(param) is not None:
+        kind = "tensor-parallel"
+    elif held_experts(param) is not None:
+        kind = "expert-parallel"
+    else:
         return
     for key, value in entry.items():
         if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != param.shape:
             raise CheckpointError(
-                f"The optimizer state {key!r} of the tensor- or expert-parallel parameter {name!r} has shape "
+                f"The optimizer state {key!r} of the {kind} parameter {name!r} has shape "
                 f"{list(value.shape)}, neither the parameter's {list(param.shape)} nor a scalar, so a "
                 "checkpoint cannot cut it for another layout. Use an optimizer whose state is shaped "
-                "like its parameters (SGD, Adam, AdamW...) for the tensor- and expert-parallel layers."
+                f"like its parameters (SGD, Adam, AdamW...) for the {kind} layers."
             )
 
 
