@@ -135,6 +135,7 @@ ALLOWED: dict[str, set[str]] = {
     "collectives": set(),
     "mesh": {"arguments"},
     "experts": set(),
+    "context": set(),
     "faults": set(),
     "schedule": {"arguments"},
     "skip": set(),
@@ -424,6 +425,7 @@ TOP_LEVEL = {
 SUBPACKAGES = (
     "batches",
     "checkpoint",
+    "context",
     "execution",
     "huggingface",
     "mesh",

@@ -1,0 +1,247 @@
+"""Context parallelism's pieces (``lightning_pipe.context``): the load-balanced cut of a sequence,
+and ring attention on real processes (gloo) against full attention on one process.
+
+One launch of two ranks checks, in float64 within 1e-9 and float32 within 1e-5: ring attention's
+output and its query/key/value gradients (causal and not, grouped-query, right- and left-padded)
+equal to one process's full attention cut the same way; and a small hand-written GPT whose
+attention call is the ``ring_attention`` marker, trained three SGD steps at C=2 (each rank's
+blocks seeing half the tokens, gradients summed over the group), equal to one device in loss and
+weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_pipe.context import (
+    ContextParallelError,
+    ContextShard,
+    chunk_indices,
+    context_shard,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)
+from tests.distributed import run_distributed
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, key_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Full attention on one process, written independently of the ring: repeated key/value
+    heads, one softmax over every key; a row with no key to attend to is 0."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    tokens = q.shape[2]
+    allowed = torch.ones(q.shape[0], 1, tokens, tokens, dtype=torch.bool)
+    if causal:
+        allowed = allowed & torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    probs = torch.where(allowed.any(-1, keepdim=True), probs, torch.zeros_like(probs))
+    return probs @ v
+
+
+CASES = [
+    # (name, heads, kv_heads, causal, padding)
+    ("causal", 4, 4, True, None),
+    ("full", 4, 4, False, None),
+    ("gqa", 4, 2, True, None),
+    ("padded-right", 4, 2, True, "right"),
+    ("padded-left", 4, 1, True, "left"),
+]
+
+
+def _inputs(heads: int, kv_heads: int, padding: str | None, dtype: torch.dtype, seed: int) -> tuple[Any, ...]:
+    g = torch.Generator().manual_seed(seed)
+    batch, tokens, dim = 2, 16, 8
+    q = torch.randn(batch, heads, tokens, dim, generator=g, dtype=dtype)
+    k = torch.randn(batch, kv_heads, tokens, dim, generator=g, dtype=dtype)
+    v = torch.randn(batch, kv_heads, tokens, dim, generator=g, dtype=dtype)
+    grad = torch.randn(batch, heads, tokens, dim, generator=g, dtype=dtype)
+    mask = None
+    if padding is not None:
+        mask = torch.ones(batch, tokens, dtype=torch.bool)
+        cut = [tokens, tokens - 5]  # the second sample padded by 5
+        for row, length in enumerate(cut):
+            if padding == "right":
+                mask[row, length:] = False
+            else:
+                mask[row, : tokens - length] = False
+    return q, k, v, grad, mask
+
+
+def _attention_errors(
+    group: dist.ProcessGroup | None, rank: int, size: int, dtype: torch.dtype
+) -> dict[str, float]:
+    """Max difference of output and gradients, this rank's part against the full reference's."""
+    errors = {}
+    for seed, (name, heads, kv_heads, causal, padding) in enumerate(CASES):
+        q, k, v, grad, mask = _inputs(heads, kv_heads, padding, dtype, seed)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        expected = reference_attention(*full, causal, mask)
+        expected.backward(grad)
+        local = [shard_sequence(t, 2, rank, size).requires_grad_() for t in (q, k, v)]
+        positions = chunk_indices(q.shape[2], rank, size)
+        local_mask = None if mask is None else shard_sequence(mask, 1, rank, size)
+        shard = ContextShard(group, positions, local_mask)
+        with context_shard(shard):
+            out = ring_attention(*local, causal=causal)
+        out.backward(shard_sequence(grad, 2, rank, size))
+        pairs = [(out, expected)] + [(t.grad, f.grad) for t, f in zip(local, full, strict=True)]
+        errors[name] = max(
+            float((mine.detach() - shard_sequence(theirs.detach(), 2, rank, size)).abs().max())
+            for mine, theirs in pairs
+        )
+    return errors
+
+
+VOCAB, DIM, HEADS, KV_HEADS, SEQ = 16, 16, 4, 2, 16
+
+
+class _Attention(nn.Module):
+    """Grouped-query attention whose attention call is the ``ring_attention`` marker: the only
+    line a hand-written model changes for context parallelism."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(DIM, DIM)
+        self.kv = nn.Linear(DIM, 2 * KV_HEADS * (DIM // HEADS))
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, HEADS, -1).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, KV_HEADS, -1).permute(2, 0, 3, 1, 4)
+        out = ring_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, s, DIM))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn = _Attention()
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape[1])
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _train(
+    group: dist.ProcessGroup | None, rank: int, size: int, dtype: torch.dtype
+) -> tuple[list[float], Any]:
+    """Three SGD steps of ``_GPT`` on padded batches, the sequence split over ``size`` ranks;
+    labels shifted before the split, the loss a mean over the whole batch's real tokens."""
+    torch.manual_seed(0)
+    model = _GPT().to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        mask = torch.ones(2, SEQ, dtype=torch.bool)
+        mask[1, SEQ - 6 :] = False  # right padding
+        labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1).masked_fill(~mask, -100)
+        count = int((labels != -100).sum())  # the whole batch's, before the split
+        positions = chunk_indices(SEQ, rank, size)
+        local_ids, local_labels = shard_sequence(ids, 1, rank, size), shard_sequence(labels, 1, rank, size)
+        with context_shard(ContextShard(group, positions, shard_sequence(mask, 1, rank, size))):
+            logits = model(local_ids, positions)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum"
+            )
+            loss = loss / count
+            optimizer.zero_grad()
+            loss.backward()
+        if group is not None:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)  # type: ignore[arg-type]
+        losses.append(float(loss.detach() if group is None else _summed(loss, group)))
+        optimizer.step()
+    seen = sorted({n for block in model.blocks for n in block.seen})
+    return losses, ({k: v.detach().clone() for k, v in model.state_dict().items()}, seen)
+
+
+def _summed(loss: torch.Tensor, group: dist.ProcessGroup) -> float:
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return float(total)
+
+
+def _ranks_check() -> dict[str, Any]:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    result: dict[str, Any] = {
+        "float64": _attention_errors(group, rank, size, torch.float64),
+        "float32": _attention_errors(group, rank, size, torch.float32),
+    }
+    for dtype, name in ((torch.float64, "gpt64"), (torch.float32, "gpt32")):
+        losses, (state, seen) = _train(group, rank, size, dtype)
+        ref_losses, (ref_state, ref_seen) = _train(None, 0, 1, dtype)
+        result[name] = {
+            "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+            "weights": max(float((state[k] - ref_state[k]).abs().max()) for k in state),
+            "moved": max(float((ref_state[k] - _GPT().to(dtype).state_dict()[k]).abs().max()) for k in state),
+            "seen": seen,
+            "ref_seen": ref_seen,
+        }
+    return result
+
+
+@pytest.mark.distributed
+def test_ring_attention_and_a_hand_written_gpt_at_c2_equal_one_device() -> None:
+    for result in run_distributed(_ranks_check, 2):
+        for case, error in result["float64"].items():
+            assert error < 1e-9, (case, error)
+        for case, error in result["float32"].items():
+            assert error < 1e-5, (case, error)
+        for name, tolerance in (("gpt64", 1e-9), ("gpt32", 1e-5)):
+            gpt = result[name]
+            assert gpt["loss"] < tolerance and gpt["weights"] < tolerance, (name, gpt)
+            assert gpt["moved"] > 1e-3, gpt  # the steps changed the weights
+            assert gpt["seen"] == [SEQ // 2] and gpt["ref_seen"] == [SEQ], gpt  # 1/C of the tokens
+
+
+def test_ring_attention_on_one_process_is_full_attention() -> None:
+    errors = _attention_errors(None, 0, 1, torch.float64)
+    assert max(errors.values()) < 1e-12, errors
+
+
+def test_the_load_balanced_cut() -> None:
+    assert chunk_indices(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert chunk_indices(8, 1, 2).tolist() == [2, 3, 4, 5]
+    x = torch.arange(24).view(2, 12)
+    parts = [shard_sequence(x, 1, r, 3) for r in range(3)]
+    assert parts[2].tolist()[0] == [4, 5, 6, 7]
+    assert torch.equal(unshard_sequence(parts, 1), x)
+
+
+def test_a_length_not_divisible_by_2c_is_refused_with_the_fix() -> None:
+    with pytest.raises(ContextParallelError, match=r"sequence length is 10, not a multiple of 4.*here 12"):
+        shard_sequence(torch.zeros(2, 10), 1, 0, 2)
