@@ -194,6 +194,61 @@ def _summed(loss: torch.Tensor, group: dist.ProcessGroup) -> float:
     return float(total)
 
 
+def _train_hf(family: str, group: dist.ProcessGroup | None, rank: int, size: int) -> dict[str, Any]:
+    """Three SGD steps of a tiny Hugging Face family on right-padded batches (10 tokens padded to
+    12, a multiple of 2C), with the model's own attention on one device (``group`` None) or ring
+    attention on this rank's chunks: global position ids, labels shifted before the split, the
+    loss a mean over the whole batch's predicted tokens."""
+    from lightning_pipe.huggingface.outputs import IGNORE_INDEX
+    from lightning_pipe.huggingface.ring_attention import use_ring_attention
+    from tests import hf_families
+
+    model = hf_families.build(family, torch.float64)
+    if group is not None:
+        use_ring_attention(model)
+    seen: list[int] = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(args[0].shape[1]), with_kwargs=True
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for batch in hf_families.batches("padded", 3, 3):
+        ids, mask, labels = (
+            F.pad(batch[k], (0, 2), value=v)
+            for k, v in (("input_ids", 0), ("attention_mask", 0), ("labels", IGNORE_INDEX))
+        )
+        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        count = int((shifted != IGNORE_INDEX).sum())
+        positions = chunk_indices(ids.shape[1], rank, size)
+        local = [shard_sequence(t, 1, rank, size) for t in (ids, mask, shifted)]
+        optimizer.zero_grad()
+        with context_shard(ContextShard(group, positions, local[1].bool())):
+            if group is None:
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            else:
+                logits = model(
+                    input_ids=local[0], position_ids=positions.expand(ids.shape[0], -1), use_cache=False
+                ).logits
+            target = shifted if group is None else local[2]
+            loss = (
+                F.cross_entropy(
+                    logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+                / count
+            )
+            loss.backward()
+        if group is not None:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)  # type: ignore[arg-type]
+        losses.append(float(loss.detach()) if group is None else _summed(loss, group))
+        optimizer.step()
+    return {
+        "losses": losses,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "seen": sorted(set(seen)),
+    }
+
+
 def _ranks_check() -> dict[str, Any]:
     rank, size = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
@@ -211,6 +266,16 @@ def _ranks_check() -> dict[str, Any]:
             "seen": seen,
             "ref_seen": ref_seen,
         }
+    for family in ("llama", "mistral"):  # grouped-query attention; a sliding window (5 of 12 tokens)
+        mine, reference = _train_hf(family, group, rank, size), _train_hf(family, None, 0, 1)
+        result[family] = {
+            "loss": max(abs(a - b) for a, b in zip(mine["losses"], reference["losses"], strict=True)),
+            "weights": max(
+                float((mine["state"][k] - reference["state"][k]).abs().max()) for k in mine["state"]
+            ),
+            "seen": mine["seen"],
+            "ref_seen": reference["seen"],
+        }
     return result
 
 
@@ -226,6 +291,10 @@ def test_ring_attention_and_a_hand_written_gpt_at_c2_equal_one_device() -> None:
             assert gpt["loss"] < tolerance and gpt["weights"] < tolerance, (name, gpt)
             assert gpt["moved"] > 1e-3, gpt  # the steps changed the weights
             assert gpt["seen"] == [SEQ // 2] and gpt["ref_seen"] == [SEQ], gpt  # 1/C of the tokens
+        for family in ("llama", "mistral"):
+            hf = result[family]
+            assert hf["loss"] < 1e-9 and hf["weights"] < 1e-9, (family, hf)
+            assert hf["seen"] == [6] and hf["ref_seen"] == [12], (family, hf)
 
 
 def test_ring_attention_on_one_process_is_full_attention() -> None:

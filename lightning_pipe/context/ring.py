@@ -35,6 +35,7 @@ def ring_attention(
     value: torch.Tensor,
     *,
     causal: bool = True,
+    window: int | None = None,
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
@@ -52,6 +53,8 @@ def ring_attention(
         key: ``[batch, kv_heads, tokens, head_dim]``; ``heads`` a multiple of ``kv_heads``.
         value: like ``key``.
         causal: mask each query's later positions.
+        window: a sliding window: a query at position ``i`` attends only to keys at positions
+            ``i - window < j`` (Hugging Face's ``sliding_window``); ``None`` for none.
         scale: the scores' factor (default ``head_dim ** -0.5``).
         key_mask: ``[batch, tokens]``, ``True`` for a real token (default: the shard's, or none).
         positions: ``[tokens]``, the global positions of the tokens (default: the shard's, or
@@ -97,7 +100,7 @@ def ring_attention(
     if key_mask is not None:
         meta[1:] = key_mask.to(query.device, torch.int64)
     factor = head_dim**-0.5 if scale is None else scale
-    out: torch.Tensor = _RingAttention.apply(query, key, value, meta, causal, factor, group)
+    out: torch.Tensor = _RingAttention.apply(query, key, value, meta, causal, window, factor, group)
     return out
 
 
@@ -126,7 +129,13 @@ class _Ring:
 
 
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, q_meta: torch.Tensor, k_meta: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_meta: torch.Tensor,
+    k_meta: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    scale: float,
 ) -> torch.Tensor:
     """Masked scores ``[batch, heads, q_tokens, k_tokens]`` of ``q`` against the block ``k`` (its
     key/value heads already repeated for grouped-query attention)."""
@@ -134,6 +143,8 @@ def _scores(
     allowed = k_meta[1:].bool()[:, None, None, :]
     if causal:
         allowed = allowed & (k_meta[0][None, :] <= q_meta[0][:, None])[None, None]
+    if window is not None:
+        allowed = allowed & (q_meta[0][:, None] - k_meta[0][None, :] < window)[None, None]
     return scores.masked_fill(~allowed, float("-inf"))
 
 
@@ -152,6 +163,7 @@ class _RingAttention(torch.autograd.Function):
         v: torch.Tensor,
         meta: torch.Tensor,
         causal: bool,
+        window: int | None,
         scale: float,
         group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
@@ -165,7 +177,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.start(block) if step < ring.size - 1 else None
             kv, k_meta = block
-            scores = _scores(qc, kv[0].repeat_interleave(repeat, 1), meta, k_meta, causal, scale)
+            scores = _scores(qc, kv[0].repeat_interleave(repeat, 1), meta, k_meta, causal, window, scale)
             new_lse = torch.logaddexp(lse, torch.logsumexp(scores, -1))
             finite = _finite(new_lse)[..., None]
             out = out * torch.exp(lse[..., None] - finite) + torch.exp(scores - finite) @ kv[
@@ -177,7 +189,7 @@ class _RingAttention(torch.autograd.Function):
                 for request in requests:
                     request.wait()
         ctx.save_for_backward(q, k, v, meta, out, lse)
-        ctx.causal, ctx.scale, ctx.group = causal, scale, group
+        ctx.causal, ctx.window, ctx.scale, ctx.group = causal, window, scale, group
         return out.to(q.dtype)
 
     @staticmethod
@@ -196,7 +208,7 @@ class _RingAttention(torch.autograd.Function):
         batch, kv_heads, tokens, head_dim = k.shape
         for step in range(ring.size):
             keys, values = kv[0].repeat_interleave(repeat, 1), kv[1].repeat_interleave(repeat, 1)
-            probs = torch.exp(_scores(qc, keys, meta, k_meta, ctx.causal, ctx.scale) - finite)
+            probs = torch.exp(_scores(qc, keys, meta, k_meta, ctx.causal, ctx.window, ctx.scale) - finite)
             dscores = probs * (do @ values.transpose(-1, -2) - delta)
             dq = dq + (dscores @ keys) * ctx.scale
             dk = (dscores.transpose(-1, -2) @ qc) * ctx.scale
@@ -215,4 +227,4 @@ class _RingAttention(torch.autograd.Function):
                 kv, k_meta, dkv = received
             else:
                 (dkv,) = received
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
