@@ -314,3 +314,21 @@ def test_the_load_balanced_cut() -> None:
 def test_a_length_not_divisible_by_2c_is_refused_with_the_fix() -> None:
     with pytest.raises(ContextParallelError, match=r"sequence length is 10, not a multiple of 4.*here 12"):
         shard_sequence(torch.zeros(2, 10), 1, 0, 2)
+
+
+def test_hugging_face_families_ring_attention_cannot_compute_are_refused_by_name() -> None:
+    from lightning_pipe.huggingface.ring_attention import use_ring_attention
+    from tests import hf_families
+
+    batch = hf_families.padded_batch(2, seed=1)
+    inputs = {"input_ids": batch["input_ids"][:, :8], "position_ids": chunk_indices(8, 0, 1)[None]}
+    gemma2 = hf_families.build("gemma2")
+    use_ring_attention(gemma2)
+    with context_shard(ContextShard(None, chunk_indices(8, 0, 1))):
+        with pytest.raises(ContextParallelError, match="gemma2 soft-caps its attention logits"):
+            gemma2(**inputs)
+    llama = hf_families.build("llama")
+    use_ring_attention(llama)
+    # Outside a shard transformers builds no mask for this implementation: refused, not unmasked.
+    with pytest.raises(ContextParallelError, match=r"runs only inside a context shard.*set_attn_implementation"):
+        llama(**inputs)
