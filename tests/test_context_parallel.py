@@ -330,5 +330,6 @@ def test_hugging_face_families_ring_attention_cannot_compute_are_refused_by_name
     llama = hf_families.build("llama")
     use_ring_attention(llama)
     # Outside a shard transformers builds no mask for this implementation: refused, not unmasked.
-    with pytest.raises(ContextParallelError, match=r"runs only inside a context shard.*set_attn_implementation"):
+    refusal = r"runs only inside a context shard.*set_attn_implementation"
+    with pytest.raises(ContextParallelError, match=refusal):
         llama(**inputs)
