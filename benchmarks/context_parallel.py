@@ -113,7 +113,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     out["step"] = median(times[1:])
     longest, seq = 0, args["seq"]
-    while seq <= args["max_len"]:
+    while args.get("search", True) and seq <= args["max_len"]:
         longer = torch.randint(0, VOCAB, (args["batch"], seq), generator=g)
         if _saved_bytes(model, longer, group, rank, size) > args["limit"]:
             break
@@ -138,7 +138,7 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "sizes", "limit_mib")}
     settings["max_len"] = args.seq * 16
     settings["limit"] = 1 << 62
-    base = launch(worker, 1, {**settings, "steps": 0, "max_len": 0}, timeout=1800)[0]
+    base = launch(worker, 1, {**settings, "steps": 0, "search": False}, timeout=1800)[0]
     settings["limit"] = int(args.limit_mib * 2**20) if args.limit_mib else base["bytes"]
     results = {c: launch(worker, c, settings, timeout=1800) for c in args.sizes}
     rows, payload = [], {}

@@ -32,7 +32,12 @@ from tests.distributed import run_distributed
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, key_mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    key_mask: torch.Tensor | None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Full attention on one process, written independently of the ring: repeated key/value
     heads, one softmax over every key; a row with no key to attend to is 0."""
@@ -44,6 +49,8 @@ def reference_attention(
         allowed = allowed & torch.ones(tokens, tokens, dtype=torch.bool).tril()
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, None, :]
+    if documents is not None:
+        allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     probs = torch.where(allowed.any(-1, keepdim=True), probs, torch.zeros_like(probs))
@@ -57,6 +64,7 @@ CASES = [
     ("gqa", 4, 2, True, None),
     ("padded-right", 4, 2, True, "right"),
     ("padded-left", 4, 1, True, "left"),
+    ("packed", 4, 2, True, "packed"),  # documents of 3, 7 and 6 tokens, across the chunks
 ]
 
 
@@ -68,6 +76,8 @@ def _inputs(heads: int, kv_heads: int, padding: str | None, dtype: torch.dtype, 
     v = torch.randn(batch, kv_heads, tokens, dim, generator=g, dtype=dtype)
     grad = torch.randn(batch, heads, tokens, dim, generator=g, dtype=dtype)
     mask = None
+    if padding == "packed":
+        return q, k, v, grad, torch.tensor([0] * 3 + [1] * 7 + [2] * 6).expand(batch, -1)
     if padding is not None:
         mask = torch.ones(batch, tokens, dtype=torch.bool)
         cut = [tokens, tokens - 5]  # the second sample padded by 5
@@ -87,12 +97,15 @@ def _attention_errors(
     for seed, (name, heads, kv_heads, causal, padding) in enumerate(CASES):
         q, k, v, grad, mask = _inputs(heads, kv_heads, padding, dtype, seed)
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        expected = reference_attention(*full, causal, mask)
+        documents = mask if padding == "packed" else None
+        mask = None if padding == "packed" else mask
+        expected = reference_attention(*full, causal, mask, documents)
         expected.backward(grad)
         local = [shard_sequence(t, 2, rank, size).requires_grad_() for t in (q, k, v)]
         positions = chunk_indices(q.shape[2], rank, size)
         local_mask = None if mask is None else shard_sequence(mask, 1, rank, size)
-        shard = ContextShard(group, positions, local_mask)
+        local_documents = None if documents is None else shard_sequence(documents, 1, rank, size)
+        shard = ContextShard(group, positions, local_mask, local_documents)
         with context_shard(shard):
             out = ring_attention(*local, causal=causal)
         out.backward(shard_sequence(grad, 2, rank, size))
@@ -194,9 +207,16 @@ def _summed(loss: torch.Tensor, group: dist.ProcessGroup) -> float:
     return float(total)
 
 
-def _train_hf(family: str, group: dist.ProcessGroup | None, rank: int, size: int) -> dict[str, Any]:
-    """Three SGD steps of a tiny Hugging Face family on right-padded batches (10 tokens padded to
-    12, a multiple of 2C), with the model's own attention on one device (``group`` None) or ring
+def cut_positions(inputs: dict[str, torch.Tensor], rank: int, size: int) -> torch.Tensor:
+    """A packed batch's own position ids (restarting per document: the rotary tables'), this rank's."""
+    return shard_sequence(inputs["position_ids"], 1, rank, size)
+
+
+def _train_hf(
+    family: str, kind: str, group: dist.ProcessGroup | None, rank: int, size: int
+) -> dict[str, Any]:
+    """Three SGD steps of a tiny Hugging Face family on right-padded or packed batches (10 tokens
+    padded to 12, a multiple of 2C), with the model's own attention on one device (``group`` None) or ring
     attention on this rank's chunks: global position ids, labels shifted before the split, the
     loss a mean over the whole batch's predicted tokens."""
     from lightning_pipe.huggingface.outputs import IGNORE_INDEX
@@ -212,24 +232,31 @@ def _train_hf(family: str, group: dist.ProcessGroup | None, rank: int, size: int
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
-    for batch in hf_families.batches("padded", 3, 3):
-        ids, mask, labels = (
-            F.pad(batch[k], (0, 2), value=v)
-            for k, v in (("input_ids", 0), ("attention_mask", 0), ("labels", IGNORE_INDEX))
-        )
+    for batch in hf_families.batches(kind, 3, 3):
+        # 10 tokens padded to 12: masked padding, or (packed) a last document of 2 tokens.
+        rows = batch["input_ids"].shape[0]
+        ids = F.pad(batch["input_ids"], (0, 2))
+        labels = F.pad(batch["labels"], (0, 2), value=IGNORE_INDEX)
+        if kind == "packed":
+            inputs = {"position_ids": torch.cat([batch["position_ids"], torch.arange(2).expand(rows, 2)], 1)}
+            mask, documents = None, (inputs["position_ids"] == 0).cumsum(1)
+        else:
+            inputs = {"attention_mask": F.pad(batch["attention_mask"], (0, 2))}
+            mask, documents = inputs["attention_mask"].bool(), None
         shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         count = int((shifted != IGNORE_INDEX).sum())
         positions = chunk_indices(ids.shape[1], rank, size)
-        local = [shard_sequence(t, 1, rank, size) for t in (ids, mask, shifted)]
+        cut = [
+            None if t is None else shard_sequence(t, 1, rank, size) for t in (ids, shifted, mask, documents)
+        ]
         optimizer.zero_grad()
-        with context_shard(ContextShard(group, positions, local[1].bool())):
+        with context_shard(ContextShard(group, positions, cut[2], cut[3])):
             if group is None:
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                logits = model(input_ids=ids, **inputs, use_cache=False).logits
             else:
-                logits = model(
-                    input_ids=local[0], position_ids=positions.expand(ids.shape[0], -1), use_cache=False
-                ).logits
-            target = shifted if group is None else local[2]
+                rotary = positions.expand(rows, -1) if kind == "padded" else cut_positions(inputs, rank, size)
+                logits = model(input_ids=cut[0], position_ids=rotary, use_cache=False).logits
+            target = shifted if group is None else cut[1]
             loss = (
                 F.cross_entropy(
                     logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
@@ -266,9 +293,10 @@ def _ranks_check() -> dict[str, Any]:
             "seen": seen,
             "ref_seen": ref_seen,
         }
-    for family in ("llama", "mistral"):  # grouped-query attention; a sliding window (5 of 12 tokens)
-        mine, reference = _train_hf(family, group, rank, size), _train_hf(family, None, 0, 1)
-        result[family] = {
+    # grouped-query attention, padded and packed; a sliding window (5 of 12 tokens)
+    for family, kind in (("llama", "padded"), ("llama", "packed"), ("mistral", "padded")):
+        mine, reference = _train_hf(family, kind, group, rank, size), _train_hf(family, kind, None, 0, 1)
+        result[f"{family}-{kind}"] = {
             "loss": max(abs(a - b) for a, b in zip(mine["losses"], reference["losses"], strict=True)),
             "weights": max(
                 float((mine["state"][k] - reference["state"][k]).abs().max()) for k in mine["state"]
@@ -291,7 +319,7 @@ def test_ring_attention_and_a_hand_written_gpt_at_c2_equal_one_device() -> None:
             assert gpt["loss"] < tolerance and gpt["weights"] < tolerance, (name, gpt)
             assert gpt["moved"] > 1e-3, gpt  # the steps changed the weights
             assert gpt["seen"] == [SEQ // 2] and gpt["ref_seen"] == [SEQ], gpt  # 1/C of the tokens
-        for family in ("llama", "mistral"):
+        for family in ("llama-padded", "llama-packed", "mistral-padded"):
             hf = result[family]
             assert hf["loss"] < 1e-9 and hf["weights"] < 1e-9, (family, hf)
             assert hf["seen"] == [6] and hf["ref_seen"] == [12], (family, hf)

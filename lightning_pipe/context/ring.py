@@ -38,6 +38,7 @@ def ring_attention(
     window: int | None = None,
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
@@ -57,6 +58,9 @@ def ring_attention(
             ``i - window < j`` (Hugging Face's ``sliding_window``); ``None`` for none.
         scale: the scores' factor (default ``head_dim ** -0.5``).
         key_mask: ``[batch, tokens]``, ``True`` for a real token (default: the shard's, or none).
+        documents: ``[batch, tokens]``, the document each token belongs to in packed sequences:
+            a query attends only to keys of its own document (default: the shard's, or one
+            document per row).
         positions: ``[tokens]``, the global positions of the tokens (default: the shard's, or
             ``0..tokens-1``).
         group: the context group (default: the shard's, or none).
@@ -69,6 +73,7 @@ def ring_attention(
         group = shard.group if group is None else group
         positions = shard.positions if positions is None else positions
         key_mask = shard.key_mask if key_mask is None else key_mask
+        documents = shard.documents if documents is None else documents
     batch, heads, tokens, head_dim = query.shape
     if (
         key.shape != value.shape
@@ -95,10 +100,16 @@ def ring_attention(
         raise ValueError(
             f"ring_attention: key_mask must be [{batch}, {tokens}], got {tuple(key_mask.shape)}."
         )
-    meta = torch.ones(1 + batch, tokens, dtype=torch.int64, device=query.device)
+    if documents is not None and documents.shape != (batch, tokens):
+        raise ValueError(
+            f"ring_attention: documents must be [{batch}, {tokens}], got {tuple(documents.shape)}."
+        )
+    # What travels with a key/value block: its tokens' positions, padding mask and documents.
+    meta = torch.zeros(1 + 2 * batch, tokens, dtype=torch.int64, device=query.device)
     meta[0] = positions.to(query.device, torch.int64)
-    if key_mask is not None:
-        meta[1:] = key_mask.to(query.device, torch.int64)
+    meta[1 : 1 + batch] = 1 if key_mask is None else key_mask.to(query.device, torch.int64)
+    if documents is not None:
+        meta[1 + batch :] = documents.to(query.device, torch.int64)
     factor = head_dim**-0.5 if scale is None else scale
     out: torch.Tensor = _RingAttention.apply(query, key, value, meta, causal, window, factor, group)
     return out
@@ -140,7 +151,9 @@ def _scores(
     """Masked scores ``[batch, heads, q_tokens, k_tokens]`` of ``q`` against the block ``k`` (its
     key/value heads already repeated for grouped-query attention)."""
     scores = (q @ k.transpose(-1, -2)) * scale
-    allowed = k_meta[1:].bool()[:, None, None, :]
+    batch = q.shape[0]
+    allowed = k_meta[1 : 1 + batch].bool()[:, None, None, :]
+    allowed = allowed & (q_meta[1 + batch :][:, None, :, None] == k_meta[1 + batch :][:, None, None, :])
     if causal:
         allowed = allowed & (k_meta[0][None, :] <= q_meta[0][:, None])[None, None]
     if window is not None:

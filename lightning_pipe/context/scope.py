@@ -27,11 +27,14 @@ class ContextShard:
             :func:`lightning_pipe.context.chunk_indices`); the causal mask and rotary tables use them.
         key_mask: ``[batch, local tokens]``, ``True`` for a real token and ``False`` for padding
             (of this rank's tokens), or ``None`` when nothing is padded.
+        documents: ``[batch, local tokens]``, the document of each token of packed sequences
+            (a query attends only within its document), or ``None``: one document per row.
     """
 
     group: dist.ProcessGroup | None
     positions: torch.Tensor
     key_mask: torch.Tensor | None = None
+    documents: torch.Tensor | None = None
 
 
 _active: list[ContextShard] = []
