@@ -6,7 +6,7 @@ gradients summed over the group as the data axis would. For each C:
 
 * **activation bytes per rank** for a fixed sequence (``--seq``): the bytes autograd saves for
   the backward in one forward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted
-  once), on rank 0, and their ratio to C = 1;
+  once, the parameters not counted), on rank 0, and their ratio to C = 1;
 * **the longest sequence under a fixed limit**: the limit is C = 1's activation bytes at
   ``--seq`` (``--limit-mib`` to set another); sequences are doubled from ``--seq`` while rank 0's
   saved bytes stay under it (measured, not extrapolated). The ring's transient scores block
@@ -76,10 +76,12 @@ def _loss(model: _GPT, ids: torch.Tensor, group: Any, rank: int, size: int) -> t
 
 def _saved_bytes(model: _GPT, ids: torch.Tensor, group: Any, rank: int, size: int) -> int:
     seen: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # saved, but not activations
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with context_shard(ContextShard(group, chunk_indices(ids.shape[1], rank, size))):
@@ -111,7 +113,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
                 dist.all_reduce(p.grad, group=group)  # type: ignore[arg-type]
         optimizer.step()
         times.append(time.perf_counter() - start)
-    out["step"] = median(times[1:])
+    out["step"] = median(times[1:]) if len(times) > 1 else 0.0
     longest, seq = 0, args["seq"]
     while args.get("search", True) and seq <= args["max_len"]:
         longer = torch.randint(0, VOCAB, (args["batch"], seq), generator=g)
