@@ -186,10 +186,11 @@ class _RingAttention(torch.autograd.Function):
         qc = q.to(dtype)
         out = torch.zeros(q.shape, dtype=dtype, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
-        block = [torch.stack([k, v]).to(dtype), meta]
+        # Blocks travel in the inputs' dtype (half the bytes of bfloat16's float32 compute).
+        block = [torch.stack([k, v]), meta]
         for step in range(ring.size):
             pending = ring.start(block) if step < ring.size - 1 else None
-            kv, k_meta = block
+            kv, k_meta = block[0].to(dtype), block[1]
             scores = _scores(qc, kv[0].repeat_interleave(repeat, 1), meta, k_meta, causal, window, scale)
             new_lse = torch.logaddexp(lse, torch.logsumexp(scores, -1))
             finite = _finite(new_lse)[..., None]
@@ -215,12 +216,12 @@ class _RingAttention(torch.autograd.Function):
         finite = _finite(lse)[..., None]
         delta = (do * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(qc)
-        kv = torch.stack([k, v]).to(dtype)
+        kv = torch.stack([k, v])
         k_meta = meta
-        dkv = torch.zeros_like(kv)
+        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)  # gradients travel in compute dtype
         batch, kv_heads, tokens, head_dim = k.shape
         for step in range(ring.size):
-            keys, values = kv[0].repeat_interleave(repeat, 1), kv[1].repeat_interleave(repeat, 1)
+            keys, values = (kv[i].to(dtype).repeat_interleave(repeat, 1) for i in range(2))
             probs = torch.exp(_scores(qc, keys, meta, k_meta, ctx.causal, ctx.window, ctx.scale) - finite)
             dscores = probs * (do @ values.transpose(-1, -2) - delta)
             dq = dq + (dscores @ keys) * ctx.scale
