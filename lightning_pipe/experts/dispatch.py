@@ -9,7 +9,8 @@ each hold a contiguous block of ``num_experts / E`` experts (:mod:`.shard`), so
    destination rank, then by local expert, tokens in order);
 2. exchanges the counts first (``all_to_all_single`` of ``[E, local experts]`` integers, which
    reach the host: the split sizes of the exchange below; one host synchronisation per
-   mixture-of-experts layer and direction, inherent to a dropless dispatch);
+   mixture-of-experts layer and forward (again in a recomputed forward; the backward reuses
+   the forward's split sizes), inherent to a dropless dispatch);
 3. sends each assignment's hidden state to its expert's rank (``all_to_all_single`` with
    variable splits, an autograd function whose backward is the mirror exchange);
 4. runs the local experts on what arrived (the caller's ``local_experts``, with indices into the

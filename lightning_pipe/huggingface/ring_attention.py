@@ -61,12 +61,13 @@ def ring_attention_forward(
     if softcap is not None:
         raise ContextParallelError(
             f"Context parallelism: {family} soft-caps its attention logits (softcap={softcap}), which ring "
-            "attention does not compute; train this family without context_parallel_size."
+            "attention does not compute; train this family with its own attention: "
+            "model.set_attn_implementation('sdpa')."
         )
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise ContextParallelError(
             f"Context parallelism: {family} has attention sinks, which ring attention does not compute; "
-            "train this family without context_parallel_size."
+            "train this family with its own attention: model.set_attn_implementation('sdpa')."
         )
     if dropout:
         raise ContextParallelError(
