@@ -55,11 +55,9 @@ def _runtime(sizes: tuple[int, int, int], experts: int, **options: Any) -> tuple
         mesh,
         torch.device("cpu"),
         RuntimeOptions(
-            num_microbatches=2,
-            timeout=timedelta(seconds=60),
+            **{"num_microbatches": 2, "timeout": timedelta(seconds=60), **options},
             expert_parallel_size=experts,
             expert_parallel_plan=plan,
-            **options,
         ),
         seed=0,
         hooks=pipeline.hooks(),
@@ -164,3 +162,13 @@ def test_a_checkpoint_saved_with_split_experts_resumes_without_them_and_exports(
     assert failures == [], failures
     # The resumed steps moved the weights (the comparison is not of the saved weights).
     assert _gap(uninterrupted, at_save) > 1e-4
+
+
+@pytest.mark.distributed
+def test_fsdp2_with_split_experts_trains_like_one_process() -> None:
+    got = run_distributed(fsdp_worker, 2, timeout=300, pg_timeout=120)[0]
+    model = build("mixtral")
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = dict(_reference(3, model)[0].state_dict())
+    assert _gap(got, expected) <= 1e-9, _gap(got, expected)
+    assert _gap(expected, start) > 1e-4

@@ -99,4 +99,3 @@ def make_replicas_equal(
         if experts:
             first = mesh.layout.rank_of(mesh.layout.ep_rank(mesh.rank), c.pp_rank, c.tp_rank)
             broadcast_parameters(experts, mesh.expert_data_group, first)
-
