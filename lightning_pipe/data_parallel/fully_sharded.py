@@ -40,6 +40,7 @@ How checkpoints see the sharded state (whole, and cut back on load) is :mod:`.sh
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -263,11 +264,19 @@ class FullyShardedStages:
             fully_shard(
                 module, mesh=expert_mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy
             )
-            if divide_factor is not None:
-                unit = _fsdp(module)
-                unit.set_gradient_divide_factor(divide_factor)
-                # A sum, then a division: gloo has no pre-multiplied sum (NCCL's, one kernel less).
-                unit.set_force_sum_reduction_for_comms(True)
+            if divide_factor is None:
+                continue
+            unit = _fsdp(module)
+            if expert_mesh.size() == 1:
+                # One rank holds these experts (dp == E): FSDP2 skips the reduce-scatter and, with
+                # a divide factor, divides twice (its pre/post factors, then the factor again in
+                # the copy that stands for the collective; torch 2.13). Divide once, here.
+                unit.set_gradient_divide_factor(1.0)
+                unit.set_all_reduce_hook(functools.partial(_divide, factor=divide_factor))
+                continue
+            unit.set_gradient_divide_factor(divide_factor)
+            # A sum, then a division: gloo has no pre-multiplied sum (NCCL's, one kernel less).
+            unit.set_force_sum_reduction_for_comms(True)
         self.expert_units += len(modules)
 
     def _track_use(self, groups: list[list[nn.Module]]) -> None:
@@ -387,6 +396,10 @@ class FullyShardedStages:
     def shard_group(self) -> Any:
         """The process group over which each rank holds different shards (HSDP: the shard axis)."""
         return self.mesh.get_group(self.mesh.ndim - 1)
+
+
+def _divide(gradient: torch.Tensor, factor: float) -> None:
+    gradient.div_(factor)
 
 
 def _reduce_at_backward(root: nn.Module, on: bool) -> None:

@@ -14,7 +14,6 @@ from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.execution.timeline import TimelineRecorder, gather_timeline
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.runtime.batch import BatchResult, Microbatch
-from lightning_pipe.runtime.experts import refuse_expert_checkpoints
 from lightning_pipe.runtime.grad_scaler import AgreedGradScaler
 from lightning_pipe.runtime.gradients import GradientSharding
 from lightning_pipe.runtime.holdings import Holdings
@@ -41,5 +40,4 @@ __all__ = [
     "as_timeout",
     "gather_timeline",
     "preparation_of",
-    "refuse_expert_checkpoints",
 ]

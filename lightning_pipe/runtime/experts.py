@@ -99,15 +99,3 @@ def make_replicas_equal(
         if experts:
             first = mesh.layout.rank_of(mesh.layout.ep_rank(mesh.rank), c.pp_rank, c.tp_rank)
             broadcast_parameters(experts, mesh.expert_data_group, first)
-
-
-def refuse_expert_checkpoints(parameters: Sequence[nn.Parameter], layout: ParallelLayout) -> None:
-    """Checkpoints by global expert index are not written yet: refuse a save or load of a run
-    whose experts are split (each rank's state would hold its block under the full name)."""
-    if any(expert_shard(p) is not None for p in parameters):
-        raise ConfigurationError(
-            f"pipe_tp cannot save or load checkpoints with expert_parallel_size="
-            f"{layout.expert_parallel_size} yet (the experts are split over the expert axis and "
-            "checkpoints do not yet address them by global expert index); train with "
-            "expert_parallel_size=1 where you need checkpoints."
-        )

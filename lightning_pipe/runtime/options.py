@@ -218,7 +218,7 @@ class RuntimeOptions:
         check_count("expert_parallel_size", self.expert_parallel_size)
         if self.expert_parallel_size == 1:
             return
-        for name in ("shard_optimizer_state", "shard_parameters", "sequence_parallel"):
+        for name in ("shard_optimizer_state", "sequence_parallel"):
             if getattr(self, name):
                 raise ValueError(
                     f"expert_parallel_size={self.expert_parallel_size} cannot be combined with {name}=True "

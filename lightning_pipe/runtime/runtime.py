@@ -35,7 +35,6 @@ from lightning_pipe.mesh import ParallelMesh
 from lightning_pipe.partition.model import PipelinePartition
 from lightning_pipe.runtime.batch import BatchResult, Head
 from lightning_pipe.runtime.build import build, own_layers
-from lightning_pipe.runtime.experts import refuse_expert_checkpoints
 from lightning_pipe.runtime.gradients import GradientSharding
 from lightning_pipe.runtime.holdings import Holdings
 from lightning_pipe.runtime.hooks import ModelHooks
@@ -191,7 +190,6 @@ class ParallelRuntime:
     @property
     def part(self) -> rank_state.RankPart:
         """What this rank holds, as checkpoints see it."""
-        refuse_expert_checkpoints(self.parameters, self.mesh.layout)
         return rank_state.RankPart(
             self.module,
             self.partition,

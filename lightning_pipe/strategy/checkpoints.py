@@ -35,7 +35,7 @@ from lightning_pipe.checkpoint.single_file import save_atomically
 from lightning_pipe.checkpoint.state import check_optimizer_cuttable
 from lightning_pipe.faults.board import PeerLostError
 from lightning_pipe.faults.naming import CollectiveNaming
-from lightning_pipe.runtime import ParallelRuntime, refuse_expert_checkpoints
+from lightning_pipe.runtime import ParallelRuntime
 from lightning_pipe.strategy.compat import load_checkpoint_file, optimizers_to_device
 
 _SAVE_JOIN_LIMIT = timedelta(seconds=60)
@@ -74,7 +74,6 @@ def every_rank_saves(naming: CollectiveNaming, rank: int, timeout: timedelta | N
 
 def model_state(runtime: ParallelRuntime, distributed: bool, naming: CollectiveNaming) -> dict[str, Any]:
     """This rank's part of the model (``distributed``), or the whole model on rank 0."""
-    refuse_expert_checkpoints(runtime.parameters, runtime.mesh.layout)
     if not distributed:
         with naming("gathering the whole model for a single-file checkpoint"):
             return gather_model_state(runtime.module, runtime.partition, runtime.mesh)
