@@ -13,7 +13,8 @@ One launch of two gloo processes runs tiny mixtral (float64, its eager experts) 
   tensors and Adam's state equal the reference's after two steps, and two further steps equal the
   uninterrupted run; exported to a Hugging Face directory, ``from_pretrained`` gives those weights;
 * trained three steps at dp=2 x E=2 with ``shard_parameters=True`` (the expert modules their own
-  FSDP units over the expert-data mesh): the weights equal one process's (1e-9).
+  FSDP units over the expert-data mesh) and gradient clipping: the norms and weights equal one
+  process's (1e-9).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tests.hf_families import batches, reference_loss
 from tests.test_huggingface_experts import BATCH, _head, build
 
 LR = 0.01
+CLIP = 0.05
 BEFORE, AFTER = 2, 2
 DATA = batches("padded", BEFORE + AFTER, BATCH)
 
@@ -66,13 +68,20 @@ def _runtime(sizes: tuple[int, int, int], experts: int, **options: Any) -> tuple
     return runtime, model, optimizer, mesh
 
 
-def _steps(runtime: Any, optimizer: Any, mesh: Any, data: list[dict[str, torch.Tensor]]) -> None:
+def _steps(
+    runtime: Any, optimizer: Any, mesh: Any, data: list[dict[str, torch.Tensor]], clip: float | None = None
+) -> list[float]:
+    """Train on ``data``; with ``clip``, clip by the global norm first (the norms returned)."""
     dp, dp_rank = mesh.layout.data_parallel_size, mesh.coordinates.dp_rank
+    norms = []
     for batch in data:
         optimizer.zero_grad()
         runtime.begin_accumulation()
         runtime.train_batch({k: v.chunk(dp)[dp_rank] for k, v in batch.items()}, _head)
+        if clip is not None:
+            norms.append(float(runtime.clip_grad_norm_(clip)))
         optimizer.step()
+    return norms
 
 
 def _whole(runtime: Any, model: nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
@@ -99,20 +108,32 @@ def checkpoint_worker(root: str) -> dict[str, Any]:
     return resumed
 
 
-def fsdp_worker() -> dict[str, torch.Tensor]:
+def fsdp_worker() -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.set_num_threads(1)
     runtime, model, optimizer, mesh = _runtime((2, 1, 1), 2, shard_parameters=True)
-    _steps(runtime, optimizer, mesh, DATA[:3])
-    return _whole(runtime, model, mesh)
+    norms = _steps(runtime, optimizer, mesh, DATA[:3], clip=CLIP)
+    return _whole(runtime, model, mesh), norms
 
 
-def _reference(steps: int, model: nn.Module | None = None, optimizer: Any = None, start: int = 0) -> Any:
-    """One process, whole batches, Adam: the model and optimizer after ``steps`` more steps."""
+def _reference(
+    steps: int,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    start: int = 0,
+    clip: float | None = None,
+    norms: list[float] | None = None,
+) -> Any:
+    """One process, whole batches, Adam: the model and optimizer after ``steps`` more steps (with
+    ``clip``, clipped by the global norm first, the norms appended to ``norms``)."""
     model = model if model is not None else build("mixtral")
     optimizer = optimizer if optimizer is not None else torch.optim.Adam(model.parameters(), lr=LR)
     for batch in DATA[start : start + steps]:
         optimizer.zero_grad()
         reference_loss(model, batch).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
         optimizer.step()
     return model, optimizer
 
@@ -166,9 +187,17 @@ def test_a_checkpoint_saved_with_split_experts_resumes_without_them_and_exports(
 
 @pytest.mark.distributed
 def test_fsdp2_with_split_experts_trains_like_one_process() -> None:
-    got = run_distributed(fsdp_worker, 2, timeout=300, pg_timeout=120)[0]
+    got, norms = run_distributed(fsdp_worker, 2, timeout=300, pg_timeout=120)[0]
     model = build("mixtral")
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    expected = dict(_reference(3, model)[0].state_dict())
+    expected_norms: list[float] = []
+    expected = dict(_reference(3, model, clip=CLIP, norms=expected_norms)[0].state_dict())
+    # Clipping scaled every step, by the norm that counts each expert once (the expert blocks are
+    # FSDP2 shards over the expert-data group: summed over the data axis, not again per group).
+    assert all(n > CLIP for n in expected_norms), expected_norms
+    assert max(abs(a - b) for a, b in zip(norms, expected_norms, strict=True)) <= 1e-9, (
+        norms,
+        expected_norms,
+    )
     assert _gap(got, expected) <= 1e-9, _gap(got, expected)
     assert _gap(expected, start) > 1e-4

@@ -305,8 +305,11 @@ class Gradients:
             else:
                 local_sum += squares
         expert_group = self.mesh.expert_group
-        if expert_group is not None:
-            # Each rank of an expert group holds other experts: each expert counted once.
+        if expert_group is not None and shard_group is None and not self.sharded:
+            # Each rank of an expert group holds other experts: each expert counted once. Sharded
+            # (ZeRO-1 slices, FSDP2 shards over the expert-data group), the sum over the whole data
+            # axis below already meets every expert's pieces once: summing over the expert group
+            # first would count each expert E times.
             with self.naming("summing the experts' gradient norm over the expert group"):
                 dist.all_reduce(expert_sum, op=dist.ReduceOp.SUM, group=expert_group)
         local_sum += expert_sum
