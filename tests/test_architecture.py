@@ -163,7 +163,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 _ENGINE = set(ALLOWED)
 ALLOWED["runtime"] = _ENGINE
-ALLOWED["huggingface"] = {"execution", "tensor_parallel", "runtime", "checkpoint", "context"}
+ALLOWED["huggingface"] = {"execution", "tensor_parallel", "runtime", "checkpoint", "context", "experts"}
 ALLOWED["consolidate"] = {"checkpoint", "mesh", "huggingface"}
 # The adapter drives the runtime through its package's face (ParallelRuntime and the vocabulary of
 # its signatures, test_the_adapter_reaches_the_runtime_through_its_face); beside it, only what the

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from lightning_pipe.experts.apply import ExpertPlanError, check_expert_counts
 from lightning_pipe.huggingface.parts import CausalLMParts, UnsupportedModelError
 from lightning_pipe.tensor_parallel.plan import pattern_regex
 
@@ -62,20 +63,10 @@ def expert_plan(parts: CausalLMParts, prefix: str, expert_parallel_size: int) ->
             f"expert_parallel_size={expert_parallel_size}, but {where} has no mixture-of-experts layer "
             f"(its expert-parallel plan matches no module). Use expert_parallel_size=1 for it."
         )
-    for name in dispatched:
-        count = getattr(names[name], "num_experts", None)
-        if not isinstance(count, int):
-            raise UnsupportedModelError(
-                f"{where}: {name} ({type(names[name]).__name__}) has no integer num_experts, so pipe_tp "
-                "cannot split its experts. Use expert_parallel_size=1."
-            )
-        if count % expert_parallel_size != 0:
-            divisors = [d for d in range(1, count + 1) if count % d == 0]
-            raise UnsupportedModelError(
-                f"expert_parallel_size={expert_parallel_size} does not divide the {count} experts of {name} "
-                f"({where}): each rank of an expert group holds an equal block. Use one of {divisors} "
-                "(that also divides the data-parallel size)."
-            )
+    try:  # the one check of the expert counts, shared with plans given by hand
+        check_expert_counts(model, {f"{base}.{p}": str(st) for p, st in plan.items()}, expert_parallel_size)
+    except ExpertPlanError as err:
+        raise UnsupportedModelError(f"{where}: {err}") from None
     _refuse_dropping(config, where)
     return {f"{prefix}{base}.{p}": str(s) for p, s in plan.items()}
 
