@@ -45,3 +45,8 @@ def check_positive(name: str, value: object, unit: str = "") -> None:
     if isinstance(value, int | float) and not isinstance(value, bool) and value == value and value > 0:
         return
     raise ValueError(f"{name} must be a number > 0{' (' + unit + ')' if unit else ''}, got {value!r}.")
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending: the sizes an error message offers instead."""
+    return [d for d in range(1, n + 1) if n % d == 0]

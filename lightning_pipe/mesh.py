@@ -36,7 +36,7 @@ from typing import Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_pipe.arguments import check_count
+from lightning_pipe.arguments import check_count, divisors
 
 __all__ = [
     "MeshAxis",
@@ -220,7 +220,7 @@ def check_tensor_groups_in_nodes(tensor_parallel_size: int, processes_per_node: 
     tp, per_node = tensor_parallel_size, processes_per_node
     if num_nodes <= 1 or per_node % tp == 0:
         return
-    fits = [d for d in range(1, per_node + 1) if per_node % d == 0]
+    fits = divisors(per_node)
     raise ValueError(
         f"tensor_parallel_size={tp} does not divide the {per_node} processes (devices) per node on "
         f"{num_nodes} nodes, so a tensor-parallel group would span two nodes and its all-reduces, on "
@@ -440,12 +440,11 @@ def check_expert_parallel_size(expert_parallel_size: int, data_parallel_size: in
     expert axis borrows from the data axis)."""
     check_count("expert_parallel_size", expert_parallel_size)
     if data_parallel_size % expert_parallel_size != 0:
-        divisors = [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
         raise ValueError(
             f"expert_parallel_size={expert_parallel_size} does not divide data_parallel_size="
             f"{data_parallel_size}: the expert axis borrows from the data axis (each group of "
-            f"expert_parallel_size data-parallel ranks splits the experts). Use one of {divisors}, or more "
-            "data-parallel ranks."
+            f"expert_parallel_size data-parallel ranks splits the experts). Use one of "
+            f"{divisors(data_parallel_size)}, or more data-parallel ranks."
         )
 
 
@@ -453,11 +452,10 @@ def check_replicate_size(replicate_size: int, data_parallel_size: int) -> None:
     """Raise unless HSDP's ``replicate_size`` replicas split ``data_parallel_size`` ranks evenly
     (one sentence naming both options; the strategy calls it before launch, the mesh again)."""
     if data_parallel_size % replicate_size != 0:
-        divisors = [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
         raise ValueError(
             f"data_parallel_replicate_size={replicate_size} does not divide data_parallel_size="
             f"{data_parallel_size}: HSDP splits the {data_parallel_size} data-parallel ranks into replicas "
-            f"of equal shard groups. Use one of {divisors}."
+            f"of equal shard groups. Use one of {divisors(data_parallel_size)}."
         )
 
 

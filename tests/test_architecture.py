@@ -148,7 +148,7 @@ ALLOWED: dict[str, set[str]] = {
     "arguments": set(),
     "collectives": set(),
     "mesh": {"arguments"},
-    "experts": {"tensor_parallel"},
+    "experts": {"tensor_parallel", "arguments"},
     "context": set(),
     "faults": set(),
     "schedule": {"arguments"},

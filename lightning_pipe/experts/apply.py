@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pipe.arguments import divisors
 from lightning_pipe.experts.dispatch import DispatchStats, ExpertGroup, dispatch_combine
 from lightning_pipe.experts.shard import ExpertShard, mark_expert_shard
 from lightning_pipe.tensor_parallel.plan import pattern_regex
@@ -119,10 +120,9 @@ def check_expert_counts(
                 "num_experts attribute, so pipe_tp cannot tell how many experts it holds."
             )
         if n % expert_parallel_size != 0:
-            divisors = [d for d in range(1, n + 1) if n % d == 0]
             raise ExpertPlanError(
                 f"expert_parallel_size={expert_parallel_size} does not divide the {n} experts of {name}: "
-                f"each rank of an expert group holds an equal block. Use one of {divisors} (dividing the "
+                f"each rank of an expert group holds an equal block. Use one of {divisors(n)} (dividing the "
                 "data-parallel size too)."
             )
         counts[name] = n
