@@ -18,6 +18,9 @@ One launch of two gloo processes runs tiny mixtral (float64, its eager experts) 
   process's (1e-9); in the same launch a qwen3_moe with ``shard_optimizer_state=True`` (ZeRO-1: the
   experts' buckets sharded over the expert-data group), clipped: losses, norms and weights equal
   one process's (1e-9), each rank holding Adam's state of its own block of experts only.
+
+A launch of four processes saves a ZeRO-1 run at dp=2 x pp=2 x E=2 and resumes it at dp=4 x E=4
+and dp=4 x E=2 (ZeRO-1 both); this process resumes it consolidated (see that test).
 """
 
 from __future__ import annotations
@@ -146,6 +149,27 @@ def sharded_worker() -> dict[str, Any]:
     return {"fsdp2": fsdp2, "zero1": (_whole(runtime, model, mesh), losses, norms, held)}
 
 
+def resume_worker(root: str) -> dict[str, Any]:
+    """Four ranks: two steps at dp=2 x pp=2 x E=2 under ZeRO-1, saved; resumed at dp=4 x E=4 and at
+    dp=4 x E=2 (ZeRO-1 each: the experts' state then sharded over expert-data groups of 1 and 2
+    ranks), each checked right after loading and after two further steps."""
+    torch.set_num_threads(1)
+    runtime, model, optimizer, mesh = _runtime((2, 2, 1), 2, shard_optimizer_state=True)
+    losses, _ = _steps(runtime, optimizer, mesh, DATA[:BEFORE])
+    runtime.save_checkpoint(Path(root) / "zero1-ep2", [optimizer])
+    runtime.close()
+    got: dict[str, Any] = {"saved": losses}
+    for name, experts in (("E=4 dp=4", 4), ("E=2 dp=4", 2)):
+        runtime, model, optimizer, mesh = _runtime((4, 1, 1), experts, shard_optimizer_state=True)
+        runtime.load_checkpoint(Path(root) / "zero1-ep2", [optimizer])
+        loaded = gather_model_state(model, runtime.partition, mesh)
+        loaded = {k: v.clone() for k, v in loaded.items()} if mesh.rank == 0 else {}
+        losses, _ = _steps(runtime, optimizer, mesh, DATA[BEFORE:])
+        held = _state_held(runtime, model)
+        got[name] = (loaded, losses, _whole(runtime, model, mesh), held)
+    return got
+
+
 def _reference(
     steps: int,
     model: nn.Module | None = None,
@@ -269,3 +293,51 @@ def _zero1_trains_like_one_process(ranks: list[dict[str, Any]]) -> None:
     assert all(h["expert parameters here"] == experts // 2 for h in held), held
     assert [h["experts"] for h in held] == [experts // 2] * 2, held
     assert sum(h["others"] for h in held) == others and all(0 < h["others"] < others for h in held), held
+
+
+@pytest.mark.distributed
+def test_a_zero1_checkpoint_saved_at_e2_resumes_at_e4_and_in_one_process(tmp_path: Path) -> None:
+    """Saved at dp=2 x pp=2 x E=2 under ZeRO-1 (its optimizer state assembled per group), resumed at
+    dp=4 x E=4, at dp=4 x E=2 and, consolidated, in one process with ``torch.optim.Adam``: the
+    weights after loading are the saved ones, and the next two steps' losses and the weights after
+    them are one process's uninterrupted run (1e-9)."""
+    ranks = run_distributed(resume_worker, 4, str(tmp_path), timeout=300, pg_timeout=120)
+    expected_losses: list[float] = []
+    model, optimizer = _reference(BEFORE, losses=expected_losses)
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    uninterrupted = dict(
+        _reference(AFTER, model, optimizer, start=BEFORE, losses=expected_losses)[0].state_dict()
+    )
+    got = ranks[0]
+    gaps = {
+        "losses before the save": max(
+            abs(a - b) for a, b in zip(got["saved"], expected_losses[:BEFORE], strict=True)
+        )
+    }
+    for name in ("E=4 dp=4", "E=2 dp=4"):
+        loaded, losses, last, _ = got[name]
+        gaps[f"{name}: weights loaded"] = _gap(loaded, at_save)
+        gaps[f"{name}: losses"] = max(
+            abs(a - b) for a, b in zip(losses, expected_losses[BEFORE:], strict=True)
+        )
+        gaps[f"{name}: weights"] = _gap(last, uninterrupted)
+    whole = consolidate_checkpoint(tmp_path / "zero1-ep2")
+    plain = build("mixtral")
+    plain.load_state_dict(whole["state_dict"])
+    adam = torch.optim.Adam(plain.parameters(), lr=LR)
+    adam.load_state_dict(whole["optimizer_states"][0])
+    gaps["one process resumed"] = _gap(
+        dict(_reference(AFTER, plain, adam, start=BEFORE)[0].state_dict()), uninterrupted
+    )
+    failures = [f"{what}: {gap:.2e}" for what, gap in gaps.items() if not gap <= 1e-9]
+    assert failures == [], failures
+    assert _gap(uninterrupted, at_save) > 1e-4
+    # At E=4 each rank holds one expert of four and all of its state; at dp=4 x E=2 two experts,
+    # and the state of about half of them (its expert-data group of two splits the bucket, whose
+    # last slots carry the reducer's used flags): 1/dp of the experts, each element on one rank.
+    experts = sum(v.numel() for k, v in at_save.items() if ".experts." in k)
+    for name, per_rank in (("E=4 dp=4", experts // 4), ("E=2 dp=4", experts // 2)):
+        held = [rank[name][3] for rank in ranks]
+        assert all(h["expert parameters here"] == per_rank for h in held), (name, held)
+        assert sum(h["experts"] for h in held) == experts, (name, held)
+        assert all(abs(h["experts"] - experts // 4) <= 16 for h in held), (name, held)
