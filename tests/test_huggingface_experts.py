@@ -39,6 +39,7 @@ from lightning_pipe.runtime.batch import Microbatch
 from tests.distributed import run_distributed
 from tests.hf_families import COMMON, batches, reference_loss
 from tests.hf_families import build as build_dense
+from tests.test_huggingface_lightning import STEPS as LIGHTNING_STEPS
 from tests.test_huggingface_lightning import TRAIN, HuggingFaceStep
 from tests.trainers import fit
 
@@ -386,48 +387,95 @@ def test_expert_parallelism_with_sequence_parallelism_is_refused_naming_the_fix(
 
 
 # ------------------------------------------------------------------------------------ Lightning
-def _fit(strategy: Any, devices: int, save: str | None = None) -> dict[str, torch.Tensor]:
-    """mixtral under Lightning: each of ``devices`` data ranks takes its share of every batch of
-    8 rows (the shuffling sampler deals the same 8 rows per step to one or two ranks); the
-    weights after the epoch, expert blocks gathered by ``ep_rank`` (= ``dp_rank`` here)."""
+class ResumableStep(HuggingFaceStep):
+    """mixtral with SGD and momentum (state a resume must bring back, the experts' blocks by global
+    expert index), each batch's predicted tokens counted (a data rank's loss is its half's mean)."""
+
+    def __init__(self) -> None:
+        super().__init__("mixtral")
+        self.items: list[float] = []
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.items.append(float((batch["labels"][:, 1:] != -100).sum()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+
+def _fit(
+    strategy: Any, devices: int, save: str | None = None, resume: str | None = None, epochs: int = 1
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """mixtral under Lightning for ``epochs`` (from ``resume``, a checkpoint, when given): each of
+    ``devices`` data ranks takes its share of every batch of 8 rows (the shuffling sampler deals the
+    same 8 rows per step to one or two ranks). The weights after the fit, expert blocks gathered by
+    ``ep_rank`` (= ``dp_rank`` here), and each step's loss over the whole batch (the ranks' losses
+    weighted by their tokens)."""
     torch.set_num_threads(1)
-    model = HuggingFaceStep("mixtral")
+    model = ResumableStep()
     sampler = DistributedSampler(TRAIN, num_replicas=1, rank=0, seed=0) if devices == 1 else None
     train = DataLoader(TRAIN, batch_size=BATCH // devices, sampler=sampler)
-    trainer = fit(model, strategy, devices, train, max_epochs=1, num_sanity_val_steps=0)
+    trainer = fit(
+        model, strategy, devices, train, ckpt_path=resume, max_epochs=epochs, num_sanity_val_steps=0
+    )
     if save is not None:  # the strategy's checkpoint hooks, every rank (a collective)
         trainer.save_checkpoint(save)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = model.losses
     if devices > 1:
         blocks = {n: p for n, p in state.items() if expert_shard(model.get_parameter(n)) is not None}
         shared: list[Any] = [None] * devices
-        dist.all_gather_object(shared, blocks)
-        state |= {n: torch.cat([held[n] for held in shared]) for n in blocks}
-    return state
+        dist.all_gather_object(shared, (blocks, model.losses, model.items))
+        state |= {n: torch.cat([held[n] for held, _, _ in shared]) for n in blocks}
+        losses = [
+            sum(loss[k] * items[k] for _, loss, items in shared) / sum(items[k] for _, _, items in shared)
+            for k in range(len(model.losses))
+        ]
+    return state, losses
 
 
-def lightning_worker(save: str) -> dict[str, torch.Tensor]:
-    strategy = PipeTPStrategy(
-        pipeline_parallel_size=1,
-        data_parallel_size=2,
-        expert_parallel_size=2,
-        num_microbatches=2,
-        timeout=timedelta(seconds=60),
-    )
-    return _fit(strategy, 2, save)
+def lightning_worker(save: str) -> list[tuple[dict[str, torch.Tensor], list[float]]]:
+    """An epoch at dp=2 x E=2, saved by ``Trainer.save_checkpoint``; then a second Trainer's
+    ``fit(ckpt_path=...)`` at E=2 resuming it for the second epoch."""
+
+    def strategy() -> PipeTPStrategy:
+        return PipeTPStrategy(
+            pipeline_parallel_size=1,
+            data_parallel_size=2,
+            expert_parallel_size=2,
+            num_microbatches=2,
+            timeout=timedelta(seconds=60),
+        )
+
+    first = _fit(strategy(), 2, save)
+    return [first, _fit(strategy(), 2, resume=save, epochs=2)]
 
 
 @pytest.mark.distributed
-def test_a_mixture_of_experts_fits_under_the_strategy_like_one_device(tmp_path: Path) -> None:
+def test_a_mixture_of_experts_fits_and_resumes_under_the_strategy_like_one_device(tmp_path: Path) -> None:
     """PipeTPStrategy(expert_parallel_size=2) on two data ranks, the plan derived from mixtral's
-    own, in float32 (its grouped matrix products): the weights of one device after an epoch."""
-    got = run_distributed(lightning_worker, 2, str(tmp_path / "fit.ckpt"), timeout=300, init_group=False)
-    expected = _fit("auto", 1)
+    own, in float32 (its grouped matrix products): the weights and losses of one device after an
+    epoch, and after a second epoch resumed by another Trainer's ``fit(ckpt_path=...)`` at E=2
+    (the momentum of each expert block back by global expert index), one device's uninterrupted
+    two epochs."""
+    ranks = run_distributed(lightning_worker, 2, str(tmp_path / "fit.ckpt"), timeout=300, init_group=False)
+    expected, expected_losses = _fit("auto", 1)
+    resumed_expected, resumed_losses = _fit("auto", 1, epochs=2)
+    assert expected_losses == resumed_losses[:LIGHTNING_STEPS]
     # Trainer.save_checkpoint at E=2 (the strategy's hooks): every expert, in order, consolidated.
     saved = consolidate_checkpoint(tmp_path / "fit.ckpt", weights_only=True)["state_dict"]
-    for rank, state in enumerate([*got, saved]):
-        assert state.keys() == expected.keys()
-        for key, value in expected.items():
-            torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=f"rank {rank}: {key}")
+    compared = [(f"rank {r}", ranks[r][0][0], expected) for r in range(2)] + [("saved", saved, expected)]
+    compared += [(f"rank {r} resumed", ranks[r][1][0], resumed_expected) for r in range(2)]
+    for what, state, reference in compared:
+        assert state.keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=f"{what}: {key}")
+    for r in range(2):  # the first fit's three steps, then the resumed fit's three (a new module)
+        first, second = ranks[r][0][1], ranks[r][1][1]
+        assert len(first) == LIGHTNING_STEPS and len(second) == LIGHTNING_STEPS, (first, second)
+        got = first + second
+        gap = max(abs(a - b) for a, b in zip(got, resumed_losses, strict=True))
+        assert gap <= 1e-5, (got, resumed_losses)
     start = dict(build_dense("mixtral").named_parameters())
     assert max((expected[f"model.{k}"] - v).abs().max().item() for k, v in start.items()) > 1e-3
+    assert max((resumed_expected[k] - v).abs().max().item() for k, v in expected.items()) > 1e-3
