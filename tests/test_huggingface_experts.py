@@ -4,7 +4,8 @@ own forward on one process.
 
 mixtral, qwen3_moe, deepseek_v3 (a shared expert, a dense first layer, grouped routing with a
 correction bias) and gpt_oss (expert biases, its own clamped gate, attention sinks) at
-``expert_parallel_size=2`` on two data ranks, and two of them at E=2 x pp=2, on padded batches,
+``expert_parallel_size=2`` on two data ranks, two of them at E=2 x pp=2 and at E=2 x tp=2, and
+qwen3_moe at E=2 x pp=2 x tp=2 (eight processes; also under ZeRO-1), on padded batches,
 gradient clipping on (the threshold below every step's norm, so it always scales): every loss,
 every router's logits in the first step and every weight after the last equal the family's own
 forward on the whole batch in one process (float64 with the families' eager experts: 1e-9), and
@@ -259,6 +260,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zb": {"schedule": "zb_h1"},
     # The dispatch run again (counts exchanged again) in the backward of each recomputed layer.
     "recompute": {"recompute": "always"},
+    # ZeRO-1: the experts' optimizer state over the expert-data group, the rest over the data axis.
+    "zero1": {"shard_optimizer_state": True},
 }
 """``family+variant``: the family trained with these options too."""
 
@@ -307,8 +310,10 @@ def experts_worker(sizes: tuple[int, int, int], families: list[str]) -> dict[str
         ((2, 2, 1), ["mixtral+zb", "deepseek_v3+recompute"]),
         # Experts whole inside each tensor group, each tensor rank dispatching in its expert group.
         ((2, 1, 2), ["mixtral", "qwen3_moe"]),
+        # Eight processes: every axis at once (one tiny family), and with ZeRO-1.
+        ((2, 2, 2), ["qwen3_moe", "qwen3_moe+zero1"]),
     ],
-    ids=["ep2_dp2", "ep2_dp2_pp2", "ep2_dp2_tp2"],
+    ids=["ep2_dp2", "ep2_dp2_pp2", "ep2_dp2_tp2", "ep2_dp2_pp2_tp2"],
 )
 def test_moe_families_with_split_experts_train_like_their_own_forward(
     sizes: tuple[int, int, int], families: list[str]
