@@ -152,7 +152,8 @@ def sharded_worker() -> dict[str, Any]:
 def resume_worker(root: str) -> dict[str, Any]:
     """Four ranks: two steps at dp=2 x pp=2 x E=2 under ZeRO-1, saved; resumed at dp=4 x E=4 and at
     dp=4 x E=2 (ZeRO-1 each: the experts' state then sharded over expert-data groups of 1 and 2
-    ranks), each checked right after loading and after two further steps."""
+    ranks), each checked right after loading and after two further steps, clipped by the global
+    norm (each expert counted once: its slices summed over the data axis)."""
     torch.set_num_threads(1)
     runtime, model, optimizer, mesh = _runtime((2, 2, 1), 2, shard_optimizer_state=True)
     losses, _ = _steps(runtime, optimizer, mesh, DATA[:BEFORE])
@@ -164,9 +165,9 @@ def resume_worker(root: str) -> dict[str, Any]:
         runtime.load_checkpoint(Path(root) / "zero1-ep2", [optimizer])
         loaded = gather_model_state(model, runtime.partition, mesh)
         loaded = {k: v.clone() for k, v in loaded.items()} if mesh.rank == 0 else {}
-        losses, _ = _steps(runtime, optimizer, mesh, DATA[BEFORE:])
+        losses, norms = _steps(runtime, optimizer, mesh, DATA[BEFORE:], clip=CLIP)
         held = _state_held(runtime, model)
-        got[name] = (loaded, losses, _whole(runtime, model, mesh), held)
+        got[name] = (loaded, losses, norms, _whole(runtime, model, mesh), held)
     return got
 
 
@@ -299,15 +300,19 @@ def _zero1_trains_like_one_process(ranks: list[dict[str, Any]]) -> None:
 def test_a_zero1_checkpoint_saved_at_e2_resumes_at_e4_and_in_one_process(tmp_path: Path) -> None:
     """Saved at dp=2 x pp=2 x E=2 under ZeRO-1 (its optimizer state assembled per group), resumed at
     dp=4 x E=4, at dp=4 x E=2 and, consolidated, in one process with ``torch.optim.Adam``: the
-    weights after loading are the saved ones, and the next two steps' losses and the weights after
-    them are one process's uninterrupted run (1e-9)."""
+    weights after loading are the saved ones, and the next two steps' losses, clipping norms and the
+    weights after them are one process's uninterrupted run (1e-9)."""
     ranks = run_distributed(resume_worker, 4, str(tmp_path), timeout=300, pg_timeout=120)
     expected_losses: list[float] = []
     model, optimizer = _reference(BEFORE, losses=expected_losses)
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_norms: list[float] = []
     uninterrupted = dict(
-        _reference(AFTER, model, optimizer, start=BEFORE, losses=expected_losses)[0].state_dict()
+        _reference(
+            AFTER, model, optimizer, start=BEFORE, clip=CLIP, norms=expected_norms, losses=expected_losses
+        )[0].state_dict()
     )
+    assert all(n > CLIP for n in expected_norms), expected_norms
     got = ranks[0]
     gaps = {
         "losses before the save": max(
@@ -315,11 +320,12 @@ def test_a_zero1_checkpoint_saved_at_e2_resumes_at_e4_and_in_one_process(tmp_pat
         )
     }
     for name in ("E=4 dp=4", "E=2 dp=4"):
-        loaded, losses, last, _ = got[name]
+        loaded, losses, norms, last, _ = got[name]
         gaps[f"{name}: weights loaded"] = _gap(loaded, at_save)
         gaps[f"{name}: losses"] = max(
             abs(a - b) for a, b in zip(losses, expected_losses[BEFORE:], strict=True)
         )
+        gaps[f"{name}: norms"] = max(abs(a - b) for a, b in zip(norms, expected_norms, strict=True))
         gaps[f"{name}: weights"] = _gap(last, uninterrupted)
     whole = consolidate_checkpoint(tmp_path / "zero1-ep2")
     plain = build("mixtral")
@@ -327,7 +333,7 @@ def test_a_zero1_checkpoint_saved_at_e2_resumes_at_e4_and_in_one_process(tmp_pat
     adam = torch.optim.Adam(plain.parameters(), lr=LR)
     adam.load_state_dict(whole["optimizer_states"][0])
     gaps["one process resumed"] = _gap(
-        dict(_reference(AFTER, plain, adam, start=BEFORE)[0].state_dict()), uninterrupted
+        dict(_reference(AFTER, plain, adam, start=BEFORE, clip=CLIP)[0].state_dict()), uninterrupted
     )
     failures = [f"{what}: {gap:.2e}" for what, gap in gaps.items() if not gap <= 1e-9]
     assert failures == [], failures
@@ -337,7 +343,7 @@ def test_a_zero1_checkpoint_saved_at_e2_resumes_at_e4_and_in_one_process(tmp_pat
     # last slots carry the reducer's used flags): 1/dp of the experts, each element on one rank.
     experts = sum(v.numel() for k, v in at_save.items() if ".experts." in k)
     for name, per_rank in (("E=4 dp=4", experts // 4), ("E=2 dp=4", experts // 2)):
-        held = [rank[name][3] for rank in ranks]
+        held = [rank[name][4] for rank in ranks]
         assert all(h["expert parameters here"] == per_rank for h in held), (name, held)
         assert sum(h["experts"] for h in held) == experts, (name, held)
         assert all(abs(h["experts"] - experts // 4) <= 16 for h in held), (name, held)
