@@ -37,6 +37,7 @@ from lightning_pipe.huggingface.parts import UnsupportedModelError
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, init_mesh
 from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
 from lightning_pipe.runtime.batch import Microbatch
+from lightning_pipe.runtime.sharding import describe_sharding
 from tests.distributed import run_distributed
 from tests.hf_families import COMMON, batches, reference_loss
 from tests.hf_families import build as build_dense
@@ -387,8 +388,13 @@ def test_expert_parallelism_with_sequence_parallelism_is_refused_naming_the_fix(
     ) as e:
         RuntimeOptions(expert_parallel_size=2, sequence_parallel=True)
     assert "Use sequence_parallel=False" in str(e.value)
-    # ZeRO-1 composes (tests/test_huggingface_expert_runs.py trains it).
-    assert RuntimeOptions(expert_parallel_size=2, shard_optimizer_state=True).shard_optimizer_state
+    # ZeRO-1 composes (tests/test_huggingface_expert_runs.py trains it); the layout log says where
+    # the experts' state goes.
+    options = RuntimeOptions(expert_parallel_size=2, shard_optimizer_state=True)
+    assert describe_sharding(options, 4, None) == (
+        "\n  optimizer state sharded over the 4 data-parallel replicas, the experts' over the 2 holding "
+        "the same experts (ZeRO-1)"
+    )
 
 
 # ------------------------------------------------------------------------------------ Lightning
