@@ -1,8 +1,9 @@
 """The router's load-balancing loss of Hugging Face mixtures of experts (``output_router_logits=True``)
 under ``pipe_tp``: carried along the pipeline as the routers' sums, it equals the model's own loss
 and gradients on one process and at pp=2 with one micro-batch, each micro-batch's own (weighted by
-its tokens) with several micro-batches or data ranks, is not counted twice under tensor
-parallelism, balances the experts when trained, and what cannot be reproduced is refused.
+its tokens) with several micro-batches or data ranks (with the experts split over them too), is not
+counted twice under tensor parallelism, balances the experts when trained, and what cannot be
+reproduced is refused.
 
 Families: mixtral (float32: its grouped expert products have no float64 kernel), qwen3_moe with a
 dense layer, gpt_oss (router biases, eager attention) and deepseek_v3 (whose causal LM adds no
@@ -340,7 +341,82 @@ def balancing_worker() -> dict[str, Any]:
         out[case] = {"loss": float(result.loss), "auxes": auxes}  # each rank's step saw its own
         if mesh.rank == 0:
             out[case]["grads"] = grads
+    out["experts"] = _split_experts_steps()
     return out
+
+
+EXPERT_FAMILY, EXPERT_STEPS, EXPERT_LR = "qwen3_moe", 3, 0.5
+
+
+def _expert_batches() -> list[dict[str, torch.Tensor]]:
+    return [padded_batch(BATCH, seed=20 + step) for step in range(EXPERT_STEPS)]
+
+
+def _split_experts_steps() -> dict[str, Any]:
+    """qwen3_moe (a dense layer among them) at dp=2 with its experts split (E=2), one micro-batch,
+    SGD: each step's loss and ``aux_loss`` as the step's answer gives them (what
+    ``CausalLMModule`` logs), and the whole model after the steps."""
+    from lightning_pipe.checkpoint.full import gather_model_state
+    from lightning_pipe.mesh import ParallelLayout, init_mesh
+    from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
+    from lightning_pipe.runtime.batch import Microbatch
+
+    mesh = init_mesh(ParallelLayout(2, 1, 1, expert_parallel_size=2), "cpu")
+    model = build_moe(EXPERT_FAMILY)
+    pipeline = CausalLMPipeline(model)
+    options = RuntimeOptions(
+        num_microbatches=1,
+        timeout=timedelta(seconds=60),
+        expert_parallel_size=2,
+        expert_parallel_plan=pipeline.expert_parallel_plan(2),
+    )
+    runtime = ParallelRuntime(
+        model, pipeline.layers(), mesh, torch.device("cpu"), options, seed=0, hooks=pipeline.hooks()
+    )
+    optimizer = runtime.keep_own(torch.optim.SGD(model.parameters(), lr=EXPERT_LR))
+    auxes: list[float] = []
+
+    def head(output: Any, microbatch: Microbatch) -> torch.Tensor:
+        data = microbatch.data
+        answer = ModelCall(pipeline, data, output, microbatch.items, counted_labels=True)(**data)
+        auxes.append(float(answer.aux_loss.detach()))
+        return answer.loss
+
+    losses = []
+    dp_rank = mesh.coordinates.dp_rank
+    for batch in _expert_batches():
+        optimizer.zero_grad()
+        runtime.begin_accumulation()
+        result = runtime.train_batch({k: v.chunk(2)[dp_rank] for k, v in batch.items()}, head)
+        optimizer.step()
+        losses.append(float(result.loss))
+    weights = gather_model_state(model, runtime.partition, mesh)
+    runtime.close()
+    return {"losses": losses, "auxes": auxes, "weights": weights if mesh.rank == 0 else {}}
+
+
+def _split_experts_reference() -> dict[str, Any]:
+    """One process: the model's own forward on each data rank's half (its loss and its
+    ``aux_loss``), the halves' losses weighted by their tokens, SGD; the weights after the steps."""
+    model = build_moe(EXPERT_FAMILY)
+    optimizer = torch.optim.SGD(model.parameters(), lr=EXPERT_LR)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    losses: list[list[float]] = [[], []]
+    auxes: list[list[float]] = [[], []]
+    for batch in _expert_batches():
+        halves = [{k: v.chunk(2)[i] for k, v in batch.items()} for i in range(2)]
+        items = [float((h["labels"][:, 1:] != -100).sum()) for h in halves]
+        optimizer.zero_grad()
+        total: Any = 0.0
+        for rank, (half, n) in enumerate(zip(halves, items, strict=True)):
+            loss, aux = own_loss(model, half)
+            assert aux is not None
+            losses[rank].append(float(loss.detach()))
+            auxes[rank].append(float(aux.detach()))
+            total = total + loss * (n / sum(items))
+        total.backward()
+        optimizer.step()
+    return {"losses": losses, "auxes": auxes, "weights": dict(model.state_dict()), "start": start}
 
 
 @pytest.mark.distributed
@@ -350,7 +426,7 @@ def test_pipelined_balancing_loss_is_the_models_own_or_per_microbatch() -> None:
     ranks = run_distributed(balancing_worker, 2, timeout=600, pg_timeout=120)
     got = ranks[0]
     batch = padded_batch(BATCH, seed=7)
-    failures = []
+    failures = _split_experts_failures(ranks)
     for layout, microbatches, family, extra in CASES:
         case = f"{layout}/{microbatches}/{family}/" + ",".join(f"{k}={v}" for k, v in extra.items())
         parts = microbatches * LAYOUTS[layout][0]
@@ -368,6 +444,27 @@ def test_pipelined_balancing_loss_is_the_models_own_or_per_microbatch() -> None:
         if len(auxes) != steps or (family != "deepseek_v3") != all(a > 0 for a in auxes):
             failures.append(f"{case}: the steps saw the auxiliary losses {auxes}")
     assert failures == [], "\n".join(failures)
+
+
+def _split_experts_failures(ranks: list[dict[str, Any]]) -> list[str]:
+    """With the experts split (dp=2 x E=2, one micro-batch) each data rank's loss and logged
+    ``aux_loss`` are the model's own on its half, and the weights after the steps one process's
+    (float64, 1e-9)."""
+    expected = _split_experts_reference()
+    failures = []
+    for rank, got in enumerate(r["experts"] for r in ranks):
+        for what in ("losses", "auxes"):
+            gap = max(abs(a - b) for a, b in zip(got[what], expected[what][rank], strict=True))
+            if not gap <= 1e-9:
+                failures.append(f"E=2, rank {rank}: {what} {got[what]} != {expected[what][rank]}")
+    weights = ranks[0]["experts"]["weights"]
+    assert sorted(weights) == sorted(k for k in expected["weights"] if "rotary" not in k)
+    gap = max((weights[k] - v).abs().max().item() for k, v in expected["weights"].items() if k in weights)
+    if not gap <= 1e-9:
+        failures.append(f"E=2: weights after {EXPERT_STEPS} steps differ by {gap:.2e}")
+    moved = max((expected["weights"][k] - v).abs().max().item() for k, v in expected["start"].items())
+    assert moved > 1e-4 and all(a > 1.0 for r in expected["auxes"] for a in r), expected["auxes"]
+    return failures
 
 
 def lightning_worker() -> dict[str, float]:

@@ -4,7 +4,8 @@ own forward on one process.
 
 mixtral, qwen3_moe, deepseek_v3 (a shared expert, a dense first layer, grouped routing with a
 correction bias) and gpt_oss (expert biases, its own clamped gate, attention sinks) at
-``expert_parallel_size=2`` on two data ranks, and two of them at E=2 x pp=2, on padded batches,
+``expert_parallel_size=2`` on two data ranks, two of them at E=2 x pp=2 and at E=2 x tp=2, and
+qwen3_moe at E=2 x pp=2 x tp=2 (eight processes; also under ZeRO-1), on padded batches,
 gradient clipping on (the threshold below every step's norm, so it always scales): every loss,
 every router's logits in the first step and every weight after the last equal the family's own
 forward on the whole batch in one process (float64 with the families' eager experts: 1e-9), and
@@ -36,9 +37,11 @@ from lightning_pipe.huggingface.parts import UnsupportedModelError
 from lightning_pipe.mesh import MeshAxis, ParallelLayout, init_mesh
 from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
 from lightning_pipe.runtime.batch import Microbatch
+from lightning_pipe.runtime.sharding import describe_sharding
 from tests.distributed import run_distributed
 from tests.hf_families import COMMON, batches, reference_loss
 from tests.hf_families import build as build_dense
+from tests.test_huggingface_lightning import STEPS as LIGHTNING_STEPS
 from tests.test_huggingface_lightning import TRAIN, HuggingFaceStep
 from tests.trainers import fit
 
@@ -258,6 +261,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zb": {"schedule": "zb_h1"},
     # The dispatch run again (counts exchanged again) in the backward of each recomputed layer.
     "recompute": {"recompute": "always"},
+    # ZeRO-1: the experts' optimizer state over the expert-data group, the rest over the data axis.
+    "zero1": {"shard_optimizer_state": True},
 }
 """``family+variant``: the family trained with these options too."""
 
@@ -306,8 +311,10 @@ def experts_worker(sizes: tuple[int, int, int], families: list[str]) -> dict[str
         ((2, 2, 1), ["mixtral+zb", "deepseek_v3+recompute"]),
         # Experts whole inside each tensor group, each tensor rank dispatching in its expert group.
         ((2, 1, 2), ["mixtral", "qwen3_moe"]),
+        # Eight processes: every axis at once (one tiny family), and with ZeRO-1.
+        ((2, 2, 2), ["qwen3_moe", "qwen3_moe+zero1"]),
     ],
-    ids=["ep2_dp2", "ep2_dp2_pp2", "ep2_dp2_tp2"],
+    ids=["ep2_dp2", "ep2_dp2_pp2", "ep2_dp2_tp2", "ep2_dp2_pp2_tp2"],
 )
 def test_moe_families_with_split_experts_train_like_their_own_forward(
     sizes: tuple[int, int, int], families: list[str]
@@ -375,55 +382,113 @@ def test_an_experts_module_with_a_parameter_the_plan_does_not_split_is_refused()
         shard_experts(model, plan, [model.model.layers[0]], None, 2, 0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("option", ["shard_optimizer_state", "sequence_parallel"])
-def test_expert_parallelism_with_what_it_does_not_compose_with_yet_is_refused(option: str) -> None:
-    with pytest.raises(ValueError, match=f"expert_parallel_size=2 cannot be combined with {option}=True yet"):
-        RuntimeOptions(expert_parallel_size=2, **{option: True})
+def test_expert_parallelism_with_sequence_parallelism_is_refused_naming_the_fix() -> None:
+    with pytest.raises(
+        ValueError, match="expert_parallel_size=2 cannot be combined with sequence_parallel=True"
+    ) as e:
+        RuntimeOptions(expert_parallel_size=2, sequence_parallel=True)
+    assert "Use sequence_parallel=False" in str(e.value)
+    # ZeRO-1 composes (tests/test_huggingface_expert_runs.py trains it); the layout log says where
+    # the experts' state goes.
+    options = RuntimeOptions(expert_parallel_size=2, shard_optimizer_state=True)
+    assert describe_sharding(options, 4, None) == (
+        "\n  optimizer state sharded over the 4 data-parallel replicas, the experts' over the 2 holding "
+        "the same experts (ZeRO-1)"
+    )
 
 
 # ------------------------------------------------------------------------------------ Lightning
-def _fit(strategy: Any, devices: int, save: str | None = None) -> dict[str, torch.Tensor]:
-    """mixtral under Lightning: each of ``devices`` data ranks takes its share of every batch of
-    8 rows (the shuffling sampler deals the same 8 rows per step to one or two ranks); the
-    weights after the epoch, expert blocks gathered by ``ep_rank`` (= ``dp_rank`` here)."""
+class ResumableStep(HuggingFaceStep):
+    """mixtral with SGD and momentum (state a resume must bring back, the experts' blocks by global
+    expert index), each batch's predicted tokens counted (a data rank's loss is its half's mean)."""
+
+    def __init__(self) -> None:
+        super().__init__("mixtral")
+        self.items: list[float] = []
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.items.append(float((batch["labels"][:, 1:] != -100).sum()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+
+def _fit(
+    strategy: Any, devices: int, save: str | None = None, resume: str | None = None, epochs: int = 1
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """mixtral under Lightning for ``epochs`` (from ``resume``, a checkpoint, when given): each of
+    ``devices`` data ranks takes its share of every batch of 8 rows (the shuffling sampler deals the
+    same 8 rows per step to one or two ranks). The weights after the fit, expert blocks gathered by
+    ``ep_rank`` (= ``dp_rank`` here), and each step's loss over the whole batch (the ranks' losses
+    weighted by their tokens)."""
     torch.set_num_threads(1)
-    model = HuggingFaceStep("mixtral")
+    model = ResumableStep()
     sampler = DistributedSampler(TRAIN, num_replicas=1, rank=0, seed=0) if devices == 1 else None
     train = DataLoader(TRAIN, batch_size=BATCH // devices, sampler=sampler)
-    trainer = fit(model, strategy, devices, train, max_epochs=1, num_sanity_val_steps=0)
+    trainer = fit(
+        model, strategy, devices, train, ckpt_path=resume, max_epochs=epochs, num_sanity_val_steps=0
+    )
     if save is not None:  # the strategy's checkpoint hooks, every rank (a collective)
         trainer.save_checkpoint(save)
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = model.losses
     if devices > 1:
         blocks = {n: p for n, p in state.items() if expert_shard(model.get_parameter(n)) is not None}
         shared: list[Any] = [None] * devices
-        dist.all_gather_object(shared, blocks)
-        state |= {n: torch.cat([held[n] for held in shared]) for n in blocks}
-    return state
+        dist.all_gather_object(shared, (blocks, model.losses, model.items))
+        state |= {n: torch.cat([held[n] for held, _, _ in shared]) for n in blocks}
+        losses = [
+            sum(loss[k] * items[k] for _, loss, items in shared) / sum(items[k] for _, _, items in shared)
+            for k in range(len(model.losses))
+        ]
+    return state, losses
 
 
-def lightning_worker(save: str) -> dict[str, torch.Tensor]:
-    strategy = PipeTPStrategy(
-        pipeline_parallel_size=1,
-        data_parallel_size=2,
-        expert_parallel_size=2,
-        num_microbatches=2,
-        timeout=timedelta(seconds=60),
-    )
-    return _fit(strategy, 2, save)
+def lightning_worker(save: str) -> list[tuple[dict[str, torch.Tensor], list[float]]]:
+    """An epoch at dp=2 x E=2, saved by ``Trainer.save_checkpoint``; then a second Trainer's
+    ``fit(ckpt_path=...)`` at E=2 resuming it for the second epoch, under ZeRO-1 (the checkpoint
+    does not depend on the optimizer's sharding)."""
+
+    def strategy(**options: Any) -> PipeTPStrategy:
+        return PipeTPStrategy(
+            pipeline_parallel_size=1,
+            data_parallel_size=2,
+            expert_parallel_size=2,
+            num_microbatches=2,
+            timeout=timedelta(seconds=60),
+            **options,
+        )
+
+    first = _fit(strategy(), 2, save)
+    return [first, _fit(strategy(shard_optimizer_state=True), 2, resume=save, epochs=2)]
 
 
 @pytest.mark.distributed
-def test_a_mixture_of_experts_fits_under_the_strategy_like_one_device(tmp_path: Path) -> None:
+def test_a_mixture_of_experts_fits_and_resumes_under_the_strategy_like_one_device(tmp_path: Path) -> None:
     """PipeTPStrategy(expert_parallel_size=2) on two data ranks, the plan derived from mixtral's
-    own, in float32 (its grouped matrix products): the weights of one device after an epoch."""
-    got = run_distributed(lightning_worker, 2, str(tmp_path / "fit.ckpt"), timeout=300, init_group=False)
-    expected = _fit("auto", 1)
+    own, in float32 (its grouped matrix products): the weights and losses of one device after an
+    epoch, and after a second epoch resumed by another Trainer's ``fit(ckpt_path=...)`` at E=2
+    under ZeRO-1 (the momentum of each expert block back by global expert index, cut into the
+    ranks' slices), one device's uninterrupted two epochs."""
+    ranks = run_distributed(lightning_worker, 2, str(tmp_path / "fit.ckpt"), timeout=300, init_group=False)
+    expected, expected_losses = _fit("auto", 1)
+    resumed_expected, resumed_losses = _fit("auto", 1, epochs=2)
+    assert expected_losses == resumed_losses[:LIGHTNING_STEPS]
     # Trainer.save_checkpoint at E=2 (the strategy's hooks): every expert, in order, consolidated.
     saved = consolidate_checkpoint(tmp_path / "fit.ckpt", weights_only=True)["state_dict"]
-    for rank, state in enumerate([*got, saved]):
-        assert state.keys() == expected.keys()
-        for key, value in expected.items():
-            torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=f"rank {rank}: {key}")
+    compared = [(f"rank {r}", ranks[r][0][0], expected) for r in range(2)] + [("saved", saved, expected)]
+    compared += [(f"rank {r} resumed", ranks[r][1][0], resumed_expected) for r in range(2)]
+    for what, state, reference in compared:
+        assert state.keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(state[key], value, atol=1e-5, rtol=0, msg=f"{what}: {key}")
+    for r in range(2):  # the first fit's three steps, then the resumed fit's three (a new module)
+        first, second = ranks[r][0][1], ranks[r][1][1]
+        assert len(first) == LIGHTNING_STEPS and len(second) == LIGHTNING_STEPS, (first, second)
+        got = first + second
+        gap = max(abs(a - b) for a, b in zip(got, resumed_losses, strict=True))
+        assert gap <= 1e-5, (got, resumed_losses)
     start = dict(build_dense("mixtral").named_parameters())
     assert max((expected[f"model.{k}"] - v).abs().max().item() for k, v in start.items()) > 1e-3
+    assert max((resumed_expected[k] - v).abs().max().item() for k, v in expected.items()) > 1e-3

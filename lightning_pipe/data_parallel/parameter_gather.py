@@ -392,7 +392,7 @@ class ParameterGather:
             with self._naming("all-gathering the updated parameters over the data-parallel group"):
                 for k in self._order:
                     self._pending[k] = all_gather_flat(
-                        self.buffers[k], self.shards[k], group=self.layout.group, async_op=True
+                        self.buffers[k], self.shards[k], group=self.layout.group_of(k), async_op=True
                     )
             self.record.launches += 1
             if not self.overlap:

@@ -32,7 +32,7 @@ pipeline needs:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -53,18 +53,45 @@ class BucketView:
     """This replica's slice of the buffer (a view): the averaged gradient after ``finish``."""
     shard_range: range
     """The elements of the buffer the shard covers."""
+    group: dist.ProcessGroup | None = None
+    """The group this bucket is reduced and gathered over; ``None``: its layout's."""
+    size: int | None = None
+    """Replicas in :attr:`group`; ``None``: its layout's."""
 
 
 @dataclass(frozen=True)
 class BucketLayout:
     """The buckets of a sharding :class:`GradientReducer`, fixed once it is built: what
-    :class:`~.sharded_optimizer.ShardedOptimizer` steps and gathers."""
+    :class:`~.sharded_optimizer.ShardedOptimizer` steps and gathers. Several reducers' layouts
+    joined (:meth:`join`) keep each bucket's own group: under expert parallelism the experts'
+    buckets are sharded over the ranks holding the same experts, the rest over the data axis."""
 
     buckets: tuple[BucketView, ...]
     group: dist.ProcessGroup
-    """The data-parallel group the buckets are reduced and gathered over."""
+    """The data-parallel group the buckets are reduced and gathered over (unless a bucket names
+    its own)."""
     size: int
     """Replicas in the group."""
+
+    def group_of(self, k: int) -> dist.ProcessGroup:
+        """The group bucket ``k`` is reduced and gathered over."""
+        group = self.buckets[k].group
+        return self.group if group is None else group
+
+    def size_of(self, k: int) -> int:
+        """Replicas in bucket ``k``'s group."""
+        size = self.buckets[k].size
+        return self.size if size is None else size
+
+    def join(self, other: BucketLayout) -> BucketLayout:
+        """This layout's buckets, then ``other``'s, each keeping its own group."""
+        own = tuple(
+            replace(b, group=self.group_of(k), size=self.size_of(k)) for k, b in enumerate(self.buckets)
+        )
+        theirs = tuple(
+            replace(b, group=other.group_of(k), size=other.size_of(k)) for k, b in enumerate(other.buckets)
+        )
+        return BucketLayout(own + theirs, self.group, self.size)
 
 
 @dataclass

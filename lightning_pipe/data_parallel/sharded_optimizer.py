@@ -208,17 +208,27 @@ class ShardedOptimizer:
     def full_state_dict(self) -> dict[str, Any]:
         """The unsharded ``state_dict()`` of this rank's parameters (numbered as the optimizer
         over the real parameters would number them), assembled from every replica's pieces.
-        Collective over the data-parallel group."""
-        mine: dict[tuple[int, int], dict[str, Any]] = {}  # (param position, start) -> piece state
+        Collective over the group of each bucket (the data-parallel group; under expert
+        parallelism the experts' buckets over the ranks holding the same experts)."""
+        # Per group the buckets are sharded over (the data axis; under expert parallelism the
+        # experts' over the ranks holding the same experts): (param position, start) -> piece state.
+        groups = {k: self.layout.group_of(k) for k in range(len(self.layout.buckets))}
+        order = list({id(g): g for g in [self.layout.group, *groups.values()]}.values())
+        mine: dict[int, dict[tuple[int, int], dict[str, Any]]] = {id(g): {} for g in order}
         position = {id(p): k for k, p in enumerate(p for group in self.logical_groups for p in group)}
         for piece in self._piece_order():
             held = self.optimizer.state.get(piece.tensor)
             if held:
-                mine[(position[id(piece.param)], piece.start)] = {
+                mine[id(groups[piece.bucket])][(position[id(piece.param)], piece.start)] = {
                     k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in held.items()
                 }
-        everyone: list[dict[tuple[int, int], dict[str, Any]]] = [{} for _ in range(self.layout.size)]
-        dist.all_gather_object(everyone, mine, group=self.layout.group)
+        everyone: list[dict[tuple[int, int], dict[str, Any]]] = []
+        for group in order:  # the same order on every rank of each group
+            parts: list[dict[tuple[int, int], dict[str, Any]]] = [
+                {} for _ in range(dist.get_world_size(group))
+            ]
+            dist.all_gather_object(parts, mine[id(group)], group=group)
+            everyone += parts
         params = [p for group in self.logical_groups for p in group]
         state: dict[int, dict[str, Any]] = {}
         for part in everyone:

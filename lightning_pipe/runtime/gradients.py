@@ -111,10 +111,13 @@ class Gradients:
                 # Each expert owner's gradient already sums the tokens of its expert group (the
                 # all-to-all's backward): summed over the expert-data group, it covers every data
                 # rank's tokens once, divided as the others by the whole data axis's size.
+                # Under ZeRO-1 their optimizer state is sharded over that group too: each of its
+                # ranks steps a slice of the block of experts they all hold.
                 self.expert_reducer = GradientReducer(
                     self.experts,
                     mesh.expert_data_group,
                     bucket_cap_mb,
+                    shard=shard,
                     divisor=mesh.layout.data_parallel_size,
                 )
         self.sharded: dict[int, ShardedOptimizer] = {}
@@ -152,9 +155,10 @@ class Gradients:
                 f"one ({type(first.optimizer).__name__}); put every parameter in one "
                 "optimizer (parameter groups can hold different options), or shard_optimizer_state=False."
             )
-        sharded = ShardedOptimizer(
-            optimizer, self.reducer.layout(), self.naming, self.overlap_param_gather, names
-        )
+        layout = self.reducer.layout()
+        if self.expert_reducer is not None:  # the experts' buckets, over the expert-data group
+            layout = layout.join(self.expert_reducer.layout())
+        sharded = ShardedOptimizer(optimizer, layout, self.naming, self.overlap_param_gather, names)
         sharded.gather.watch(layers)
         self.sharded[id(optimizer)] = sharded
 
@@ -251,8 +255,15 @@ class Gradients:
             # (late) buckets are scattered; then each optimizer's pieces take their slices.
             with self.naming("reduce-scattering gradients over the data-parallel group"):
                 self.reducer.finish(before_late=sum_tied)
+            used = dict(self.reducer.used)
+            if self.expert_reducer is not None:
+                with self.naming(
+                    "reduce-scattering expert gradients over the ranks holding the same experts"
+                ):
+                    self.expert_reducer.finish()
+                used |= self.expert_reducer.used
             for sharded in self.sharded.values():
-                sharded.attach_gradients(self.reducer.used)
+                sharded.attach_gradients(used)
             return
         if self.reducer is not None:
             with self.naming("averaging gradients over the data-parallel group"):

@@ -127,8 +127,9 @@ class RuntimeOptions:
     data rank. Expert gradients are reduced over the ranks holding the same experts, the rest over
     the whole data axis; the experts stay whole inside a tensor group
     (:mod:`lightning_pipe.experts`). A Hugging Face mixture-of-experts model takes its plan from
-    its ``config.base_model_ep_plan``. Not yet with ``shard_optimizer_state``,
-    ``shard_parameters`` or ``sequence_parallel``."""
+    its ``config.base_model_ep_plan``. With ``shard_optimizer_state`` (ZeRO-1) or
+    ``shard_parameters`` (FSDP2) the experts' state is sharded over the ranks holding the same
+    experts, the rest over the whole data axis. Refused with ``sequence_parallel``."""
     expert_parallel_plan: Mapping[str, str] | None = None
     """Module-name pattern -> expert-parallel style (Hugging Face's ``base_model_ep_plan`` format:
     ``"ep_dispatch_experts"`` on each experts module, ``"grouped_gemm"`` on its weights stacked by
@@ -218,13 +219,15 @@ class RuntimeOptions:
         check_count("expert_parallel_size", self.expert_parallel_size)
         if self.expert_parallel_size == 1:
             return
-        for name in ("shard_optimizer_state", "sequence_parallel"):
-            if getattr(self, name):
-                raise ValueError(
-                    f"expert_parallel_size={self.expert_parallel_size} cannot be combined with {name}=True "
-                    f"yet (expert parameters are reduced over their own data ranks, which {name} does not "
-                    f"know); use {name}=False, or expert_parallel_size=1."
-                )
+        if self.sequence_parallel:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} cannot be combined with "
+                "sequence_parallel=True: the experts stay whole inside a tensor group, and under sequence "
+                "parallelism each tensor rank would route and dispatch only its part of the sequence, so "
+                "the routers' and experts' gradients would be partial per tensor rank (a sum over the "
+                "tensor group pipe_tp does not make). Use sequence_parallel=False (tensor parallelism "
+                "itself composes), or expert_parallel_size=1."
+            )
 
     def _check_sharding(self) -> None:
         check_flag("shard_parameters", self.shard_parameters)

@@ -130,8 +130,10 @@ def _refuse_shared_between_stages(
 def describe_sharding(options: RuntimeOptions, dp: int, sharded: FullyShardedStages | None) -> str:
     """The layout log's line on the data axis's sharding (ZeRO-1 or FSDP2), if any."""
     if options.shard_optimizer_state:
+        e = options.expert_parallel_size
+        experts = f", the experts' over the {dp // e} holding the same experts" if e > 1 else ""
         return (
-            f"\n  optimizer state sharded over the {dp} data-parallel replicas (ZeRO-1)"
+            f"\n  optimizer state sharded over the {dp} data-parallel replicas{experts} (ZeRO-1)"
             if dp > 1
             else "\n  shard_optimizer_state=True has no effect: one data-parallel replica holds all state"
         )
