@@ -134,6 +134,19 @@ class RuntimeOptions:
     ``"ep_dispatch_experts"`` on each experts module, ``"grouped_gemm"`` on its weights stacked by
     expert; :mod:`lightning_pipe.experts.apply`); needed when ``expert_parallel_size > 1`` (derived
     for a Hugging Face model)."""
+    context_parallel_size: int = 1
+    """Ranks of the data axis that split every sequence between them (context parallelism: it
+    divides ``data_parallel_size``; the ranks of a context group get the same samples). Each rank
+    keeps ``1/context_parallel_size`` of each micro-batch's tokens (``2C`` chunks paired head to
+    tail, so every rank does the same causal work) and computes every layer on them; attention is
+    exact over the whole sequence by ring attention (a Hugging Face model's attention is replaced
+    through transformers' attention interface; a hand-written model calls
+    :func:`lightning_pipe.context.ring_attention`). Gradients are reduced once over the whole data
+    axis. The sequence length must be a multiple of ``2C``, and the loss weighted by token counts
+    (a Hugging Face batch's ``labels``, or the model's ``loss_items``); a Hugging Face batch's
+    ``labels`` reach the step as ``shift_labels`` (targets aligned with the tokens, cut alike).
+    Not yet with ``expert_parallel_size > 1`` or ``sequence_parallel``
+    (:mod:`lightning_pipe.context`)."""
     bucket_cap_mb: float = 25.0
     """Size of the gradient buckets of the data-parallel reducer, whose all-reduces overlap the
     last backward of each optimizer step."""
@@ -186,6 +199,7 @@ class RuntimeOptions:
             )
         self._check_sharding()
         self._check_experts()
+        self._check_context()
         check_positive("bucket_cap_mb", self.bucket_cap_mb, "megabytes per gradient bucket")
         for name in (
             "shard_optimizer_state",
@@ -224,6 +238,21 @@ class RuntimeOptions:
                     f"expert_parallel_size={self.expert_parallel_size} cannot be combined with {name}=True "
                     f"yet (expert parameters are reduced over their own data ranks, which {name} does not "
                     f"know); use {name}=False, or expert_parallel_size=1."
+                )
+
+    def _check_context(self) -> None:
+        check_count("context_parallel_size", self.context_parallel_size)
+        if self.context_parallel_size == 1:
+            return
+        for name, value in (
+            ("expert_parallel_size", self.expert_parallel_size > 1),
+            ("sequence_parallel", self.sequence_parallel),
+        ):
+            if value:
+                raise ValueError(
+                    f"context_parallel_size={self.context_parallel_size} cannot be combined with "
+                    f"{name}={getattr(self, name)!r} yet (not written: both would split the same axis or "
+                    f"sequence); use one of them."
                 )
 
     def _check_sharding(self) -> None:

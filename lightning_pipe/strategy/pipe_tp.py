@@ -88,6 +88,7 @@ class PipeTPStrategy(PipeTPSetup):
         data_parallel_replicate_size: PositiveInt = 1,
         expert_parallel_size: PositiveInt = 1,
         expert_parallel_plan: dict[str, str] | None = None,
+        context_parallel_size: PositiveInt = 1,
         reshard_after_forward: bool | None = None,
         tensor_parallel_plan: dict[str, str] | None = None,
         timeline: str | None = None,

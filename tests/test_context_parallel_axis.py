@@ -1,0 +1,381 @@
+"""The context axis in the engine (``context_parallel_size``): training equal to one device.
+
+Real gloo processes drive ``ParallelRuntime`` with ``RuntimeOptions(context_parallel_size=2)`` on a
+mesh whose data axis holds the context groups, on right-padded batches; rank 0 trains the same
+model on the whole batches in one process. Compared: every step's loss and the weights after the
+last step (float64 within 1e-9, float32 within 1e-5), and the tokens each rank's decoder layers
+receive in training (half the sequence: counted by a forward pre-hook).
+
+Two launches: two ranks (C=2: a hand-written GPT whose attention call is the ``ring_attention``
+marker and whose position embedding reads ``token_positions``, float64 and float32; llama (tied
+embeddings, grouped-query), qwen2 (grouped-query, biases) and mistral (a sliding window); a
+checkpoint saved at C=2 loaded at C=1 and trained one more step), and four ranks (C=2 x pp=2
+for the GPT and llama, C=2 x tp=2 for llama). The refusals (a sequence not divisible by 2C, a
+model whose attention is not the ring, a batch without token counts) run in one process.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_pipe.checkpoint.full import gather_model_state
+from lightning_pipe.context import ContextParallelError, active_shard, ring_attention, token_positions
+from lightning_pipe.huggingface import CausalLMPipeline
+from lightning_pipe.huggingface.outputs import IGNORE_INDEX, causal_lm_loss
+from lightning_pipe.mesh import ParallelLayout, init_mesh
+from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
+from lightning_pipe.runtime.batch import Microbatch
+from lightning_pipe.runtime.hooks import ModelHooks
+from tests import hf_families
+from tests.distributed import run_distributed
+
+VOCAB, DIM, HEADS, KV_HEADS, SEQ, BATCH, STEPS = 16, 16, 4, 2, 12, 4, 3
+
+
+# ---------------------------------------------------------------- a hand-written GPT
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # token_positions: this rank's global positions under a context shard, else 0..n-1
+        return self.tokens(ids) + self.positions(token_positions(ids.shape[1], ids.device)), mask
+
+
+class Block(nn.Module):
+    """Grouped-query attention whose attention call is the ``ring_attention`` marker."""
+
+    def __init__(self, ring: bool = True) -> None:
+        super().__init__()
+        self.ring = ring
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.q, self.kv = nn.Linear(DIM, DIM), nn.Linear(DIM, 2 * KV_HEADS * (DIM // HEADS))
+        self.proj = nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        h = self.ln1(x)
+        q = self.q(h).view(b, s, HEADS, -1).transpose(1, 2)
+        k, v = self.kv(h).view(b, s, 2, KV_HEADS, -1).permute(2, 0, 3, 1, 4)
+        if self.ring:
+            out = ring_attention(q, k, v, key_mask=mask.bool())
+        else:  # an attention pipe_tp cannot see: refused under context parallelism
+            k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(out.transpose(1, 2).reshape(b, s, DIM))
+        return x + self.mlp(self.ln2(x)), mask
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.out(x)
+
+
+class GPT(nn.Sequential):
+    def forward(self, *args: Any) -> Any:  # the chained layers, as the forward check wants
+        for layer in self:
+            args = layer(*args) if isinstance(args, tuple) else layer(args)
+        return args
+
+
+def build_gpt(dtype: torch.dtype, ring: bool = True) -> GPT:
+    torch.manual_seed(0)
+    return GPT(Embed(), Block(ring), Block(ring), Head()).to(dtype)
+
+
+def gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, mask, targets)``: right-padded rows, targets aligned with the tokens (shifted by
+    the data: under context parallelism a rank's last token predicts a token another holds)."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    lengths = torch.randint(3, SEQ + 1, (BATCH,), generator=g)
+    mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
+    targets = F.pad(ids[:, 1:], (0, 1), value=-100).masked_fill(F.pad(mask[:, 1:], (0, 1)) == 0, -100)
+    return ids, mask, targets
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean over the targets given (zero without any)."""
+    total = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return total / (targets != -100).sum().clamp_min(1)
+
+
+def gpt_hooks(items: bool = True) -> ModelHooks:
+    counts = (lambda b: (b[2] != -100).sum(1)) if items else None
+    return ModelHooks(pipeline_input=lambda b: (b[0], b[1]), loss_items=counts)
+
+
+def gpt_head(output: torch.Tensor, microbatch: Microbatch) -> torch.Tensor:
+    return gpt_loss(output, microbatch.data[2])
+
+
+def gpt_reference(dtype: torch.dtype, steps: int, lr: float, momentum: float = 0.0) -> dict[str, Any]:
+    model = build_gpt(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    losses = []
+    for step in range(steps):
+        ids, mask, targets = gpt_batch(step)
+        optimizer.zero_grad()
+        loss = gpt_loss(model(ids, mask), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "last": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+# ---------------------------------------------------------------- Hugging Face families
+hf_families.FAMILIES.setdefault("qwen2", hf_families.Family("Qwen2Config", "Qwen2ForCausalLM"))
+
+
+def hf_batch(step: int) -> dict[str, torch.Tensor]:
+    """The families' padded batch (10 tokens) padded to 12, a multiple of 2C."""
+    batch = hf_families.padded_batch(BATCH, seed=100 + step)
+    return {
+        "input_ids": F.pad(batch["input_ids"], (0, 2)),
+        "attention_mask": F.pad(batch["attention_mask"], (0, 2)),
+        "labels": F.pad(batch["labels"], (0, 2), value=IGNORE_INDEX),
+    }
+
+
+def hf_head(output: torch.Tensor, microbatch: Microbatch) -> torch.Tensor:
+    # Under context parallelism the micro-batch holds shift_labels (shifted before the cut).
+    return causal_lm_loss(output, None, microbatch.data["shift_labels"])
+
+
+def hf_dtype(family: str) -> torch.dtype:
+    return torch.float64 if hf_families.FAMILIES[family].float64 else torch.float32
+
+
+def hf_reference(family: str, steps: int, lr: float) -> dict[str, Any]:
+    model = hf_families.build(family, hf_dtype(family))
+    return hf_families.train_reference(model, [hf_batch(s) for s in range(steps)], lr)
+
+
+# ---------------------------------------------------------------- one layout's run
+def train(
+    model_name: str,
+    dp: int,
+    pp: int,
+    tp: int,
+    *,
+    dtype: torch.dtype = torch.float64,
+    lr: float = 0.5,
+    steps: int = STEPS,
+    momentum: float = 0.0,
+    save: str | None = None,
+    load: str | None = None,
+    first_step: int = 0,
+    ring: bool = True,
+    items: bool = True,
+    seq: int = SEQ,
+) -> dict[str, Any]:
+    """``steps`` SGD steps of ``model_name`` at ``dp x pp x tp`` with C=2 (C=1 when ``load``):
+    every step's loss, the tokens the decoder layers received, the whole model on rank 0."""
+    context = 1 if load else 2
+    layout = ParallelLayout(dp, pp, tp, context_parallel_size=context)
+    mesh = init_mesh(layout, "cpu")
+    hf = model_name != "gpt"
+    if hf:
+        model: nn.Module = hf_families.build(model_name, hf_dtype(model_name))
+        pipeline = CausalLMPipeline(model)
+        layers, hooks = pipeline.layers(), pipeline.hooks()
+        plan = pipeline.tensor_parallel_plan(tp).plan if tp > 1 else None
+        decoders: list[nn.Module] = list(model.model.layers)
+        head: Any = hf_head
+    else:
+        model = build_gpt(dtype, ring)
+        layers, hooks, plan, decoders, head = (
+            list(model),
+            gpt_hooks(items),
+            None,
+            [model[1], model[2]],
+            gpt_head,
+        )
+    seen: set[int] = set()
+    for layer in decoders:  # the tokens each decoder layer receives in training
+        layer.register_forward_pre_hook(
+            lambda _, args: seen.add(args[0].shape[1]) if active_shard() else None
+        )
+    options = RuntimeOptions(
+        num_microbatches=2,
+        tensor_parallel_plan=plan,
+        timeout=timedelta(seconds=60),
+        context_parallel_size=context,
+    )
+    runtime = ParallelRuntime(model, layers, mesh, torch.device("cpu"), options, seed=0, hooks=hooks)
+    optimizer = runtime.keep_own(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum))
+    if load:
+        runtime.load_checkpoint(load, [optimizer])
+    loaded = gather_model_state(model, runtime.partition, mesh) if load else None
+    replicas = layout.sample_replicas
+    replica = mesh.coordinates.dp_rank // context
+    losses = []
+    for step in range(first_step, first_step + steps):
+        batch: Any = hf_batch(step) if hf else gpt_batch(step)
+        if hf:
+            mine: Any = {k: v.chunk(replicas)[replica] for k, v in batch.items()}
+        else:
+            mine = tuple(t.chunk(replicas)[replica][:, :seq] for t in batch)
+        optimizer.zero_grad()
+        runtime.begin_accumulation()
+        result = runtime.train_batch(mine, head)
+        loss = torch.tensor([float(result.loss)], dtype=torch.float64)
+        dist.all_reduce(loss)  # every rank holds its replica's loss: their mean is the batch's
+        losses.append(float(loss) / dist.get_world_size())
+        optimizer.step()
+    if save:
+        runtime.save_checkpoint(save, [optimizer])
+    last = gather_model_state(model, runtime.partition, mesh)
+    runtime.close()
+    return {"losses": losses, "seen": sorted(seen), "last": last, "loaded": loaded}
+
+
+def gaps(run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """Largest differences of losses and last weights (rank 0: the whole model)."""
+    return {
+        "loss": max(abs(a - b) for a, b in zip(run["losses"], reference["losses"], strict=True)),
+        "weights": max(float((run["last"][k] - reference["last"][k]).abs().max()) for k in reference["last"]),
+        "seen": run["seen"],
+    }
+
+
+def two_ranks(root: str) -> dict[str, Any]:
+    """C=2 (dp=2, world 2): the GPT in float64 and float32, llama, qwen2, mistral; a checkpoint
+    saved at C=2 loaded at C=1 (pp=2)."""
+    out: dict[str, Any] = {}
+    for dtype, name, lr in ((torch.float64, "gpt64", 0.5), (torch.float32, "gpt32", 0.1)):
+        run = train("gpt", 2, 1, 1, dtype=dtype, lr=lr)
+        out[name] = gaps(run, gpt_reference(dtype, STEPS, lr)) if dist.get_rank() == 0 else run["seen"]
+    for family in ("llama", "qwen2", "mistral"):
+        lr = 0.5 if hf_families.FAMILIES[family].float64 else 0.1
+        run = train(family, 2, 1, 1, lr=lr)
+        out[family] = gaps(run, hf_reference(family, STEPS, lr)) if dist.get_rank() == 0 else run["seen"]
+    # refusals, each on every rank at the first training batch, before any optimizer step
+    for name, kwargs in (
+        ("no_ring", {"ring": False}),
+        ("no_items", {"items": False}),
+        ("length", {"seq": 10}),
+    ):
+        try:
+            train("gpt", 2, 1, 1, steps=1, **kwargs)
+            out[name] = None
+        except ContextParallelError as err:
+            out[name] = str(err)
+    # checkpoints: three steps at C=2 with momentum, saved; loaded at C=1 x pp=2, one more step
+    path = str(Path(root) / "c2")
+    saved = train("gpt", 2, 1, 1, momentum=0.9, save=path)
+    resumed = train("gpt", 1, 2, 1, momentum=0.9, load=path, steps=1, first_step=STEPS)
+    if dist.get_rank() == 0:
+        three = gpt_reference(torch.float64, STEPS, 0.5, momentum=0.9)
+        four = gpt_reference(torch.float64, STEPS + 1, 0.5, momentum=0.9)
+        out["checkpoint"] = {
+            "saved": max(float((saved["last"][k] - three["last"][k]).abs().max()) for k in three["last"]),
+            "loaded": max(
+                float((resumed["loaded"][k] - saved["last"][k]).abs().max()) for k in three["last"]
+            ),
+            "resumed": max(float((resumed["last"][k] - four["last"][k]).abs().max()) for k in four["last"]),
+            "loss": abs(resumed["losses"][0] - four["losses"][-1]),
+        }
+    return out
+
+
+def four_ranks() -> dict[str, Any]:
+    """C=2 x pp=2 (the GPT, llama) and C=2 x tp=2 (llama), world 4."""
+    out: dict[str, Any] = {}
+    for key, model_name, pp, tp in (
+        ("gpt-pp2", "gpt", 2, 1),
+        ("llama-pp2", "llama", 2, 1),
+        ("llama-tp2", "llama", 1, 2),
+    ):
+        run = train(model_name, 2, pp, tp)
+        if dist.get_rank() == 0:
+            ref = (
+                gpt_reference(torch.float64, STEPS, 0.5)
+                if model_name == "gpt"
+                else hf_reference("llama", STEPS, 0.5)
+            )
+            out[key] = gaps(run, ref)
+        else:
+            out[key] = run["seen"]
+    return out
+
+
+def _check(result: dict[str, Any], name: str, tolerance: float) -> None:
+    gap = result[name]
+    assert gap["loss"] < tolerance and gap["weights"] < tolerance, (name, gap)
+    assert gap["seen"] == [SEQ // 2], (name, gap["seen"])  # each rank's layers: half the tokens
+
+
+@pytest.mark.distributed
+def test_context_parallel_at_c2_equals_one_device_and_its_checkpoint_resumes_at_c1() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(two_ranks, 2, root, timeout=600)
+    rank0 = results[0]
+    _check(rank0, "gpt64", 1e-9)
+    _check(rank0, "gpt32", 1e-5)
+    for family in ("llama", "qwen2", "mistral"):
+        _check(rank0, family, 1e-9 if hf_families.FAMILIES[family].float64 else 1e-5)
+    assert results[1]["llama"] == [SEQ // 2]
+    assert "no layer of the model called ring attention" in rank0["no_ring"], rank0["no_ring"]
+    assert "weighted by token counts" in rank0["no_items"], rank0["no_items"]
+    assert "sequence length is 10, not a multiple of 4" in rank0["length"], rank0["length"]
+    assert "here 12" in rank0["length"]
+    ckpt = rank0["checkpoint"]
+    assert ckpt["saved"] < 1e-9 and ckpt["loaded"] == 0.0, ckpt
+    assert ckpt["resumed"] < 1e-9 and ckpt["loss"] < 1e-9, ckpt
+
+
+@pytest.mark.distributed
+def test_context_parallel_composes_with_the_pipeline_and_tensor_axes() -> None:
+    results = run_distributed(four_ranks, 4, timeout=600)
+    for key in ("gpt-pp2", "llama-pp2", "llama-tp2"):
+        _check(results[0], key, 1e-9)
+        for rank in range(1, 4):  # the layers of every rank that holds some: half the tokens
+            assert results[rank][key] in ([SEQ // 2], []), (key, rank, results[rank][key])
+
+
+def test_a_hugging_face_batch_is_cut_with_labels_shifted_first_and_global_positions() -> None:
+    from lightning_pipe.huggingface.context_cut import cut_batch
+
+    batch = hf_batch(0)
+    part, positions = cut_batch(batch, 1, 2)
+    assert positions.tolist() == [3, 4, 5, 6, 7, 8]
+    assert "labels" not in part and part["position_ids"].tolist() == [list(range(3, 9))] * BATCH
+    assert torch.equal(part["input_ids"], batch["input_ids"][:, 3:9])
+    assert torch.equal(part["attention_mask"], batch["attention_mask"][:, 3:9])
+    assert torch.equal(part["shift_labels"], batch["labels"][:, 4:10])  # token t's target: t + 1
+
+
+def test_context_refusals_before_any_process() -> None:
+    from lightning_pipe.huggingface.context_cut import cut_batch
+
+    with pytest.raises(ContextParallelError, match=r"sequence length is 10, not a multiple of 4.*here 12"):
+        cut_batch(hf_families.padded_batch(2, seed=0), 0, 2)
+    with pytest.raises(ContextParallelError, match="packs several sequences per row"):
+        cut_batch({**hf_batch(0), "position_ids": torch.zeros(BATCH, SEQ, dtype=torch.long)}, 0, 2)
+    with pytest.raises(ContextParallelError, match="dict with 'input_ids'"):
+        cut_batch(hf_batch(0)["input_ids"], 0, 2)
+    with pytest.raises(ValueError, match="context_parallel_size=2 does not divide data_parallel_size=3"):
+        ParallelLayout(3, 1, 1, context_parallel_size=2)
+    for other in ({"sequence_parallel": True}, {"expert_parallel_size": 2}):
+        with pytest.raises(ValueError, match="cannot be combined with"):
+            RuntimeOptions(context_parallel_size=2, **other)
+    layout = ParallelLayout(4, 2, 1, context_parallel_size=2)
+    assert layout.context_ranks(layout.rank_of(3, 1, 0)) == [layout.rank_of(2, 1, 0), layout.rank_of(3, 1, 0)]
+    assert layout.cp_rank(layout.rank_of(3, 1, 0)) == 1 and layout.sample_replicas == 2
+    assert str(layout) == "dp=4 (cp=2) x pp=2 x tp=1"
