@@ -379,3 +379,50 @@ def test_context_refusals_before_any_process() -> None:
     assert layout.context_ranks(layout.rank_of(3, 1, 0)) == [layout.rank_of(2, 1, 0), layout.rank_of(3, 1, 0)]
     assert layout.cp_rank(layout.rank_of(3, 1, 0)) == 1 and layout.sample_replicas == 2
     assert str(layout) == "dp=4 (cp=2) x pp=2 x tp=1"
+
+
+def lightning_worker() -> dict[str, Any]:
+    """``PipeTPStrategy(context_parallel_size=2)`` fitting llama the Hugging Face way
+    (``self.model(**batch).loss``) on two processes: the whole model on rank 0, what each rank's
+    sampler gave it."""
+    from torch.utils.data import DataLoader
+
+    from lightning_pipe import PipeTPStrategy
+    from tests.test_huggingface_lightning import HuggingFaceStep
+    from tests.trainers import fit
+
+    torch.set_num_threads(1)
+    model = HuggingFaceStep("llama")
+    strategy = PipeTPStrategy(
+        data_parallel_size=2,
+        context_parallel_size=2,
+        num_microbatches=2,
+        timeout=timedelta(seconds=60),
+    )
+    trainer = fit(model, strategy, 2, DataLoader(lightning_rows(), batch_size=BATCH), max_epochs=1)
+    state = gather_model_state(model, trainer.strategy.runtime.partition, trainer.strategy.mesh)
+    sampler = trainer.strategy.distributed_sampler_kwargs
+    return {"state": state, "sampler": sampler, "layout": str(trainer.strategy.mesh.layout)}
+
+
+def lightning_rows() -> list[dict[str, torch.Tensor]]:
+    return [{k: v[i] for k, v in hf_batch(s).items()} for s in range(STEPS) for i in range(BATCH)]
+
+
+@pytest.mark.distributed
+def test_the_strategy_option_fits_a_hugging_face_model_at_c2_like_one_device() -> None:
+    from torch.utils.data import DistributedSampler
+
+    got = run_distributed(lightning_worker, 2, timeout=300, init_group=False)
+    # Lightning's training sampler shuffles (seed 0) over the dp/C = 1 sample replica: the same order.
+    rows = lightning_rows()
+    order = [rows[i] for i in DistributedSampler(rows, num_replicas=1, rank=0, seed=0)]
+    steps = [
+        {k: torch.stack([r[k] for r in order[s * BATCH : (s + 1) * BATCH]]) for k in rows[0]}
+        for s in range(STEPS)
+    ]
+    reference = hf_families.train_reference(hf_families.build("llama"), steps, 0.5)
+    gap = max(float((got[0]["state"]["model." + k] - v).abs().max()) for k, v in reference["last"].items())
+    assert gap < 1e-5, gap
+    assert [g["sampler"] for g in got] == [{"num_replicas": 1, "rank": 0}] * 2
+    assert got[0]["layout"] == "dp=2 (cp=2) x pp=1 x tp=1"

@@ -133,6 +133,11 @@ class PipeTPStrategy(PipeTPSetup):
         view = self.pipeline_model
         if view is None or view.step_inputs is None:
             return
+        if self.options.context_parallel_size > 1:
+            # A batch cut for context parallelism is a collator's dict, taken by its keys (the cut
+            # refuses others): roles learned on the whole batch would name its 'labels', which the
+            # cut turns into 'shift_labels'.
+            return
         learn_step_inputs(
             self.module, step_name, args, view.huggingface.model, view.step_inputs, self._gather_objects
         )
