@@ -372,7 +372,7 @@ def test_context_refusals_before_any_process() -> None:
         cut_batch(hf_batch(0)["input_ids"], 0, 2)
     with pytest.raises(ValueError, match="context_parallel_size=2 does not divide data_parallel_size=3"):
         ParallelLayout(3, 1, 1, context_parallel_size=2)
-    for other in ({"sequence_parallel": True}, {"expert_parallel_size": 2}):
+    for other in ({"sequence_parallel": True}, {"expert_parallel_size": 2}, {"partition": "time"}):
         with pytest.raises(ValueError, match="cannot be combined with"):
             RuntimeOptions(context_parallel_size=2, **other)
     layout = ParallelLayout(4, 2, 1, context_parallel_size=2)

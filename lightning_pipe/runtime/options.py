@@ -254,6 +254,13 @@ class RuntimeOptions:
                     f"{name}={getattr(self, name)!r} yet (not written: both would split the same axis or "
                     f"sequence); use one of them."
                 )
+        if str(getattr(self.partition, "value", self.partition)) == "time":
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} cannot be combined with "
+                "partition='time' yet (the layers are timed on one process, outside any context group, "
+                "where ring attention has no other ranks' keys); use partition='parameters' or "
+                "'uniform', or a list of layer counts."
+            )
 
     def _check_sharding(self) -> None:
         check_flag("shard_parameters", self.shard_parameters)
