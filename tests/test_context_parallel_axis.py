@@ -6,12 +6,15 @@ model on the whole batches in one process. Compared: every step's loss and the w
 last step (float64 within 1e-9, float32 within 1e-5), and the tokens each rank's decoder layers
 receive in training (half the sequence: counted by a forward pre-hook).
 
-Two launches: two ranks (C=2: a hand-written GPT whose attention call is the ``ring_attention``
-marker and whose position embedding reads ``token_positions``, float64 and float32; llama (tied
-embeddings, grouped-query), qwen2 (grouped-query, biases) and mistral (a sliding window); a
-checkpoint saved at C=2 loaded at C=1 and trained one more step), and four ranks (C=2 x pp=2
-for the GPT and llama, C=2 x tp=2 for llama). The refusals (a sequence not divisible by 2C, a
-model whose attention is not the ring, a batch without token counts) run in one process.
+Three launches. Two ranks: at C=2 a hand-written GPT whose attention call is the
+``ring_attention`` marker and whose position embedding reads ``token_positions`` (float64 and
+float32), llama (tied embeddings, grouped-query), qwen2 (grouped-query, biases) and mistral (a
+sliding window); the refusals at the first training batch (a model whose attention is not the
+ring, a batch without token counts, a length not divisible by 2C); a checkpoint saved at C=2
+loaded at C=1 and trained one more step. Four ranks: C=2 x pp=2 (the GPT, llama), C=2 x tp=2
+(llama), dp=4 x C=2 with ZeRO-1 and recomputation (the GPT) and FSDP2 (llama). Two ranks under
+Lightning: ``PipeTPStrategy(context_parallel_size=2)`` fitting llama. The batch cut and the
+option refusals run in one process.
 """
 
 from __future__ import annotations
@@ -189,6 +192,7 @@ def train(
     ring: bool = True,
     items: bool = True,
     seq: int = SEQ,
+    **more: Any,
 ) -> dict[str, Any]:
     """``steps`` SGD steps of ``model_name`` at ``dp x pp x tp`` with C=2 (C=1 when ``load``):
     every step's loss, the tokens the decoder layers received, the whole model on rank 0."""
@@ -222,6 +226,7 @@ def train(
         tensor_parallel_plan=plan,
         timeout=timedelta(seconds=60),
         context_parallel_size=context,
+        **more,
     )
     runtime = ParallelRuntime(model, layers, mesh, torch.device("cpu"), options, seed=0, hooks=hooks)
     optimizer = runtime.keep_own(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum))
@@ -240,9 +245,12 @@ def train(
         optimizer.zero_grad()
         runtime.begin_accumulation()
         result = runtime.train_batch(mine, head)
-        loss = torch.tensor([float(result.loss)], dtype=torch.float64)
-        dist.all_reduce(loss)  # every rank holds its replica's loss: their mean is the batch's
-        losses.append(float(loss) / dist.get_world_size())
+        # Every rank holds its sample replica's loss (its tokens' mean): weighted by the tokens,
+        # the replicas' losses make the global batch's (every replica has as many ranks).
+        tokens = float((mine["labels"][:, 1:] != IGNORE_INDEX).sum() if hf else (mine[2] != -100).sum())
+        loss = torch.tensor([float(result.loss) * tokens, tokens], dtype=torch.float64)
+        dist.all_reduce(loss)
+        losses.append(float(loss[0] / loss[1]))
         optimizer.step()
     if save:
         runtime.save_checkpoint(save, [optimizer])
@@ -302,14 +310,18 @@ def two_ranks(root: str) -> dict[str, Any]:
 
 
 def four_ranks() -> dict[str, Any]:
-    """C=2 x pp=2 (the GPT, llama) and C=2 x tp=2 (llama), world 4."""
+    """C=2 x pp=2 (the GPT, llama) and C=2 x tp=2 (llama), world 4; and dp=4 at C=2 (two
+    context groups reading different samples) with ZeRO-1 and recomputation (the GPT) and with
+    FSDP2 (llama)."""
     out: dict[str, Any] = {}
-    for key, model_name, pp, tp in (
-        ("gpt-pp2", "gpt", 2, 1),
-        ("llama-pp2", "llama", 2, 1),
-        ("llama-tp2", "llama", 1, 2),
+    for key, model_name, dp, pp, tp, more in (
+        ("gpt-pp2", "gpt", 2, 2, 1, {}),
+        ("llama-pp2", "llama", 2, 2, 1, {}),
+        ("llama-tp2", "llama", 2, 1, 2, {}),
+        ("gpt-dp4-zero1-recompute", "gpt", 4, 1, 1, {"shard_optimizer_state": True, "recompute": "always"}),
+        ("llama-dp4-fsdp", "llama", 4, 1, 1, {"shard_parameters": True}),
     ):
-        run = train(model_name, 2, pp, tp)
+        run = train(model_name, dp, pp, tp, **more)
         if dist.get_rank() == 0:
             ref = (
                 gpt_reference(torch.float64, STEPS, 0.5)
@@ -350,7 +362,7 @@ def test_context_parallel_at_c2_equals_one_device_and_its_checkpoint_resumes_at_
 @pytest.mark.distributed
 def test_context_parallel_composes_with_the_pipeline_and_tensor_axes() -> None:
     results = run_distributed(four_ranks, 4, timeout=600)
-    for key in ("gpt-pp2", "llama-pp2", "llama-tp2"):
+    for key in ("gpt-pp2", "llama-pp2", "llama-tp2", "gpt-dp4-zero1-recompute", "llama-dp4-fsdp"):
         _check(results[0], key, 1e-9)
         for rank in range(1, 4):  # the layers of every rank that holds some: half the tokens
             assert results[rank][key] in ([SEQ // 2], []), (key, rank, results[rank][key])
