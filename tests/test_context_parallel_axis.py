@@ -445,3 +445,17 @@ def test_the_strategy_option_fits_a_hugging_face_model_at_c2_like_one_device() -
     assert gap < 1e-5, gap
     assert [g["sampler"] for g in got] == [{"num_replicas": 1, "rank": 0}] * 2
     assert got[0]["layout"] == "dp=2 (cp=2) x pp=1 x tp=1"
+
+
+def test_a_family_the_ring_cannot_compute_is_refused_when_the_runtime_would_replace_its_attention() -> None:
+    from lightning_pipe.huggingface import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=r"\(gemma2\) soft-caps its attention logits"):
+        CausalLMPipeline(hf_families.build("gemma2")).use_ring_attention()
+    dropping = hf_families.build("llama")
+    dropping.config.attention_dropout = 0.1
+    with pytest.raises(UnsupportedModelError, match=r"attention_dropout=0\.1"):
+        CausalLMPipeline(dropping).use_ring_attention()
+    llama = hf_families.build("llama")
+    CausalLMPipeline(llama).use_ring_attention()
+    assert llama.config._attn_implementation == "lightning_pipe_ring" and not llama.config.use_cache

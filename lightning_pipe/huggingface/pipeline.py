@@ -236,6 +236,23 @@ class CausalLMPipeline:
         the model keeps no cache (training needs none; each rank's positions are not 0..n-1)."""
         from lightning_pipe.huggingface.ring_attention import use_ring_attention
 
+        # What the ring cannot compute is refused now, before any work (its attention function
+        # refuses it again at the call, for a model set to ring attention by hand).
+        config, where = self.parts.config, f"{type(self.model).__name__} ({self.family})"
+        reasons = []
+        if getattr(config, "attn_logit_softcapping", None):
+            reasons.append(
+                f"soft-caps its attention logits (attn_logit_softcapping={config.attn_logit_softcapping})"
+            )
+        if any(getattr(m, "sinks", None) is not None for m in self.model.modules()):
+            reasons.append("has attention sinks")
+        if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+            reasons.append(f"drops attention probabilities (attention_dropout={config.attention_dropout})")
+        if reasons:
+            raise UnsupportedModelError(
+                f"context parallelism: {where} {' and '.join(reasons)}, which ring attention does not "
+                "compute; use context_parallel_size=1 for this family (for dropout: attention_dropout=0)."
+            )
         try:
             use_ring_attention(self.model)
         except (ValueError, NotImplementedError, AttributeError) as err:
