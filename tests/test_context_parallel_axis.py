@@ -13,7 +13,8 @@ sliding window); the refusals at the first training batch (a model whose attenti
 ring, a batch without token counts, a length not divisible by 2C); a checkpoint saved at C=2
 loaded at C=1 and trained one more step. Four ranks: C=2 x pp=2 (the GPT, llama), C=2 x tp=2
 (llama), dp=4 x C=2 with ZeRO-1 and recomputation (the GPT) and FSDP2 (llama). Two ranks under
-Lightning: ``PipeTPStrategy(context_parallel_size=2)`` fitting llama. The batch cut and the
+Lightning: ``PipeTPStrategy(context_parallel_size=2)`` fitting llama the Hugging Face way and the GPT
+through ``configure_pipeline``, ``pipeline_input`` and ``loss_items``. The batch cut and the
 option refusals run in one process.
 """
 
@@ -24,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -421,7 +423,45 @@ def lightning_worker() -> dict[str, Any]:
     trainer = fit(model, strategy, 2, DataLoader(lightning_rows(), batch_size=BATCH), max_epochs=1)
     state = gather_model_state(model, trainer.strategy.runtime.partition, trainer.strategy.mesh)
     sampler = trainer.strategy.distributed_sampler_kwargs
-    return {"state": state, "sampler": sampler, "layout": str(trainer.strategy.mesh.layout)}
+    out = {"state": state, "sampler": sampler, "layout": str(trainer.strategy.mesh.layout)}
+    gpt = GPTModule()
+    strategy = PipeTPStrategy(
+        data_parallel_size=2, context_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60)
+    )
+    trainer = fit(gpt, strategy, 2, DataLoader(gpt_rows(), batch_size=BATCH), max_epochs=1)
+    out["gpt"] = gather_model_state(gpt, trainer.strategy.runtime.partition, trainer.strategy.mesh)
+    return out
+
+
+class GPTModule(L.LightningModule):
+    """The hand-written GPT the Lightning way: its layers, its batch's pipeline input and token
+    counts, its own loss in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = build_gpt(torch.float32)
+
+    def configure_pipeline(self) -> list[nn.Module]:
+        return list(self.gpt)
+
+    def pipeline_input(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[0], batch[1]
+
+    def loss_items(self, batch: Any) -> torch.Tensor:
+        return (batch[2] != -100).sum(1)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.gpt(ids, mask)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return gpt_loss(self(batch[0], batch[1]), batch[2])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def gpt_rows() -> list[tuple[torch.Tensor, ...]]:
+    return [tuple(t[i] for t in gpt_batch(s)) for s in range(STEPS) for i in range(BATCH)]
 
 
 def lightning_rows() -> list[dict[str, torch.Tensor]]:
@@ -444,6 +484,19 @@ def test_the_strategy_option_fits_a_hugging_face_model_at_c2_like_one_device() -
     gap = max(float((got[0]["state"]["model." + k] - v).abs().max()) for k, v in reference["last"].items())
     assert gap < 1e-5, gap
     assert [g["sampler"] for g in got] == [{"num_replicas": 1, "rank": 0}] * 2
+    # the hand-written GPT (configure_pipeline, pipeline_input, loss_items): one device, same order
+    gpt_order = [gpt_rows()[i] for i in DistributedSampler(rows, num_replicas=1, rank=0, seed=0)]
+    model = build_gpt(torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(STEPS):
+        ids, mask, targets = (
+            torch.stack(c) for c in zip(*gpt_order[s * BATCH : (s + 1) * BATCH], strict=True)
+        )
+        optimizer.zero_grad()
+        gpt_loss(model(ids, mask), targets).backward()
+        optimizer.step()
+    gap = max(float((got[0]["gpt"]["gpt." + k] - v).abs().max()) for k, v in model.state_dict().items())
+    assert gap < 1e-5, gap
     assert got[0]["layout"] == "dp=2 (cp=2) x pp=1 x tp=1"
 
 
