@@ -396,6 +396,15 @@ def test_context_refusals_before_any_process() -> None:
     for other in ({"sequence_parallel": True}, {"expert_parallel_size": 2}, {"partition": "time"}):
         with pytest.raises(ValueError, match="cannot be combined with"):
             RuntimeOptions(context_parallel_size=2, **other)
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_pipe import PipeTPStrategy
+    from lightning_pipe.strategy.options import check_layout_fits
+
+    with pytest.raises(ValueError, match="context_parallel_size=2 does not divide data_parallel_size=3"):
+        PipeTPStrategy(data_parallel_size=3, context_parallel_size=2)
+    with pytest.raises(MisconfigurationException, match="context_parallel_size=2 does not divide"):
+        check_layout_fits((1, 1, "auto"), RuntimeOptions(context_parallel_size=2), 3, 1)
     layout = ParallelLayout(4, 2, 1, context_parallel_size=2)
     assert layout.context_ranks(layout.rank_of(3, 1, 0)) == [layout.rank_of(2, 1, 0), layout.rank_of(3, 1, 0)]
     assert layout.cp_rank(layout.rank_of(3, 1, 0)) == 1 and layout.sample_replicas == 2
