@@ -12,10 +12,10 @@ float32), llama (tied embeddings, grouped-query), qwen2 (grouped-query, biases) 
 sliding window); the refusals at the first training batch (a model whose attention is not the
 ring, a batch without token counts, a length not divisible by 2C); a checkpoint saved at C=2
 loaded at C=1 and trained one more step. Four ranks: C=2 x pp=2 (the GPT, llama), C=2 x tp=2
-(llama), dp=4 x C=2 with ZeRO-1 and recomputation (the GPT) and FSDP2 (llama). Two ranks under
-Lightning: ``PipeTPStrategy(context_parallel_size=2)`` fitting llama the Hugging Face way and the GPT
-through ``configure_pipeline``, ``pipeline_input`` and ``loss_items``. The batch cut and the
-option refusals run in one process.
+(llama, and with sequence parallelism), dp=4 x C=2 with ZeRO-1 and recomputation (the GPT)
+and FSDP2 (llama). Two ranks under Lightning: ``PipeTPStrategy(context_parallel_size=2)``
+fitting llama the Hugging Face way and the GPT through ``configure_pipeline``,
+``pipeline_input`` and ``loss_items``. The batch cut and the option refusals run in one process.
 """
 
 from __future__ import annotations
@@ -205,8 +205,9 @@ def train(
     if hf:
         model: nn.Module = hf_families.build(model_name, hf_dtype(model_name))
         pipeline = CausalLMPipeline(model)
-        layers, hooks = pipeline.layers(), pipeline.hooks()
-        plan = pipeline.tensor_parallel_plan(tp).plan if tp > 1 else None
+        sequence = bool(more.get("sequence_parallel", False))
+        plan = pipeline.tensor_parallel_plan(tp, sequence_parallel=sequence).plan if tp > 1 else None
+        layers, hooks = pipeline.layers(), pipeline.hooks()  # after the plan: the embedding's split
         decoders: list[nn.Module] = list(model.model.layers)
         head: Any = hf_head
     else:
@@ -320,6 +321,7 @@ def four_ranks() -> dict[str, Any]:
         ("gpt-pp2", "gpt", 2, 2, 1, {}),
         ("llama-pp2", "llama", 2, 2, 1, {}),
         ("llama-tp2", "llama", 2, 1, 2, {}),
+        ("llama-tp2-sp", "llama", 2, 1, 2, {"sequence_parallel": True}),
         ("gpt-dp4-zero1-recompute", "gpt", 4, 1, 1, {"shard_optimizer_state": True, "recompute": "always"}),
         ("llama-dp4-fsdp", "llama", 4, 1, 1, {"shard_parameters": True}),
     ):
@@ -368,6 +370,15 @@ def test_context_parallel_composes_with_the_pipeline_and_tensor_axes() -> None:
         _check(results[0], key, 1e-9)
         for rank in range(1, 4):  # the layers of every rank that holds some: half the tokens
             assert results[rank][key] in ([SEQ // 2], []), (key, rank, results[rank][key])
+    # Sequence parallelism within each tensor group: the layers get S/C/tp = 3 tokens in training
+    # (and the first batch's check runs them on S/C, with sequence parallelism suspended).
+    for rank in range(4):
+        assert (results[rank]["llama-tp2-sp"] if rank else results[0]["llama-tp2-sp"]["seen"]) == [
+            SEQ // 4,
+            SEQ // 2,
+        ]
+    sequence = results[0]["llama-tp2-sp"]
+    assert sequence["loss"] < 1e-9 and sequence["weights"] < 1e-9, sequence
 
 
 def test_a_hugging_face_batch_is_cut_with_labels_shifted_first_and_global_positions() -> None:
@@ -393,7 +404,7 @@ def test_context_refusals_before_any_process() -> None:
         cut_batch(hf_batch(0)["input_ids"], 0, 2)
     with pytest.raises(ValueError, match="context_parallel_size=2 does not divide data_parallel_size=3"):
         ParallelLayout(3, 1, 1, context_parallel_size=2)
-    for other in ({"sequence_parallel": True}, {"expert_parallel_size": 2}, {"partition": "time"}):
+    for other in ({"expert_parallel_size": 2}, {"partition": "time"}):
         with pytest.raises(ValueError, match="cannot be combined with"):
             RuntimeOptions(context_parallel_size=2, **other)
     from lightning.pytorch.utilities.exceptions import MisconfigurationException

@@ -145,7 +145,7 @@ class RuntimeOptions:
     axis. The sequence length must be a multiple of ``2C``, and the loss weighted by token counts
     (a Hugging Face batch's ``labels``, or the model's ``loss_items``); a Hugging Face batch's
     ``labels`` reach the step as ``shift_labels`` (targets aligned with the tokens, cut alike).
-    Not yet with ``expert_parallel_size > 1`` or ``sequence_parallel``
+    Not yet with ``expert_parallel_size > 1`` or ``partition="time"``
     (:mod:`lightning_pipe.context`)."""
     bucket_cap_mb: float = 25.0
     """Size of the gradient buckets of the data-parallel reducer, whose all-reduces overlap the
@@ -244,16 +244,12 @@ class RuntimeOptions:
         check_count("context_parallel_size", self.context_parallel_size)
         if self.context_parallel_size == 1:
             return
-        for name, value in (
-            ("expert_parallel_size", self.expert_parallel_size > 1),
-            ("sequence_parallel", self.sequence_parallel),
-        ):
-            if value:
-                raise ValueError(
-                    f"context_parallel_size={self.context_parallel_size} cannot be combined with "
-                    f"{name}={getattr(self, name)!r} yet (not written: both would split the same axis or "
-                    f"sequence); use one of them."
-                )
+        if self.expert_parallel_size > 1:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} cannot be combined with "
+                f"expert_parallel_size={self.expert_parallel_size} yet (both borrow ranks from the data "
+                "axis); use one of them."
+            )
         if str(getattr(self.partition, "value", self.partition)) == "time":
             raise ValueError(
                 f"context_parallel_size={self.context_parallel_size} cannot be combined with "

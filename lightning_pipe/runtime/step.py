@@ -163,7 +163,9 @@ class BatchRunner:
         if self.context is not None:
             self.context.check_items(counted, training)
         microbatches = weighted_microbatches(pieces, sizes, counts, counted)
-        self.checks.before(step, batch, inputs[0], kind)
+        shard = self.context.scope(positions) if self.context and positions is not None else nullcontext()
+        with shard:  # the first batch's checks run the layers too (under sequence parallelism)
+            self.checks.before(step, batch, inputs[0], kind)
         # By items, the replicas' gradients are averaged, so each replica's losses are weighted by
         # its share of the global batch's items times the number of replicas (1 when the replicas
         # hold as many items each): the average is then the global batch's mean.
