@@ -41,7 +41,8 @@ def cut_batch(batch: Any, rank: int, size: int) -> tuple[dict[str, Any], torch.T
         raise ContextParallelError(
             f"context_parallel_size={size} cuts a Hugging Face batch given as a dict with 'input_ids' (and "
             "optionally 'attention_mask', 'labels'), as a collator gives it; this batch is a "
-            f"{type(batch).__name__}. Return such a dict from the dataloader (or from pipeline_input)."
+            f"{type(batch).__name__}. Return such a dict from the dataloader (the batch is cut before "
+            "pipeline_input sees it), or use context_parallel_size=1."
         )
     ids = batch["input_ids"]
     seq_len = ids.shape[1]
