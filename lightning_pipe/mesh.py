@@ -22,6 +22,13 @@ experts of every mixture-of-experts layer and exchange tokens by all-to-all on e
 they are the data ranks closest together; the ranks with the same ``ep_rank`` (one per expert
 group: the *expert-data* group) hold the same experts. Parameters outside the experts are reduced
 over the whole data axis, expert parameters over the expert-data group.
+
+**The context axis borrows from the data axis too**: with ``context_parallel_size = C``, the
+data-parallel ranks of one ``(pp_rank, tp_rank)`` form ``data_parallel_size / C`` context groups
+of ``C`` consecutive ``dp_rank`` values (``dp_rank = context_replica x C + cp_rank``). The ``C``
+ranks of a context group get the same samples, each keeps its part of every sequence
+(:mod:`lightning_pipe.context`) and they pass key/value blocks around on every attention layer;
+gradients are reduced once over the whole data axis (which holds the context ranks).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ __all__ = [
     "ParallelLayout",
     "ParallelMesh",
     "RankCoordinates",
+    "check_context_parallel_size",
     "check_expert_parallel_size",
     "check_replicate_size",
     "check_tensor_groups_in_nodes",
@@ -82,11 +90,15 @@ class ParallelLayout:
     expert_parallel_size: int = 1
     """Ranks of the data axis that split each mixture-of-experts layer's experts between them (the
     expert axis borrows from the data axis: it divides ``data_parallel_size``, see the module)."""
+    context_parallel_size: int = 1
+    """Ranks of the data axis that split each sequence between them (the context axis borrows
+    from the data axis: it divides ``data_parallel_size``, see the module)."""
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "pipeline_parallel_size", "tensor_parallel_size"):
             check_count(name, getattr(self, name))
         check_expert_parallel_size(self.expert_parallel_size, self.data_parallel_size)
+        check_context_parallel_size(self.context_parallel_size, self.data_parallel_size)
 
     @classmethod
     def resolve(
@@ -96,6 +108,7 @@ class ParallelLayout:
         tensor_parallel_size: int = 1,
         data_parallel_size: int | Literal["auto"] = "auto",
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
     ) -> ParallelLayout:
         """Fill in the ``"auto"`` sizes and check that the sizes multiply to the world size.
 
@@ -128,7 +141,7 @@ class ParallelLayout:
                     "or change the sizes."
                 )
             data_parallel_size = world_size // (pp * tp)
-        layout = cls(data_parallel_size, pp, tp, expert_parallel_size)
+        layout = cls(data_parallel_size, pp, tp, expert_parallel_size, context_parallel_size)
         if layout.world_size != world_size:
             raise ValueError(
                 f"data_parallel_size ({layout.data_parallel_size}) x pipeline_parallel_size ({pp}) x "
@@ -182,6 +195,23 @@ class ParallelLayout:
         """``rank``'s index in its expert group."""
         return self.coordinates(rank).dp_rank % self.expert_parallel_size
 
+    def context_ranks(self, rank: int) -> list[int]:
+        """Global ranks of the context group of ``rank``, by ``cp_rank``: the ``C`` consecutive
+        ``dp_rank`` values (same ``pp_rank`` and ``tp_rank``) that split each sequence."""
+        c = self.coordinates(rank)
+        first = c.dp_rank - c.dp_rank % self.context_parallel_size
+        return [self.rank_of(first + i, c.pp_rank, c.tp_rank) for i in range(self.context_parallel_size)]
+
+    def cp_rank(self, rank: int) -> int:
+        """``rank``'s index in its context group (which part of each sequence it keeps)."""
+        return self.coordinates(rank).dp_rank % self.context_parallel_size
+
+    @property
+    def sample_replicas(self) -> int:
+        """How many different streams of samples the data axis reads: ``data_parallel_size / C``
+        (the ranks of a context group read the same samples)."""
+        return self.data_parallel_size // self.context_parallel_size
+
     def tensor_ranks(self, dp_rank: int, pp_rank: int) -> list[int]:
         """Global ranks of the tensor-parallel group at ``(dp_rank, pp_rank)``, by ``tp_rank``."""
         return [self.rank_of(dp_rank, pp_rank, t) for t in range(self.tensor_parallel_size)]
@@ -193,6 +223,8 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         experts = f" (ep={self.expert_parallel_size})" if self.expert_parallel_size > 1 else ""
+        if self.context_parallel_size > 1:
+            experts += f" (cp={self.context_parallel_size})"
         return (
             f"dp={self.data_parallel_size}{experts} x pp={self.pipeline_parallel_size} x "
             f"tp={self.tensor_parallel_size}"
@@ -333,6 +365,9 @@ class ParallelMesh:
     expert_mesh: DeviceMesh | None = None
     """With ``expert_parallel_size > 1``: the data axis of this rank's ``(pp_rank, tp_rank)`` as a
     2-D mesh ``("expert_data", "expert")`` (:func:`init_mesh`); ``None`` otherwise."""
+    context_group: dist.ProcessGroup | None = None
+    """With ``context_parallel_size > 1``: the ranks that split this rank's sequences (ring
+    attention's group, :meth:`ParallelLayout.context_ranks`); ``None`` otherwise."""
 
     @property
     def expert_group(self) -> dist.ProcessGroup | None:
@@ -429,9 +464,26 @@ def init_mesh(layout: ParallelLayout, device_type: str, nodes: NodePlacement | N
             mesh_dim_names=("expert_data", "expert", "model"),
         )
         expert_mesh = world_mesh["expert_data", "expert"]
+    context_group = None
+    if layout.context_parallel_size > 1:  # collective: every rank creates every context group
+        for first in range(0, layout.world_size):
+            if layout.cp_rank(first) == 0:
+                ranks = layout.context_ranks(first)
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    context_group = group
     _let_workers_finish_at_exit()
     return ParallelMesh(
-        layout, rank, mesh, model_group, host_model, host_pipeline, host_data, nodes, expert_mesh
+        layout,
+        rank,
+        mesh,
+        model_group,
+        host_model,
+        host_pipeline,
+        host_data,
+        nodes,
+        expert_mesh,
+        context_group,
     )
 
 
@@ -445,6 +497,20 @@ def check_expert_parallel_size(expert_parallel_size: int, data_parallel_size: in
             f"{data_parallel_size}: the expert axis borrows from the data axis (each group of "
             f"expert_parallel_size data-parallel ranks splits the experts). Use one of "
             f"{divisors(data_parallel_size)}, or more data-parallel ranks."
+        )
+
+
+def check_context_parallel_size(context_parallel_size: int, data_parallel_size: int) -> None:
+    """Raise unless ``context_parallel_size`` is a count that divides ``data_parallel_size`` (the
+    context axis borrows from the data axis)."""
+    check_count("context_parallel_size", context_parallel_size)
+    if data_parallel_size % context_parallel_size != 0:
+        divisors = [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
+        raise ValueError(
+            f"context_parallel_size={context_parallel_size} does not divide data_parallel_size="
+            f"{data_parallel_size}: the context axis borrows from the data axis (each group of "
+            f"context_parallel_size data-parallel ranks splits every sequence). Use one of {divisors}, or "
+            "more data-parallel ranks (with data_parallel_size='auto', more processes)."
         )
 
 

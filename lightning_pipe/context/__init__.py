@@ -14,7 +14,13 @@ from lightning_pipe.context.chunks import (
     unshard_sequence,
 )
 from lightning_pipe.context.ring import ring_attention
-from lightning_pipe.context.scope import ContextShard, active_shard, context_shard
+from lightning_pipe.context.scope import (
+    ContextShard,
+    active_shard,
+    context_shard,
+    ring_calls,
+    token_positions,
+)
 
 __all__ = [
     "ContextParallelError",
@@ -24,6 +30,8 @@ __all__ = [
     "chunk_length",
     "context_shard",
     "ring_attention",
+    "ring_calls",
     "shard_sequence",
+    "token_positions",
     "unshard_sequence",
 ]

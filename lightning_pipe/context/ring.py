@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.context.scope import active_shard
+from lightning_pipe.context.scope import active_shard, note_ring_call
 
 
 def ring_attention(
@@ -70,6 +70,7 @@ def ring_attention(
     """
     shard = active_shard()
     if shard is not None:
+        note_ring_call()
         group = shard.group if group is None else group
         positions = shard.positions if positions is None else positions
         key_mask = shard.key_mask if key_mask is None else key_mask

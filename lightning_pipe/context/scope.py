@@ -38,6 +38,7 @@ class ContextShard:
 
 
 _active: list[ContextShard] = []
+_ring_calls = [0]
 
 
 @contextmanager
@@ -53,3 +54,29 @@ def context_shard(shard: ContextShard) -> Iterator[ContextShard]:
 def active_shard() -> ContextShard | None:
     """The innermost shard entered, or ``None`` outside any."""
     return _active[-1] if _active else None
+
+
+def note_ring_call() -> None:
+    """Count one ring attention call under a shard (the runtime checks, on the first training
+    batch, that the model's attention went through the ring at all)."""
+    _ring_calls[0] += 1
+
+
+def ring_calls() -> int:
+    """Ring attention calls under a shard so far in this process."""
+    return _ring_calls[0]
+
+
+def token_positions(tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The global positions of the ``tokens`` tokens a model is given: the active shard's (this
+    rank's chunks), or ``0..tokens-1`` outside any. A hand-written model builds its position
+    embeddings from them, so that it needs no other change under context parallelism."""
+    shard = active_shard()
+    if shard is None:
+        return torch.arange(tokens, device=device)
+    if shard.positions.shape != (tokens,):
+        raise ValueError(
+            f"token_positions({tokens}): the active context shard holds {shard.positions.numel()} "
+            "tokens of each sequence; give the length of this rank's part."
+        )
+    return shard.positions.to(device)

@@ -41,6 +41,7 @@ from lightning_pipe.huggingface.context import (
     mask_or_none,
     no_mask,
 )
+from lightning_pipe.huggingface.context_cut import cut_batch, layer_shard
 from lightning_pipe.huggingface.experts import expert_plan
 from lightning_pipe.huggingface.parts import CausalLMParts, UnsupportedModelError, causal_lm_parts
 from lightning_pipe.huggingface.sequence_check import check_sequence_split
@@ -124,11 +125,12 @@ class CausalLMPipeline:
             hidden, mask, positions, *sums = args
             kwargs = context(index, hidden, mask, positions)
             if balancing is None:
-                out = layer(hidden, **kwargs)
+                with layer_shard(mask, positions):  # context parallelism: the ring's key mask
+                    out = layer(hidden, **kwargs)
                 return (out[0] if isinstance(out, tuple) else out), mask, positions
             if hidden.shape[1] != positions.shape[-1]:  # this rank's part of the sequence
                 raise UnsupportedModelError(self._no_sequence_parallel())
-            with balancing.recording(layer) as logits:
+            with balancing.recording(layer) as logits, layer_shard(mask, positions):
                 out = layer(hidden, **kwargs)
             sums = list(balancing.add(sums, logits, mask_or_none(mask)))
             return (out[0] if isinstance(out, tuple) else out), mask, positions, *sums
@@ -228,6 +230,38 @@ class CausalLMPipeline:
             return self._no_sequence_parallel()
         return check_sequence_split(self, probe, own_layers, group)
 
+    def use_ring_attention(self) -> None:
+        """Under context parallelism: the model's attention layers call ring attention, through
+        transformers' attention interface (:mod:`lightning_pipe.huggingface.ring_attention`), and
+        the model keeps no cache (training needs none; each rank's positions are not 0..n-1)."""
+        from lightning_pipe.huggingface.ring_attention import use_ring_attention
+
+        # What the ring cannot compute is refused now, before any work (its attention function
+        # refuses it again at the call, for a model set to ring attention by hand).
+        config, where = self.parts.config, f"{type(self.model).__name__} ({self.family})"
+        reasons = []
+        if getattr(config, "attn_logit_softcapping", None):
+            reasons.append(
+                f"soft-caps its attention logits (attn_logit_softcapping={config.attn_logit_softcapping})"
+            )
+        if any(getattr(m, "sinks", None) is not None for m in self.model.modules()):
+            reasons.append("has attention sinks")
+        if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+            reasons.append(f"drops attention probabilities (attention_dropout={config.attention_dropout})")
+        if reasons:
+            raise UnsupportedModelError(
+                f"context parallelism: {where} {' and '.join(reasons)}, which ring attention does not "
+                "compute; use context_parallel_size=1 for this family (for dropout: attention_dropout=0)."
+            )
+        try:
+            use_ring_attention(self.model)
+        except (ValueError, NotImplementedError, AttributeError) as err:
+            raise UnsupportedModelError(
+                f"context parallelism: {type(self.model).__name__} ({self.family}) cannot select ring "
+                f"attention through transformers' attention interface ({err}); use context_parallel_size=1."
+            ) from err
+        self.parts.config.use_cache = False
+
     def probe_kind(self, probe: Any) -> torch.Tensor:
         """Whether a first-layer input masks padding and whether it packs sequences (two flags on
         the device, which the runtime reads with the batch's token counts): the setup check runs
@@ -245,6 +279,8 @@ class CausalLMPipeline:
             check_sequence=self.check_sequence,
             probe_kind=self.probe_kind,
             loss_items=self.loss_items,
+            cut_sequence=cut_batch,
+            replace_attention=self.use_ring_attention,
             splits_sequence=self.scatter_after_embedding,
         )
 

@@ -61,13 +61,14 @@ def ring_attention_forward(
     if softcap is not None:
         raise ContextParallelError(
             f"Context parallelism: {family} soft-caps its attention logits (softcap={softcap}), which ring "
-            "attention does not compute; train this family with its own attention: "
-            "model.set_attn_implementation('sdpa')."
+            "attention does not compute; train this family with its own attention: context_parallel_size=1 "
+            "(or, in a loop of your own, model.set_attn_implementation('sdpa'))."
         )
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise ContextParallelError(
             f"Context parallelism: {family} has attention sinks, which ring attention does not compute; "
-            "train this family with its own attention: model.set_attn_implementation('sdpa')."
+            "train this family with its own attention: context_parallel_size=1 (or, in a loop of your own, "
+            "model.set_attn_implementation('sdpa'))."
         )
     if dropout:
         raise ContextParallelError(

@@ -37,6 +37,7 @@ from lightning_pipe.partition.balance import measures_time
 from lightning_pipe.partition.model import PipelinePartition, partition_model
 from lightning_pipe.partition.profile import profile_layers
 from lightning_pipe.runtime.batch import sample_microbatch
+from lightning_pipe.runtime.context import check_context_layout
 from lightning_pipe.runtime.experts import check_expert_layout, make_replicas_equal
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.hooks import ModelHooks
@@ -271,6 +272,7 @@ def _refuse_before_partitioning(
         )
     refuse_parallelized(module)
     check_expert_layout(options, layout)
+    check_context_layout(options, layout)
     if not skips.plan.empty and options.sequence_parallel and layout.tensor_parallel_size > 1:
         raise ConfigurationError(
             "pipe_tp: skip connections (Stash / Pop, @skippable) cannot be combined with "

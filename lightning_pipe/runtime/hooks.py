@@ -60,6 +60,16 @@ class ModelHooks:
     over the data-parallel replicas by the items of the whole global batch, so that the gradient
     is that of the whole batch's mean (not a mean of per-micro-batch means). ``None`` for a batch:
     by samples."""
+    cut_sequence: Callable[[Any, int, int], tuple[Any, torch.Tensor]] | None = None
+    """Under context parallelism: ``cut(batch, cp_rank, cp_size)`` -> this rank's part of every
+    sequence of the batch (labels shifted before the cut, positions added) and the global
+    positions of its tokens (:func:`lightning_pipe.context.chunk_indices`). ``None``: every tensor
+    of the batch whose dim 1 is the pipeline input's sequence length is cut alike."""
+    replace_attention: Callable[[], None] | None = None
+    """Under context parallelism, called once when the runtime is built: make the model's
+    attention ring attention (a Hugging Face model's, through transformers' attention interface);
+    raises what makes it impossible. ``None``: the model calls
+    :func:`lightning_pipe.context.ring_attention` itself."""
     splits_sequence: bool = False
     """Under sequence parallelism, the layer calls split the sequence themselves (a Hugging Face
     pipeline's embedding call has its vocab-parallel embedding reduce-scatter, a module the plan

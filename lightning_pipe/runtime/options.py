@@ -135,6 +135,19 @@ class RuntimeOptions:
     ``"ep_dispatch_experts"`` on each experts module, ``"grouped_gemm"`` on its weights stacked by
     expert; :mod:`lightning_pipe.experts.apply`); needed when ``expert_parallel_size > 1`` (derived
     for a Hugging Face model)."""
+    context_parallel_size: int = 1
+    """Ranks of the data axis that split every sequence between them (context parallelism: it
+    divides ``data_parallel_size``; the ranks of a context group get the same samples). Each rank
+    keeps ``1/context_parallel_size`` of each micro-batch's tokens (``2C`` chunks paired head to
+    tail, so every rank does the same causal work) and computes every layer on them; attention is
+    exact over the whole sequence by ring attention (a Hugging Face model's attention is replaced
+    through transformers' attention interface; a hand-written model calls
+    :func:`lightning_pipe.context.ring_attention`). Gradients are reduced once over the whole data
+    axis. The sequence length must be a multiple of ``2C``, and the loss weighted by token counts
+    (a Hugging Face batch's ``labels``, or the model's ``loss_items``); a Hugging Face batch's
+    ``labels`` reach the step as ``shift_labels`` (targets aligned with the tokens, cut alike).
+    Not yet with ``expert_parallel_size > 1`` or ``partition="time"``
+    (:mod:`lightning_pipe.context`)."""
     bucket_cap_mb: float = 25.0
     """Size of the gradient buckets of the data-parallel reducer, whose all-reduces overlap the
     last backward of each optimizer step."""
@@ -187,6 +200,7 @@ class RuntimeOptions:
             )
         self._check_sharding()
         self._check_experts()
+        self._check_context()
         check_positive("bucket_cap_mb", self.bucket_cap_mb, "megabytes per gradient bucket")
         for name in (
             "shard_optimizer_state",
@@ -227,6 +241,24 @@ class RuntimeOptions:
                 "the routers' and experts' gradients would be partial per tensor rank (a sum over the "
                 "tensor group pipe_tp does not make). Use sequence_parallel=False (tensor parallelism "
                 "itself composes), or expert_parallel_size=1."
+            )
+
+    def _check_context(self) -> None:
+        check_count("context_parallel_size", self.context_parallel_size)
+        if self.context_parallel_size == 1:
+            return
+        if self.expert_parallel_size > 1:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} cannot be combined with "
+                f"expert_parallel_size={self.expert_parallel_size} yet (both borrow ranks from the data "
+                "axis); use one of them."
+            )
+        if str(getattr(self.partition, "value", self.partition)) == "time":
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} cannot be combined with "
+                "partition='time' yet (the layers are timed on one process, outside any context group, "
+                "where ring attention has no other ranks' keys); use partition='parameters' or "
+                "'uniform', or a list of layer counts."
             )
 
     def _check_sharding(self) -> None:

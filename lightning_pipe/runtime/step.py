@@ -13,7 +13,7 @@ runtime's life is given at construction; what varies per batch is given per call
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from lightning_pipe.runtime.batch import (
     weighted_microbatches,
 )
 from lightning_pipe.runtime.batch_faults import batch_collectives_named
+from lightning_pipe.runtime.context import ContextRun
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.runtime.options import RuntimeOptions
@@ -86,6 +87,8 @@ class BatchRunner:
         self.executor, self.gradients, self.fully_sharded = executor, gradients, fully_sharded
         self.checks, self.seed, self.warn = checks, seed, warn
         self.pipeline_input = hooks.pipeline_input or default_pipeline_input
+        self.context = ContextRun.of(mesh, hooks, self.pipeline_input)
+        """With a context axis: the cut of each batch to this rank's part of its sequences."""
         self.schedules: dict[tuple[int, bool], PipelineSchedule] = {}
         self.batches = 0
         """Batches run so far (training and evaluation): the step of a batch run without one."""
@@ -142,6 +145,9 @@ class BatchRunner:
         self.batches += 1
         step = step or StepIdentity("train_batch" if training else "eval_batch", self.batches)
         layout = self.mesh.layout
+        positions = None
+        if self.context is not None:  # before anything counts or splits it: this rank's part
+            batch, positions = self.context.cut(batch)
         m, fewer = count_microbatches(batch, self.options.num_microbatches, layout.pipeline_parallel_size)
         if fewer and not self.warned_small_batch:
             self.warned_small_batch = True
@@ -154,8 +160,12 @@ class BatchRunner:
         items, kind = host_facts(batch, inputs[0], self.hooks, self.checks.wants_kind)
         counts, replica_items, counted = loss_counts(items, sizes, step, training, self.mesh, self.naming)
         local = sum(counts)  # this replica's loss items (or samples)
+        if self.context is not None:
+            self.context.check_items(counted, training)
         microbatches = weighted_microbatches(pieces, sizes, counts, counted)
-        self.checks.before(step, batch, inputs[0], kind)
+        shard = self.context.scope(positions) if self.context and positions is not None else nullcontext()
+        with shard:  # the first batch's checks run the layers too (under sequence parallelism)
+            self.checks.before(step, batch, inputs[0], kind)
         # By items, the replicas' gradients are averaged, so each replica's losses are weighted by
         # its share of the global batch's items times the number of replicas (1 when the replicas
         # hold as many items each): the average is then the global batch's mean.
@@ -170,21 +180,23 @@ class BatchRunner:
         deferred = batch_norm if training else None
         if deferred is not None:
             deferred.begin()
+        shard = self.context.scope(positions) if self.context and positions is not None else nullcontext()
         try:
-            run = self.executor.run(
-                self.schedule_for(m, training),
-                self.mesh.coordinates.pp_rank,
-                inputs=inputs if first else None,
-                head=end if last else None,
-                weights=[mb.share * dp_factor * loss_weight for mb in microbatches] if training else None,
-                signatures=[signature(x) for x in inputs],
-                recorder=recorder,
-                before_last_backward=self.gradients.arm if training and final else None,
-                scale_loss=scale_loss if training else None,
-                layer_seeds=self.layer_seeds(training_batch)
-                if training and self.options.seeds_layers
-                else None,
-            )
+            with shard:
+                run = self.executor.run(
+                    self.schedule_for(m, training),
+                    self.mesh.coordinates.pp_rank,
+                    inputs=inputs if first else None,
+                    head=end if last else None,
+                    weights=[mb.share * dp_factor * loss_weight for mb in microbatches] if training else None,
+                    signatures=[signature(x) for x in inputs],
+                    recorder=recorder,
+                    before_last_backward=self.gradients.arm if training and final else None,
+                    scale_loss=scale_loss if training else None,
+                    layer_seeds=self.layer_seeds(training_batch)
+                    if training and self.options.seeds_layers
+                    else None,
+                )
         except PipelineCommunicationError as err:
             if deferred is not None:
                 deferred.end()  # no commit of a failed step's statistics
@@ -199,6 +211,8 @@ class BatchRunner:
             dp = layout.data_parallel_size > 1
             with self.naming("summing BatchNorm statistics over the data-parallel group"):
                 deferred.commit(self.mesh.group(MeshAxis.DATA) if dp else None)
+        if training and self.context is not None:
+            self.context.check_attention(self.naming)  # the first batch: before the gradients are used
         if training and final:
             self.gradients.finish()
         if not training and self.fully_sharded is not None:
@@ -209,6 +223,8 @@ class BatchRunner:
                 payload["loss"] = sum(
                     run.outputs[mb.index].detach().double() * mb.share for mb in microbatches
                 )
+                if self.context is not None:  # the whole sequences' mean, from the chunks'
+                    payload["loss"] = self.context.whole_loss(payload["loss"], local)
             results = getattr(head, "results", None)
             payload["results"] = results() if callable(results) else None
         payload = from_last_stage(payload, self.mesh, self.partition, self.device, self.naming)

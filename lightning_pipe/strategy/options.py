@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_pipe.arguments import check_count, check_flag
 from lightning_pipe.mesh import (
     ParallelLayout,
+    check_context_parallel_size,
     check_expert_parallel_size,
     check_replicate_size,
     check_tensor_groups_in_nodes,
@@ -152,6 +153,7 @@ def split_arguments(arguments: Mapping[str, Any]) -> tuple[StrategyOptions, Runt
     if own.data_parallel_size != "auto":  # else once the world size is known (check_layout_fits)
         check_replicate_size(options.data_parallel_replicate_size, int(own.data_parallel_size))
         check_expert_parallel_size(options.expert_parallel_size, int(own.data_parallel_size))
+        check_context_parallel_size(options.context_parallel_size, int(own.data_parallel_size))
     return own, options
 
 
@@ -173,6 +175,7 @@ def check_layout_fits(
     try:
         check_replicate_size(options.data_parallel_replicate_size, layout.data_parallel_size)
         check_expert_parallel_size(options.expert_parallel_size, layout.data_parallel_size)
+        check_context_parallel_size(options.context_parallel_size, layout.data_parallel_size)
     except ValueError as err:
         raise MisconfigurationException(
             f"{where} as dp={layout.data_parallel_size} x pp={layout.pipeline_parallel_size} x "

@@ -88,6 +88,7 @@ class PipeTPStrategy(PipeTPSetup):
         data_parallel_replicate_size: PositiveInt = 1,
         expert_parallel_size: PositiveInt = 1,
         expert_parallel_plan: dict[str, str] | None = None,
+        context_parallel_size: PositiveInt = 1,
         reshard_after_forward: bool | None = None,
         tensor_parallel_plan: dict[str, str] | None = None,
         timeline: str | None = None,
@@ -131,6 +132,11 @@ class PipeTPStrategy(PipeTPSetup):
         (on each step kind's first batch; see :mod:`lightning_pipe.strategy.step_inputs`)."""
         view = self.pipeline_model
         if view is None or view.step_inputs is None:
+            return
+        if self.options.context_parallel_size > 1:
+            # A batch cut for context parallelism is a collator's dict, taken by its keys (the cut
+            # refuses others): roles learned on the whole batch would name its 'labels', which the
+            # cut turns into 'shift_labels'.
             return
         learn_step_inputs(
             self.module, step_name, args, view.huggingface.model, view.step_inputs, self._gather_objects

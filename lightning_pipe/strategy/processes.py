@@ -83,13 +83,15 @@ class PipeTPProcesses(ParallelStrategy):
     @property
     def data_parallel_rank(self) -> int:
         """This rank's data-parallel replica index: what to shard the data by (with
-        :attr:`data_parallel_world_size`). Ranks of one pipeline or tensor group share it."""
-        return self.mesh.coordinates.dp_rank
+        :attr:`data_parallel_world_size`). Ranks of one pipeline or tensor group share it, and
+        so do the ranks of one context group (they split the same samples' sequences)."""
+        return self.mesh.coordinates.dp_rank // self.mesh.layout.context_parallel_size
 
     @property
     def data_parallel_world_size(self) -> int:
-        """The number of data-parallel replicas, each loading its own part of the data."""
-        return self.mesh.layout.data_parallel_size
+        """The number of data-parallel replicas, each loading its own part of the data (the data
+        size over the context size)."""
+        return self.mesh.layout.sample_replicas
 
     def _gather_objects(self, obj: Any) -> dict[int, Any]:
         """``obj`` from every rank of this rank's model replica, by global rank: only the ranks
@@ -136,9 +138,9 @@ class PipeTPProcesses(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank of a pipeline must see the same batch: shard data over the data axis only.
-        c = self.mesh.coordinates
-        return {"num_replicas": self.mesh.layout.data_parallel_size, "rank": c.dp_rank}
+        # Every rank of a pipeline must see the same batch: shard data over the data axis only,
+        # whose context groups read the same samples.
+        return {"num_replicas": self.data_parallel_world_size, "rank": self.data_parallel_rank}
 
     @override
     def _configure_launcher(self) -> None:
@@ -174,6 +176,7 @@ class PipeTPProcesses(ParallelStrategy):
             self.tensor_parallel_size,
             self.data_parallel_size,
             self.options.expert_parallel_size,
+            self.options.context_parallel_size,
         )
         self.faults.start(layout, self.global_rank, self._kill_launched_processes)
         self._mesh = None
