@@ -490,27 +490,25 @@ def init_mesh(layout: ParallelLayout, device_type: str, nodes: NodePlacement | N
 def check_expert_parallel_size(expert_parallel_size: int, data_parallel_size: int) -> None:
     """Raise unless ``expert_parallel_size`` is a count that divides ``data_parallel_size`` (the
     expert axis borrows from the data axis)."""
-    check_count("expert_parallel_size", expert_parallel_size)
-    if data_parallel_size % expert_parallel_size != 0:
-        raise ValueError(
-            f"expert_parallel_size={expert_parallel_size} does not divide data_parallel_size="
-            f"{data_parallel_size}: the expert axis borrows from the data axis (each group of "
-            f"expert_parallel_size data-parallel ranks splits the experts). Use one of "
-            f"{divisors(data_parallel_size)}, or more data-parallel ranks."
-        )
+    _check_borrowed_axis("expert", expert_parallel_size, data_parallel_size, "the experts")
 
 
 def check_context_parallel_size(context_parallel_size: int, data_parallel_size: int) -> None:
     """Raise unless ``context_parallel_size`` is a count that divides ``data_parallel_size`` (the
     context axis borrows from the data axis)."""
-    check_count("context_parallel_size", context_parallel_size)
-    if data_parallel_size % context_parallel_size != 0:
-        divisors = [d for d in range(1, data_parallel_size + 1) if data_parallel_size % d == 0]
+    _check_borrowed_axis("context", context_parallel_size, data_parallel_size, "every sequence")
+
+
+def _check_borrowed_axis(axis: str, size: int, data_parallel_size: int, splits: str) -> None:
+    """The rule of an axis carved from the data axis: its size is a count dividing the data size."""
+    name = f"{axis}_parallel_size"
+    check_count(name, size)
+    if data_parallel_size % size != 0:
         raise ValueError(
-            f"context_parallel_size={context_parallel_size} does not divide data_parallel_size="
-            f"{data_parallel_size}: the context axis borrows from the data axis (each group of "
-            f"context_parallel_size data-parallel ranks splits every sequence). Use one of {divisors}, or "
-            "more data-parallel ranks (with data_parallel_size='auto', more processes)."
+            f"{name}={size} does not divide data_parallel_size={data_parallel_size}: the {axis} axis "
+            f"borrows from the data axis (each group of {name} data-parallel ranks splits {splits}). "
+            f"Use one of {divisors(data_parallel_size)}, or more data-parallel ranks (with "
+            "data_parallel_size='auto', more processes)."
         )
 
 
