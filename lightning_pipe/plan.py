@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -68,12 +69,12 @@ def _rows_of(example: Any, rows: int) -> Any:
     return example[:1].expand(rows, *example.shape[1:]).clone()
 
 
-def load_factory(spec: str, seq: int) -> LoadedModel:
-    """``package.module:Factory``, built with its parameters on the meta device."""
+def load_factory(spec: str, seq: int, init_args: Mapping[str, Any] | None = None) -> LoadedModel:
+    """``package.module:Factory`` called with ``init_args``, its parameters on the meta device."""
     module_name, _, attr = spec.partition(":")
     factory = getattr(importlib.import_module(module_name), attr)
     with parameters_on_meta(_WHERE):
-        model = factory()
+        model = factory(**(init_args or {}))
         if callable(getattr(model, "configure_model", None)):
             model.configure_model()
     layers = list(model.configure_pipeline())
@@ -108,10 +109,13 @@ def load_huggingface(spec: str, seq: int) -> LoadedModel:
     return LoadedModel(model, layers, lambda t: pipeline.tensor_parallel_plan(t).plan, sample_at)
 
 
-def load_model(spec: str, seq: int) -> LoadedModel:
+def load_model(spec: str, seq: int, init_args: Mapping[str, Any] | None = None) -> LoadedModel:
+    """A factory (``module:Factory``, called with ``init_args``) or a Hugging Face config."""
     if Path(spec).exists() or ":" not in spec:
+        if init_args:
+            raise ValueError(f"--init-args applies to a module:Factory model, not to the config {spec!r}.")
         return load_huggingface(spec, seq)
-    return load_factory(spec, seq)
+    return load_factory(spec, seq, init_args)
 
 
 _UNITS = {
@@ -140,6 +144,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "model", help="package.module:Factory, or a Hugging Face config directory, file or cached name"
     )
+    parser.add_argument(
+        "--init-args",
+        type=json.loads,
+        help="the factory's keyword arguments as JSON, e.g. '{\"n_layers\": 8}'",
+    )
     parser.add_argument("--devices", type=int, required=True, help="processes to plan for (all nodes)")
     parser.add_argument(
         "--memory", type=parse_memory, help="memory per process (default: the CUDA device's free memory)"
@@ -160,6 +169,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--bandwidth", type=float, default=5.0, help="GB/s between processes (default 5)")
     parser.add_argument("--latency", type=float, default=20.0, help="microseconds per message (default 20)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="on CPU, threads to measure with (default: this host's cores / devices, as each of the "
+        "processes would share them)",
+    )
+    parser.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        help="whether the data axis' communication hides behind compute (default: on CUDA, not on CPU)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per layer and size (median; default 3)"
     )
@@ -197,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         num_microbatches=args.num_microbatches,
         recompute=RecomputeMode.parse(args.recompute) if args.recompute else None,
     )
-    loaded = load_model(args.model, args.seq)
+    if device.type == "cpu":
+        # The processes of a CPU run share this host's cores: a layer timed on all of them would
+        # look faster than any rank will run it (and oversubscribed threads much slower).
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.devices))
+    loaded = load_model(args.model, args.seq, args.init_args)
     sizes, splits = accepted_tensor_sizes(loaded.root, loaded.layers, loaded.plan_for, args.devices)
     rows = args.rows or max(1, args.batch // args.devices // 2)
     split = splits[min(splits)] if splits else None  # the same modules split at any size
@@ -208,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         p2p_latency=args.latency * 1e-6,
         collective_bandwidth=args.bandwidth * GB,
         collective_latency=args.latency * 1e-6,
+        # On CPU the processes' communication runs on the cores that compute (gloo): nothing hides.
+        overlap_data_parallel=args.overlap if args.overlap is not None else device.type == "cuda",
     )
     machine = Machine(args.devices, memory, links)
     plan = plan_layout(costs, machine, ModelShape(len(layers), sizes), args.batch, constraints)

@@ -178,6 +178,23 @@ def test_with_memory_too_small_for_replicas_a_pipeline_is_chosen() -> None:
     assert "need more than 10 GB per rank" in why(plan)
 
 
+def test_between_equal_times_less_traffic_wins_before_less_memory() -> None:
+    """Data-parallel traffic that hides entirely behind backward: every dp=4 layout is predicted
+    equally fast, FSDP2's resharding holds the least memory, but it gathers the parameters twice
+    per micro-batch; ZeRO-1 moves what a replicated all-reduce moves and keeps a quarter of the
+    optimizer state, so it wins, for that reason."""
+    hidden = Links(collective_bandwidth=1e12, collective_latency=0.0, overlap_data_parallel=True)
+    fixed = Constraints(data_parallel_size=4, num_microbatches=2, recompute="never")
+    plan = plan_layout(_costs(params=10**6), Machine(4, 1e12, hidden), ModelShape(8), 8, fixed)
+    assert all(p.data_seconds == 0.0 for p in plan.predictions)
+    by_mode = {(p.candidate.data_mode, p.candidate.reshard_after_forward): p for p in plan.predictions}
+    resharded = by_mode[(DataMode.FSDP2, True)]
+    assert resharded.peak_bytes < by_mode[(DataMode.ZERO1, False)].peak_bytes
+    assert resharded.data_traffic_seconds > by_mode[(DataMode.ZERO1, False)].data_traffic_seconds
+    assert plan.chosen().candidate.data_mode is DataMode.ZERO1
+    assert "as fast as pp=1, dp=4 replicated" in why(plan) and "lower peak memory" in why(plan)
+
+
 def test_when_nothing_fits_one_sentence_gives_the_need_and_the_limit() -> None:
     costs = _costs(params=10**9)
     plan = plan_layout(costs, Machine(4, 1 * GB, FREE_LINKS), ModelShape(8), batch=4)

@@ -25,7 +25,7 @@ stages. Not counted: the allocator's slack, framework buffers and the optimizer 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from lightning_pipe.execution.recompute import RecomputeMode
@@ -72,6 +72,9 @@ class Prediction:
     recompute_seconds: float
     data_seconds: float
     """The data axis' communication left exposed (the worst rank's)."""
+    data_traffic_seconds: float
+    """The data axis' communication in all, hidden or not: between layouts predicted equally fast,
+    the one moving less is safer (hidden traffic still contends for links and memory)."""
     memory: MemoryUse
     """The rank with the highest peak."""
     fits: bool
@@ -249,6 +252,8 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
     busiest = max(range(pp), key=lambda r: sim.busy[r])
     m = c.num_microbatches
     data = max(_data_seconds(c, costs, stages, held, links) for held in ranks)
+    unhidden = replace(links, overlap_data_parallel=False)
+    traffic = max(_data_seconds(c, costs, stages, held, unhidden) for held in ranks)
     memories = [_memory(c, costs, stages, held, sim.peak_inflight) for held in ranks]
     worst = max(memories, key=lambda use: use.total)
     mine = ranks[busiest]
@@ -260,6 +265,7 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
         tensor_seconds=m * sum(stages[s].tensor for s in mine),
         recompute_seconds=m * sum(stages[s].recompute for s in mine),
         data_seconds=data,
+        data_traffic_seconds=traffic,
         memory=worst,
         fits=worst.total <= machine.memory_bytes,
     )

@@ -1,10 +1,12 @@
 """Choose a layout: every candidate predicted, the fastest that fits memory first.
 
-Ties (equal predicted times within a part in a million) go to the candidate holding less memory,
-then to the simpler one (fewer pipeline stages, fewer tensor ranks, fewer micro-batches, no
-recomputation): a difference the cost model cannot see is not worth a more complex run. When
-nothing fits, :attr:`Plan.refusal` is one sentence with the least any candidate needs, that
-candidate, and the limit, so that the user knows how far off the model is and what came closest.
+Ties (equal predicted times within a part in a million) go to the candidate moving less data
+between replicas (communication hidden behind compute on paper still contends for the links and
+the memory bus), then to the one holding less memory, then to the simpler one (fewer pipeline
+stages, fewer tensor ranks, fewer micro-batches, no recomputation): a difference the cost model
+cannot see is not worth a more complex run. When nothing fits, :attr:`Plan.refusal` is one
+sentence with the least any candidate needs, that candidate, and the limit, so that the user
+knows how far off the model is and what came closest.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ class NothingFitsError(ValueError):
     """No candidate fits the memory each process has; the message is :attr:`Plan.refusal`."""
 
 
-def _rank_key(p: Prediction) -> tuple[float, float, int, int, int, int]:
+def _rank_key(p: Prediction) -> tuple[float, float, float, int, int, int, int]:
     c = p.candidate
     return (
         float(f"{p.step_seconds:.6g}"),  # a part in a million: beyond what any measurement resolves
+        float(f"{p.data_traffic_seconds:.6g}"),
         p.peak_bytes,
         c.pipeline_parallel_size * c.virtual_stages,
         c.tensor_parallel_size,

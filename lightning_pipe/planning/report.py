@@ -111,8 +111,7 @@ def why(plan: Plan) -> str:
     if other.step_seconds <= best.step_seconds * (1 + TIE):
         return (
             f"{best.candidate} won: {best.step_seconds:.3g} s per step predicted, as fast as "
-            f"{other.candidate} and chosen for its lower peak memory ({best.peak_bytes / GB:.3g} GB against "
-            f"{other.peak_bytes / GB:.3g} GB per rank){tail}."
+            f"{other.candidate} and chosen for {_tie_reason(best, other)}{tail}."
         )
     gaps = {name: getattr(other, attr) - getattr(best, attr) for attr, name in _PARTS.items()}
     part, gap = max(gaps.items(), key=lambda item: item[1])
@@ -122,6 +121,18 @@ def why(plan: Plan) -> str:
         f"best other layout ({other.candidate}, {other.step_seconds:.3g} s), which spends {gap:.3g} s more "
         f"on {part}{tail}."
     )
+
+
+def _tie_reason(best: Prediction, other: Prediction) -> str:
+    if best.data_traffic_seconds < other.data_traffic_seconds:
+        return (
+            f"less data-parallel traffic ({best.data_traffic_seconds:.3g} s against "
+            f"{other.data_traffic_seconds:.3g} s, hidden or not)"
+        )
+    if best.peak_bytes < other.peak_bytes:
+        mine, theirs = best.peak_bytes / GB, other.peak_bytes / GB
+        return f"its lower peak memory ({mine:.3g} GB against {theirs:.3g} GB per rank)"
+    return "being the simpler layout"
 
 
 def render(plan: Plan, top: int = 5) -> str:
