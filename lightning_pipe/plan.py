@@ -30,7 +30,7 @@ from lightning_pipe.construction.meta import parameters_on_meta
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.planning.candidates import Constraints, DataMode, ModelShape
-from lightning_pipe.planning.costs import GB, Links, Machine, ModelCosts
+from lightning_pipe.planning.costs import GB, Links, Machine, ModelCosts, format_bytes
 from lightning_pipe.planning.measure import accepted_tensor_sizes, device_memory, measure_layers
 from lightning_pipe.planning.planner import plan_layout
 from lightning_pipe.planning.report import render
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"{args.model}: {len(layers)} pipeline layers measured on {device} at {rows} samples x "
-            f"{args.seq} tokens per micro-batch; {args.devices} processes, {memory / GB:.3g} GB each, "
+            f"{args.seq} tokens per micro-batch; {args.devices} processes, {format_bytes(memory)} each, "
             f"batch {args.batch}."
         )
         print(render(plan, args.top))

@@ -247,7 +247,7 @@ def test_the_report_shows_the_top_five() -> None:
     rows = [line for line in text.splitlines() if re.match(r"\d+\s", line)]
     assert len(rows) == 5
     assert rows[0].split()[0] == "1" and str(plan.predictions[0].candidate) in rows[0]
-    assert "peak GB/rank" in text
+    assert "peak/rank" in text
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -383,5 +383,5 @@ def test_the_command_plans_a_tiny_llama_config(capsys: pytest.CaptureFixture[str
         "1",
     )
     assert code == 1
-    assert "Nothing fits: the model needs" in out and "the limit is 1e-06 GB" in out
+    assert "Nothing fits: the model needs" in out and "the limit is 1 kB." in out
     assert "tp=4" not in out

@@ -21,6 +21,14 @@ GB = 1e9
 """Bytes in a gigabyte, as the planner prints memory (decimal, like device spec sheets)."""
 
 
+def format_bytes(nbytes: float) -> str:
+    """``"5.1 GB"``, ``"12.4 MB"``, ``"900 kB"``: three significant digits, decimal units."""
+    for unit, size in (("TB", 1e12), ("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.3g} B"
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """One pipeline layer, measured on a micro-batch of :attr:`ModelCosts.rows` samples."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.planning.candidates import Constraints, ModelShape, enumerate_candidates
 from lightning_pipe.planning.cost_model import Prediction, predict
-from lightning_pipe.planning.costs import GB, Machine, ModelCosts
+from lightning_pipe.planning.costs import Machine, ModelCosts, format_bytes
 
 
 class NothingFitsError(ValueError):
@@ -62,8 +62,8 @@ class Plan:
             return None
         least = min(self.predictions, key=lambda p: p.peak_bytes)
         return (
-            f"needs {least.peak_bytes / GB:.3g} GB per rank at best ({least.candidate}), "
-            f"the limit is {self.memory_bytes / GB:.3g} GB"
+            f"needs {format_bytes(least.peak_bytes)} per rank at best ({least.candidate}), "
+            f"the limit is {format_bytes(self.memory_bytes)}"
         )
 
     def chosen(self) -> Prediction:

@@ -11,7 +11,7 @@ memory.
 from __future__ import annotations
 
 from lightning_pipe.planning.cost_model import Prediction
-from lightning_pipe.planning.costs import GB
+from lightning_pipe.planning.costs import format_bytes
 from lightning_pipe.planning.planner import Plan
 
 NOT_COUNTED = (
@@ -52,7 +52,7 @@ def format_table(plan: Plan, top: int = 5) -> str:
         "layout",
         "step s",
         "vs best",
-        "peak GB/rank",
+        "peak/rank",
         "compute",
         "bubble",
         "tp comm",
@@ -66,8 +66,8 @@ def format_table(plan: Plan, top: int = 5) -> str:
                 str(i),
                 str(p.candidate),
                 f"{p.step_seconds:.4g}",
-                f"{p.step_seconds / best:.2f}x" if best else "-",
-                f"{p.peak_bytes / GB:.3g}" + ("" if p.fits else " (over)"),
+                f"{p.step_seconds / best:.2f}x" if best and p.fits else "-",
+                format_bytes(p.peak_bytes) + ("" if p.fits else " (over)"),
                 f"{p.compute_seconds:.3g}",
                 f"{p.bubble_seconds:.3g}",
                 f"{p.tensor_seconds:.3g}",
@@ -94,12 +94,12 @@ def why(plan: Plan) -> str:
         return f"Nothing fits: the model {plan.refusal}."
     fitting = plan.fitting
     over = len(plan.predictions) - len(fitting)
-    limit = f"{plan.memory_bytes / GB:.3g} GB"
+    limit = format_bytes(plan.memory_bytes)
     tail = f"; {over} of {len(plan.predictions)} candidates need more than {limit} per rank" if over else ""
     faster = [p for p in plan.predictions if not p.fits and p.step_seconds < best.step_seconds]
     if faster:
         quickest = min(faster, key=lambda p: p.step_seconds)
-        tail += f" (the fastest of them, {quickest.candidate}, {quickest.peak_bytes / GB:.3g} GB)"
+        tail += f" (the fastest of them, {quickest.candidate}, {format_bytes(quickest.peak_bytes)})"
     other = next((p for p in fitting if _layout(p) != _layout(best)), None)
     if other is None:
         alternatives = (
@@ -130,8 +130,8 @@ def _tie_reason(best: Prediction, other: Prediction) -> str:
             f"{other.data_traffic_seconds:.3g} s, hidden or not)"
         )
     if best.peak_bytes < other.peak_bytes:
-        mine, theirs = best.peak_bytes / GB, other.peak_bytes / GB
-        return f"its lower peak memory ({mine:.3g} GB against {theirs:.3g} GB per rank)"
+        mine, theirs = format_bytes(best.peak_bytes), format_bytes(other.peak_bytes)
+        return f"its lower peak memory ({mine} against {theirs} per rank)"
     return "being the simpler layout"
 
 
