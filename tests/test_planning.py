@@ -385,3 +385,32 @@ def test_the_command_plans_a_tiny_llama_config(capsys: pytest.CaptureFixture[str
     assert code == 1
     assert "Nothing fits: the model needs" in out and "the limit is 1 kB." in out
     assert "tp=4" not in out
+
+
+# ----------------------------------------------------------------------------- the links' probe
+def test_the_links_fit_recovers_latency_and_bandwidth() -> None:
+    from lightning_pipe.planning.links import LARGE_BYTES, SMALL_BYTES, _fit
+
+    latency, bandwidth, units = 30e-6, 2e9, 1.5  # an all-reduce over 4 ranks moves 2 x 3/4 of the bytes
+    small, large = (latency + n * units / bandwidth for n in (SMALL_BYTES, LARGE_BYTES))
+    assert _fit(small, large, units) == (pytest.approx(latency), pytest.approx(bandwidth))
+    assert _fit(1e-3, 1e-3, 1.0)[1] == pytest.approx(LARGE_BYTES / 1e-3)  # noise: no slope
+
+
+def _probe_worker() -> tuple[float, ...]:
+    from lightning_pipe.planning.links import probe_links
+
+    links = probe_links(torch.device("cpu"), repeats=2)
+    return (links.p2p_bandwidth, links.p2p_latency, links.collective_bandwidth, links.collective_latency,
+            float(links.overlap_data_parallel))  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_every_rank_gets_rank_zeros_probe_of_the_links() -> None:
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_probe_worker, 3, timeout=120)
+    assert results[0] == results[1] == results[2]
+    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap = results[0]
+    assert p2p_bandwidth > 0 and bandwidth > 0 and p2p_latency >= 0 and latency >= 0
+    assert overlap == 0.0  # gloo on CPU: the data axis' traffic is not hidden

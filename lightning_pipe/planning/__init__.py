@@ -1,10 +1,12 @@
 """Choosing a layout from measurements: the candidates ``pipe_tp`` can run on a number of processes
 (:mod:`.candidates`), what the cost model is told (:mod:`.costs`), the cost model itself
 (:mod:`.cost_model`: step time through the schedule simulator, peak memory per rank), the choice
-(:mod:`.planner`), the measurements on one device (:mod:`.measure`) and the table a person reads
-(:mod:`.report`). ``python -m lightning_pipe.plan`` prints a plan; ``layout="auto"`` will use it.
+(:mod:`.planner`), the measurements on one device (:mod:`.measure`), the probe of a process group's
+links (:mod:`.links`) and the table a person reads (:mod:`.report`). ``python -m
+lightning_pipe.plan`` prints a plan; ``layout="auto"`` will use it.
 
-Plain torch, one process: nothing here starts a process group or imports Lightning.
+Plain torch: nothing here starts a process group or imports Lightning (the probe runs in one it
+is given).
 """
 
 from lightning_pipe.planning.candidates import (
