@@ -53,6 +53,13 @@ the bubble gained is small against the messages added (each micro-batch crosses 
 times)."""
 
 
+MAX_MICROBATCHES = 64
+"""The most micro-batches per batch tried when the user leaves them free: past a few times the
+pipeline size the bubble gained is small (1F1B's is ``(p - 1) / (m + p - 1)``), each micro-batch
+pays the layers' fixed costs again, and simulating the schedule grows with ``m``. A number the user
+sets is tried whatever its size."""
+
+
 @dataclass(frozen=True)
 class Constraints:
     """The choices the user made; ``None`` leaves a choice to the planner."""
@@ -107,7 +114,7 @@ class ModelShape:
     the plan's own checks decide); ``{1}`` for a model without a plan."""
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Candidate:
     """One layout, schedule and memory policy ``pipe_tp`` can run."""
 
@@ -227,7 +234,8 @@ def enumerate_candidates(
             for kind, v in _schedules(pp, shape.num_layers, c):
                 if pp * v > shape.num_layers:
                     continue
-                for m in _pick(divisors(batch // dp), c.num_microbatches):
+                counts = [m for m in divisors(batch // dp) if m <= MAX_MICROBATCHES or c.num_microbatches]
+                for m in _pick(counts, c.num_microbatches):
                     for mode in modes:
                         for reshard in _reshards(mode, pp, v, kind, c):
                             for recompute in recomputes:

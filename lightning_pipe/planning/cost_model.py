@@ -32,6 +32,7 @@ from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.partition.balance import balance_by_time
 from lightning_pipe.planning.candidates import Candidate, DataMode
 from lightning_pipe.planning.costs import LayerCost, Links, Machine, ModelCosts
+from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
 from lightning_pipe.schedule.simulate import SimulationResult, simulate
 
@@ -109,11 +110,16 @@ def _balance(times: tuple[float, ...], stages: int) -> tuple[int, ...]:
     return tuple(balance_by_time(times, stages))
 
 
+@lru_cache(maxsize=256)
+def _schedule(kind: ScheduleKind, stages: int, m: int, v: int) -> PipelineSchedule:
+    return build_schedule(kind, stages, m, virtual_stages=v)  # built and validated once per shape
+
+
 @lru_cache(maxsize=512)
 def _schedule_sim(
     kind: ScheduleKind, stages: int, m: int, v: int, tf: tuple[float, ...], tb: tuple[float, ...], comm: float
 ) -> SimulationResult:
-    return simulate(build_schedule(kind, stages, m, virtual_stages=v), tf, tb, comm)
+    return simulate(_schedule(kind, stages, m, v), tf, tb, comm)
 
 
 def _stages(costs: ModelCosts, c: Candidate, rows: float, links: Links) -> list[_Stage]:
