@@ -30,8 +30,8 @@ from lightning_pipe.construction.meta import parameters_on_meta
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.planning.candidates import Constraints, DataMode, ModelShape
-from lightning_pipe.planning.costs import GB, Links, Machine, ModelCosts, format_bytes
-from lightning_pipe.planning.measure import accepted_tensor_sizes, device_memory, measure_layers
+from lightning_pipe.planning.costs import GB, Links, Machine, format_bytes
+from lightning_pipe.planning.measure import accepted_tensor_sizes, device_memory, measure_model
 from lightning_pipe.planning.planner import plan_layout
 from lightning_pipe.planning.report import render
 from lightning_pipe.schedule.builders import ScheduleKind
@@ -225,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes, splits = accepted_tensor_sizes(loaded.root, loaded.layers, loaded.plan_for, args.devices)
     rows = args.rows or max(1, args.batch // args.devices // 2)
     split = splits[min(splits)] if splits else None  # the same modules split at any size
-    layers = measure_layers(loaded.layers, loaded.sample_at, rows, device, split, repeats=args.repeats)
-    costs = ModelCosts(tuple(layers), rows, optimizer_state_factor=args.optimizer_state_factor)
+    costs = measure_model(
+        loaded.layers, loaded.sample_at, rows, device, split, args.repeats, args.optimizer_state_factor
+    )
+    layers = costs.layers
     links = Links(
         p2p_bandwidth=args.bandwidth * GB,
         p2p_latency=args.latency * 1e-6,

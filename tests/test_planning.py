@@ -35,7 +35,7 @@ from lightning_pipe.planning import (
 )
 from lightning_pipe.planning.costs import GB
 from lightning_pipe.planning.measure import _fixed, accepted_tensor_sizes, parameter_bytes, plan_splits
-from lightning_pipe.schedule.builders import ScheduleKind
+from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
 
 FREE_LINKS = Links(p2p_bandwidth=1e30, p2p_latency=0.0, collective_bandwidth=1e30, collective_latency=0.0)
 
@@ -256,6 +256,35 @@ def test_the_profiler_counts_saved_activations_and_outputs() -> None:
     times = profile_layers([nn.Linear(16, 32), nn.ReLU()], torch.randn(4, 16), torch.device("cpu"), repeats=1)
     assert [t.saved_bytes for t in times] == [4 * 16 * 4, 4 * 32 * 4]
     assert [t.output_bytes for t in times] == [4 * 32 * 4, 4 * 32 * 4]
+    assert [(t.saved_input_bytes, t.saved_output_bytes) for t in times] == [(4 * 16 * 4, 0), (0, 4 * 32 * 4)]
+
+
+@pytest.mark.parametrize("kind, alive", [("gpipe", 4), ("1f1b", 1)])
+def test_predicted_activations_are_the_executors_own_count(kind: str, alive: int) -> None:
+    """One stage run by the engine's executor, its activation meter on: the bytes it counts for
+    the micro-batches alive at once are the planner's prediction from the profiler's counts (a
+    tensor two neighbouring layers both save counted once), plus the one weight autograd keeps for
+    the input gradient, which the planner counts with the parameters."""
+    from lightning_pipe.batches.microbatch import signature
+    from lightning_pipe.execution.executor import PipelineExecutor
+    from lightning_pipe.planning.measure import measure_model
+
+    torch.manual_seed(0)
+    width, rows = 64, 32
+    stage = [nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width), nn.Tanh()]
+    executor = PipelineExecutor({0: stage}, 1, [0], torch.device("cpu"))
+    executor.measure_activation_memory = True
+    inputs = [torch.randn(rows, width) for _ in range(4)]
+    result = executor.run(
+        build_schedule(kind, 1, 4), 0, inputs=inputs, head=lambda y, i: y.square().mean(),
+        signatures=[signature(x) for x in inputs],
+    )  # fmt: skip
+    assert result.peak_stashed == alive
+    costs = measure_model(stage, lambda r: torch.randn(r, width), rows, torch.device("cpu"), repeats=1)
+    c = Candidate(1, 1, 1, DataMode.REPLICATED, ScheduleKind(kind), 1, 4, RecomputeMode.NEVER)
+    predicted = predict(c, costs, Machine(1, 1e12), batch=4 * rows)
+    kept_weight = width * width * 4  # the second Linear's, for its input gradient
+    assert predicted.memory.activations == result.peak_activation_bytes - kept_weight
 
 
 def test_the_fixed_part_of_a_time() -> None:

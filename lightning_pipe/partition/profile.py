@@ -49,6 +49,11 @@ class LayerTime:
     """What autograd saved for backward in the forward (distinct tensors, parameters left out)."""
     output_bytes: int = 0
     """The layer's output (what a stage boundary after it would send)."""
+    saved_input_bytes: int = 0
+    """Of ``saved_bytes``, the layer's input (the previous layer's output, or the stage's input)."""
+    saved_output_bytes: int = 0
+    """Of ``saved_bytes``, the layer's own output (an activation function saves its result): with
+    ``saved_input_bytes``, what lets a stage's total count a tensor two layers save only once."""
 
     @property
     def total(self) -> float:
@@ -104,6 +109,13 @@ def _activation_bytes(saved: Counted, params: Sequence[torch.Tensor]) -> int:
     return sum(size for (pointer, _), size in saved.items() if pointer not in held)
 
 
+def _saved_among(saved: Counted, value: Any) -> int:
+    """The bytes of ``value``'s tensors that autograd saved (a detached copy shares the pointer)."""
+    tensors = value if isinstance(value, tuple) else (value,)
+    pointers = {t.data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(size for (pointer, _), size in saved.items() if pointer in pointers)
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
@@ -128,6 +140,8 @@ def profile_layers(
             forward, backward = [], []
             out: Any = None
             saved: Counted = {}
+            counted_input: Any = None
+            counted_output: Any = None
             for run in range(repeats + 1):
                 inputs = _leaves(x)
                 _sync(device)
@@ -137,6 +151,8 @@ def profile_layers(
                     counting = counting_saved(saved) if run == 0 else nullcontext()
                     with torch.enable_grad(), skips.active(), counting:
                         out = apply_layers([twin], inputs, position)
+                    if run == 0:  # kept alive, so that no later tensor reuses their pointers
+                        counted_input, counted_output = inputs, out
                 except Exception as err:
                     if hasattr(err, "add_note"):  # Python >= 3.11
                         err.add_note(
@@ -163,9 +179,11 @@ def profile_layers(
                     _median(backward),
                     saved_bytes=_activation_bytes(saved, list(twin.parameters())),
                     output_bytes=_tensor_bytes(out),
+                    saved_input_bytes=_saved_among(saved, counted_input),
+                    saved_output_bytes=_saved_among(saved, counted_output),
                 )
             )
             x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
             skips.popped.update({name: t.detach() for name, t in skips.stashed.items()})
-            del twin, params
+            del twin, params, counted_input, counted_output
     return times

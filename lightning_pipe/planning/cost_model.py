@@ -94,6 +94,8 @@ class _Stage:
     recompute: float
     activations: float
     kept_when_recomputed: float
+    output: float
+    """The stage's output per micro-batch: the message to the next stage."""
     parameters: float
     largest_layer: float
 
@@ -129,19 +131,31 @@ def _stages(costs: ModelCosts, c: Candidate, rows: float, links: Links) -> list[
     )
     out, start = [], 0
     for count in balance:
-        inputs = layers[start - 1].output_bytes if start else 0
-        out.append(_stage(layers[start : start + count], costs, c, rows, inputs, links))
+        inputs = layers[start - 1].output_bytes if start else costs.input_bytes
+        hidden = layers[start - 1].output_bytes if start else layers[0].output_bytes
+        out.append(_stage(layers[start : start + count], costs, c, rows, inputs, hidden, links))
         start += count
     return out
 
 
 def _stage(
-    group: Sequence[LayerCost], costs: ModelCosts, c: Candidate, rows: float, inputs: int, links: Links
+    group: Sequence[LayerCost],
+    costs: ModelCosts,
+    c: Candidate,
+    rows: float,
+    inputs: int,
+    hidden: int,
+    links: Links,
 ) -> _Stage:
+    """One stage's costs per micro-batch of ``rows`` samples; ``inputs``: the bytes of its input (at
+    the measured rows), ``hidden``: of the hidden states its first tensor all-reduce carries."""
     tp, scale = c.tensor_parallel_size, rows / costs.rows
     forward = backward = tensor_f = tensor_b = activations = parameters = largest = 0.0
-    hidden = inputs or group[0].output_bytes  # the hidden states a tensor all-reduce carries
+    previous_saved_output = float(inputs)  # the stage input, held until its backward
     for layer in group:
+        # A tensor two neighbours both save (one's output, the next's input) exists once.
+        shared = min(layer.saved_input_bytes, previous_saved_output)
+        previous_saved_output = layer.saved_output_bytes
         keep = 1 - layer.split_share + layer.split_share / tp
         forward += scaled(layer.forward_seconds, layer.forward_fixed_seconds, rows, costs.rows, keep)
         backward += scaled(layer.backward_seconds, layer.backward_fixed_seconds, rows, costs.rows, keep)
@@ -149,12 +163,16 @@ def _stage(
         tensor_f += layer.tensor_forward_collectives * one
         tensor_b += layer.tensor_backward_collectives * one
         split = SPLIT_ACTIVATION_SHARE if layer.split_parameter_bytes else 0.0
-        activations += layer.activation_bytes * scale * (1 - split + split / tp)
+        activations += (layer.activation_bytes - shared) * scale * (1 - split + split / tp)
         held = layer.parameter_bytes - layer.split_parameter_bytes + layer.split_parameter_bytes / tp
         parameters += held
         largest = max(largest, held)
         hidden = layer.output_bytes
-    boundary = (inputs + group[-1].output_bytes) * scale  # the stage's input and output, per micro-batch
+    # The step holds the stage's input and output per micro-batch until its backward: the input in
+    # full (a first layer that saved it too was counted without it), the output where the last
+    # layer did not save it.
+    boundary = (inputs + group[-1].output_bytes) * scale
+    activations += (inputs + group[-1].output_bytes - group[-1].saved_output_bytes) * scale
     recompute = 0.0
     if c.recompute is RecomputeMode.ALWAYS:
         recompute = forward + tensor_f
@@ -166,8 +184,9 @@ def _stage(
         compute=forward + backward,
         tensor=tensor_f + tensor_b,
         recompute=recompute,
-        activations=activations + boundary,
+        activations=activations,
         kept_when_recomputed=boundary,
+        output=group[-1].output_bytes * scale,
         parameters=parameters,
         largest_layer=largest,
     )
@@ -243,8 +262,7 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
     pp = c.pipeline_parallel_size
     message = 0.0
     if pp > 1:
-        boundaries = [s.kept_when_recomputed for s in stages]  # inputs + outputs: at most twice a message
-        message = links.p2p(max(boundaries) / 2)
+        message = links.p2p(max(s.output for s in stages[:-1]))
     sim = _schedule_sim(
         c.schedule,
         c.num_stages,

@@ -42,6 +42,11 @@ class LayerCost:
     """What autograd saves for backward in the forward (parameters left out)."""
     output_bytes: int = 0
     """The layer's output: a stage boundary after it sends this, forward and (as a gradient) back."""
+    saved_input_bytes: int = 0
+    """Of ``activation_bytes``, the layer's input (saved by this layer too when the previous one
+    saved its output: counted once in a stage)."""
+    saved_output_bytes: int = 0
+    """Of ``activation_bytes``, the layer's own output."""
     parameter_bytes: int = 0
     split_parameter_bytes: int = 0
     """Of ``parameter_bytes``, what the tensor-parallel plan splits over the tensor ranks."""
@@ -85,6 +90,8 @@ class ModelCosts:
     layers: tuple[LayerCost, ...]
     rows: int
     """Samples in the micro-batch the layers were measured on."""
+    input_bytes: int = 0
+    """The first layer's input for that micro-batch (the first stage holds it until backward)."""
     optimizer_state_factor: float = 2.0
     """Optimizer state bytes per parameter byte (AdamW in the parameters' dtype: 2; SGD: 0;
     SGD with momentum: 1)."""

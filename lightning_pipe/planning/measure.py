@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.partition.profile import profile_layers
-from lightning_pipe.planning.costs import LayerCost
+from lightning_pipe.planning.costs import LayerCost, ModelCosts
 from lightning_pipe.tensor_parallel.plan import resolve_plan
 from lightning_pipe.tensor_parallel.styles import TensorParallelStyle
 
@@ -132,6 +132,8 @@ def measure_layers(
                 backward_fixed_seconds=_fixed(a.backward, b.backward),
                 activation_bytes=a.saved_bytes,
                 output_bytes=a.output_bytes,
+                saved_input_bytes=a.saved_input_bytes,
+                saved_output_bytes=a.saved_output_bytes,
                 parameter_bytes=parameter_bytes(layer),
                 split_parameter_bytes=min(split.parameter_bytes, parameter_bytes(layer)),
                 tensor_forward_collectives=split.forward_collectives,
@@ -139,6 +141,33 @@ def measure_layers(
             )
         )
     return costs
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (a tensor or a tuple of them)."""
+    if isinstance(value, tuple | list):
+        return sum(tensor_bytes(v) for v in value)
+    return value.nbytes if isinstance(value, torch.Tensor) else 0
+
+
+def measure_model(
+    layers: Sequence[nn.Module],
+    sample_at: Callable[[int], Any],
+    rows: int,
+    device: torch.device,
+    splits: Sequence[LayerSplit] | None = None,
+    repeats: int = 3,
+    optimizer_state_factor: float = 2.0,
+) -> ModelCosts:
+    """:func:`measure_layers`, with the first layer's input and the optimizer's bytes: what the
+    cost model needs of a model."""
+    costs = measure_layers(layers, sample_at, rows, device, splits, repeats)
+    return ModelCosts(
+        tuple(costs),
+        rows,
+        input_bytes=tensor_bytes(sample_at(rows)),
+        optimizer_state_factor=optimizer_state_factor,
+    )
 
 
 def device_memory(device: torch.device) -> int | None:
