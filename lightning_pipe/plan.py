@@ -29,7 +29,7 @@ from torch import nn
 from lightning_pipe.construction.meta import parameters_on_meta
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
-from lightning_pipe.planning.candidates import Constraints, DataMode, ModelShape
+from lightning_pipe.planning.candidates import Constraints, DataMode, ModelShape, enumerate_candidates
 from lightning_pipe.planning.costs import GB, Links, Machine, format_bytes
 from lightning_pipe.planning.measure import accepted_tensor_sizes, device_memory, measure_model
 from lightning_pipe.planning.planner import plan_layout
@@ -223,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // args.devices))
     loaded = load_model(args.model, args.seq, args.init_args)
     sizes, splits = accepted_tensor_sizes(loaded.root, loaded.layers, loaded.plan_for, args.devices)
+    shape = ModelShape(len(loaded.layers), sizes)
+    try:  # a constraint no layout meets is said before anything is measured
+        enumerate_candidates(args.devices, shape, args.batch, constraints)
+    except ValueError as err:
+        print(f"{_WHERE}: {err}", file=sys.stderr)
+        return 2
     rows = args.rows or max(1, args.batch // args.devices // 2)
     split = splits[min(splits)] if splits else None  # the same modules split at any size
     costs = measure_model(
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap_data_parallel=args.overlap if args.overlap is not None else device.type == "cuda",
     )
     machine = Machine(args.devices, memory, links)
-    plan = plan_layout(costs, machine, ModelShape(len(layers), sizes), args.batch, constraints)
+    plan = plan_layout(costs, machine, shape, args.batch, constraints)
     if args.json:
         print(
             json.dumps(

@@ -10,6 +10,7 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -371,6 +372,16 @@ def test_the_command_plans_a_tiny_gpt(capsys: pytest.CaptureFixture[str]) -> Non
     ranked = json.loads(out)
     assert ranked[-1] == {"why": None}
     assert ranked[:-1] and all(p["candidate"]["pipeline_parallel_size"] == 2 for p in ranked[:-1])
+
+
+def test_the_command_refuses_a_constraint_before_measuring(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_pipe.plan import main
+
+    argv = ["tests.gpt_models:TinyGPT", "--devices", "4", "--memory", "1GB", "--batch", "8", "--seq", "8"]
+    with mock.patch("lightning_pipe.plan.measure_model", side_effect=AssertionError("measured")):
+        assert main([*argv, "--pipeline-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "No layout of 4 processes meets pipeline_parallel_size=3" in err
 
 
 def test_the_command_plans_a_tiny_llama_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
