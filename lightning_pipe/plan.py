@@ -170,6 +170,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bandwidth", type=float, default=5.0, help="GB/s between processes (default 5)")
     parser.add_argument("--latency", type=float, default=20.0, help="microseconds per message (default 20)")
     parser.add_argument(
+        "--collective-bandwidth",
+        type=float,
+        help="GB/s of all-reduce, reduce-scatter and all-gather per link, if not --bandwidth",
+    )
+    parser.add_argument(
+        "--collective-latency", type=float, help="microseconds per collective step, if not --latency"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         help="on CPU, threads to measure with (default: this host's cores / devices, as each of the "
@@ -238,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     links = Links(
         p2p_bandwidth=args.bandwidth * GB,
         p2p_latency=args.latency * 1e-6,
-        collective_bandwidth=args.bandwidth * GB,
-        collective_latency=args.latency * 1e-6,
+        collective_bandwidth=(args.collective_bandwidth or args.bandwidth) * GB,
+        collective_latency=(args.collective_latency if args.collective_latency is not None else args.latency)
+        * 1e-6,
         # On CPU the processes' communication runs on the cores that compute (gloo): nothing hides.
         overlap_data_parallel=args.overlap if args.overlap is not None else device.type == "cuda",
     )
