@@ -437,20 +437,64 @@ def test_the_links_fit_recovers_latency_and_bandwidth() -> None:
     assert _fit(1e-3, 1e-3, 1.0)[1] == pytest.approx(LARGE_BYTES / 1e-3)  # noise: no slope
 
 
-def _probe_worker() -> tuple[float, ...]:
+WIDTH, ROWS = 64, 32
+
+
+def _pipeline_stage() -> list[nn.Module]:
+    return [nn.Linear(WIDTH, WIDTH), nn.SiLU(), nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+
+
+def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], int]:
+    """The links' probe, then one 1F1B step of 4 micro-batches over the ranks (a stage each), the
+    executor's activation meter on: its peak bytes on this rank."""
+    import torch.distributed as dist
+
+    from lightning_pipe.batches.microbatch import signature
+    from lightning_pipe.execution.executor import PipelineExecutor
     from lightning_pipe.planning.links import probe_links
 
     links = probe_links(torch.device("cpu"), repeats=2)
-    return (links.p2p_bandwidth, links.p2p_latency, links.collective_bandwidth, links.collective_latency,
-            float(links.overlap_data_parallel))  # fmt: skip
+    probed = (links.p2p_bandwidth, links.p2p_latency, links.collective_bandwidth, links.collective_latency,
+              float(links.overlap_data_parallel))  # fmt: skip
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    executor = PipelineExecutor({rank: _pipeline_stage()}, p, list(range(p)), torch.device("cpu"))
+    executor.measure_activation_memory = True
+    inputs = [torch.randn(ROWS, WIDTH) for _ in range(4)]
+    result = executor.run(
+        build_schedule("1f1b", p, 4), rank, inputs=inputs if rank == 0 else None,
+        head=lambda y, i: y.square().mean(), signatures=[signature(x) for x in inputs],
+    )  # fmt: skip
+    return probed, result.peak_activation_bytes
 
 
 @pytest.mark.distributed
-def test_every_rank_gets_rank_zeros_probe_of_the_links() -> None:
+def test_the_links_probe_and_a_pipelines_activations_on_three_ranks() -> None:
+    """Every rank gets rank 0's probe of the links; and each pipeline rank's activation bytes, as
+    the executor's meter counts them over the micro-batches 1F1B keeps alive (3, 2, 1), are the
+    planner's prediction (from one stage measured by the profiler, the stages given equal times so
+    that the planner splits the layers as the run does) plus the weights autograd keeps for the
+    input gradient (one on the first stage, whose input needs none, two on the others)."""
+    from lightning_pipe.planning.measure import measure_model
     from tests.distributed import run_distributed
 
-    results = run_distributed(_probe_worker, 3, timeout=120)
-    assert results[0] == results[1] == results[2]
-    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap = results[0]
+    results = run_distributed(_probe_and_pipeline_worker, 3, timeout=120)
+    probes = [probe for probe, _ in results]
+    assert probes[0] == probes[1] == probes[2]
+    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap = probes[0]
     assert p2p_bandwidth > 0 and bandwidth > 0 and p2p_latency >= 0 and latency >= 0
     assert overlap == 0.0  # gloo on CPU: the data axis' traffic is not hidden
+
+    measured = measure_model(
+        _pipeline_stage(), lambda r: torch.randn(r, WIDTH), ROWS, torch.device("cpu"), repeats=1
+    )
+    layers = tuple(replace(layer, forward_seconds=1.0, backward_seconds=2.0, forward_fixed_seconds=0.0,
+                           backward_fixed_seconds=0.0) for layer in measured.layers) * 3  # fmt: skip
+    costs = replace(measured, layers=layers)
+    c = Candidate(3, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 4, RecomputeMode.NEVER)
+    predicted = predict(c, costs, Machine(3, 1e12), batch=4 * ROWS)
+    weight = WIDTH * WIDTH * 4
+    kept = [weight, 2 * weight, 2 * weight]
+    assert [m.activations for m in predicted.rank_memory] == [
+        b - w for (_, b), w in zip(results, kept, strict=True)
+    ]

@@ -78,6 +78,8 @@ class Prediction:
     the one moving less is safer (hidden traffic still contends for links and memory)."""
     memory: MemoryUse
     """The rank with the highest peak."""
+    rank_memory: tuple[MemoryUse, ...]
+    """Each pipeline rank's (the same on every tensor and data rank of it)."""
     fits: bool
 
     @property
@@ -291,5 +293,6 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
         data_seconds=data,
         data_traffic_seconds=traffic,
         memory=worst,
+        rank_memory=tuple(memories),
         fits=worst.total <= machine.memory_bytes,
     )
