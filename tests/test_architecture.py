@@ -160,11 +160,13 @@ ALLOWED: dict[str, set[str]] = {
     "tensor_parallel": {"data_parallel", "collectives", "arguments"},
     "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh", "experts"},
     "construction": {"checkpoint", "tensor_parallel", "experts"},
+    "planning": {"schedule", "partition", "execution", "tensor_parallel"},
 }
 _ENGINE = set(ALLOWED)
 ALLOWED["runtime"] = _ENGINE
 ALLOWED["huggingface"] = {"execution", "tensor_parallel", "runtime", "checkpoint", "context", "experts"}
 ALLOWED["consolidate"] = {"checkpoint", "mesh", "huggingface"}
+ALLOWED["plan"] = {"planning", "huggingface", "construction", "execution", "schedule"}
 # The adapter drives the runtime through its package's face (ParallelRuntime and the vocabulary of
 # its signatures, test_the_adapter_reaches_the_runtime_through_its_face); beside it, only what the
 # runtime does not own: the mesh, checkpoint files, fault naming, the data's batches, meta/pretrained

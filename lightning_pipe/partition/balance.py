@@ -127,6 +127,15 @@ def _min_max_split(costs: Sequence[int], num_stages: int) -> list[int]:
     return list(fewest_layers(0, num_stages)[1])
 
 
+def balance_by_time(times: Sequence[float], num_stages: int) -> list[int]:
+    """The contiguous split of layers taking ``times`` seconds each into ``num_stages`` stages that
+    minimises the slowest stage (``partition="time"``'s split; the layout planner predicts it)."""
+    if not 1 <= num_stages <= len(times):
+        raise ValueError(f"{len(times)} layers cannot be split into {num_stages} non-empty stages.")
+    # Whole microseconds (at least one, so that a layer too fast to measure still counts).
+    return _min_max_split([max(1, round(t * 1e6)) for t in times], num_stages)
+
+
 def compute_balance(
     layers: Sequence[nn.Module],
     num_stages: int,
@@ -157,8 +166,7 @@ def compute_balance(
                 f'partition="time" needs one measured time per layer ({num_layers}), got {given}: '
                 "profile the layers first (lightning_pipe.partition.profile.profile_layers)."
             )
-        # Whole microseconds (at least one, so that a layer too fast to measure still counts).
-        return _min_max_split([max(1, round(t * 1e6)) for t in times], num_stages)
+        return balance_by_time(times, num_stages)
     return _min_max_split([parameter_count(layer) for layer in layers], num_stages)
 
 

@@ -12,7 +12,10 @@ at a time, in pipeline order, each on the previous one's output:
 * backward is :func:`torch.autograd.grad` to the layer's input and parameters from a gradient of
   ones, which computes what training computes without accumulating anything;
 * the random state is restored afterwards, so that dropout in the profile draws no number the run
-  would have drawn (the run stays equal to one device's).
+  would have drawn (the run stays equal to one device's);
+* the warm-up run also counts what autograd saves for backward (the layer's parameters left out:
+  they are held anyway) and the bytes of the layer's output, which the layout planner
+  (:mod:`lightning_pipe.planning`) needs for activation memory and the messages between stages.
 
 The times are per micro-batch; the runtime has global rank 0 measure them alone and sends them
 to every rank, so that every rank computes the same split.
@@ -24,6 +27,7 @@ import copy
 import itertools
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +35,7 @@ import torch
 from torch import nn
 
 from lightning_pipe.execution.layers import apply_layers
+from lightning_pipe.execution.memory import Counted, counting_saved
 from lightning_pipe.skip.scope import SkipScope
 
 
@@ -40,6 +45,15 @@ class LayerTime:
 
     forward: float
     backward: float
+    saved_bytes: int = 0
+    """What autograd saved for backward in the forward (distinct tensors, parameters left out)."""
+    output_bytes: int = 0
+    """The layer's output (what a stage boundary after it would send)."""
+    saved_input_bytes: int = 0
+    """Of ``saved_bytes``, the layer's input (the previous layer's output, or the stage's input)."""
+    saved_output_bytes: int = 0
+    """Of ``saved_bytes``, the layer's own output (an activation function saves its result): with
+    ``saved_input_bytes``, what lets a stage's total count a tensor two layers save only once."""
 
     @property
     def total(self) -> float:
@@ -83,6 +97,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    return value.nbytes if isinstance(value, torch.Tensor) else 0
+
+
+def _activation_bytes(saved: Counted, params: Sequence[torch.Tensor]) -> int:
+    """The saved tensors' bytes but the parameters' (and their views', which share the pointer)."""
+    held = {p.data_ptr() for p in params}
+    return sum(size for (pointer, _), size in saved.items() if pointer not in held)
+
+
+def _saved_among(saved: Counted, value: Any) -> int:
+    """The bytes of ``value``'s tensors that autograd saved (a detached copy shares the pointer)."""
+    tensors = value if isinstance(value, tuple) else (value,)
+    pointers = {t.data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(size for (pointer, _), size in saved.items() if pointer in pointers)
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
@@ -106,13 +139,20 @@ def profile_layers(
             params = [p for p in twin.parameters() if p.requires_grad]
             forward, backward = [], []
             out: Any = None
+            saved: Counted = {}
+            counted_input: Any = None
+            counted_output: Any = None
             for run in range(repeats + 1):
                 inputs = _leaves(x)
                 _sync(device)
                 start = time.perf_counter()
                 try:
-                    with torch.enable_grad(), skips.active():
+                    # The warm-up run counts the saved tensors (the hook costs time: not the timed runs).
+                    counting = counting_saved(saved) if run == 0 else nullcontext()
+                    with torch.enable_grad(), skips.active(), counting:
                         out = apply_layers([twin], inputs, position)
+                    if run == 0:  # kept alive, so that no later tensor reuses their pointers
+                        counted_input, counted_output = inputs, out
                 except Exception as err:
                     if hasattr(err, "add_note"):  # Python >= 3.11
                         err.add_note(
@@ -133,8 +173,17 @@ def profile_layers(
                 if run:  # the first run warms caches and allocators up
                     forward.append(middle - start)
                     backward.append(time.perf_counter() - middle)
-            times.append(LayerTime(_median(forward), _median(backward)))
+            times.append(
+                LayerTime(
+                    _median(forward),
+                    _median(backward),
+                    saved_bytes=_activation_bytes(saved, list(twin.parameters())),
+                    output_bytes=_tensor_bytes(out),
+                    saved_input_bytes=_saved_among(saved, counted_input),
+                    saved_output_bytes=_saved_among(saved, counted_output),
+                )
+            )
             x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
             skips.popped.update({name: t.detach() for name, t in skips.stashed.items()})
-            del twin, params
+            del twin, params, counted_input, counted_output
     return times

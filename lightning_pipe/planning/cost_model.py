@@ -1,0 +1,298 @@
+"""Predict one candidate's step time and peak memory per rank from measured costs.
+
+The step time is what the engine would do, played on paper:
+
+* the layers are split into ``pp x v`` stages as ``partition="time"`` splits them
+  (:func:`~lightning_pipe.partition.balance.balance_by_time`), each stage's forward and backward
+  per micro-batch being its layers' times at the candidate's micro-batch size, divided by the
+  tensor size where the plan splits the work, plus the tensor-parallel all-reduces (exposed:
+  they sit between a layer's matrix products) and, with recomputation, a second forward in
+  backward;
+* the project's own simulator (:func:`~lightning_pipe.schedule.simulate`) plays the schedule with
+  those times and the point-to-point message time between stages: its makespan holds the compute,
+  the bubble and the waits for messages, and its count of micro-batches alive per stage gives the
+  activation memory;
+* the data axis' communication for the mode (replicated: all-reduce; ZeRO-1: reduce-scatter and
+  all-gather; FSDP2: all-gather and reduce-scatter, per micro-batch when resharding) is added where
+  it outlasts the compute the engine overlaps it with.
+
+Peak memory per rank is parameters, gradients and optimizer state as the data mode keeps them, and
+the activations of the most micro-batches the schedule keeps alive at once on each of the rank's
+stages. Not counted: the allocator's slack, framework buffers and the optimizer step's own time;
+:mod:`.report` says so next to the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.partition.balance import balance_by_time
+from lightning_pipe.planning.candidates import Candidate, DataMode
+from lightning_pipe.planning.costs import LayerCost, Links, Machine, ModelCosts
+from lightning_pipe.schedule.actions import PipelineSchedule
+from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
+from lightning_pipe.schedule.simulate import SimulationResult, simulate
+
+SPLIT_ACTIVATION_SHARE = 0.7
+"""Of a tensor-split layer's saved activations, the share the tensor ranks split (Korthikanti et
+al. 2022, arXiv:2205.05198, Table 2: without sequence parallelism a transformer layer saves
+``sbh (10 + 24/t + 5as/(ht))`` bytes, the 24 and the attention scores split, the 10 of the norms
+and residuals whole: at least 24/34)."""
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """One rank's bytes at its peak."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate's predicted step and memory, with the parts the step time is made of (on the
+    busiest rank)."""
+
+    candidate: Candidate
+    step_seconds: float
+    compute_seconds: float
+    """The busiest rank's layer compute (no communication, no recomputation)."""
+    bubble_seconds: float
+    """The makespan beyond the busiest rank's work: pipeline fill and drain, and message waits."""
+    tensor_seconds: float
+    """Tensor-parallel all-reduces on the busiest rank."""
+    recompute_seconds: float
+    data_seconds: float
+    """The data axis' communication left exposed (the worst rank's)."""
+    data_traffic_seconds: float
+    """The data axis' communication in all, hidden or not: between layouts predicted equally fast,
+    the one moving less is safer (hidden traffic still contends for links and memory)."""
+    memory: MemoryUse
+    """The rank with the highest peak."""
+    rank_memory: tuple[MemoryUse, ...]
+    """Each pipeline rank's (the same on every tensor and data rank of it)."""
+    fits: bool
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.memory.total
+
+
+@dataclass(frozen=True)
+class _Stage:
+    forward: float
+    backward: float
+    compute: float
+    tensor: float
+    recompute: float
+    activations: float
+    kept_when_recomputed: float
+    output: float
+    """The stage's output per micro-batch: the message to the next stage."""
+    parameters: float
+    largest_layer: float
+
+
+def scaled(seconds: float, fixed: float, rows: float, measured_rows: int, share: float = 1.0) -> float:
+    """A time measured on ``measured_rows`` samples, for ``rows`` samples of which this rank does
+    ``share`` of the work: the fixed part (as many launches whatever the split), and the rest in
+    proportion."""
+    return fixed + (seconds - fixed) * rows / measured_rows * share
+
+
+@lru_cache(maxsize=256)
+def _balance(times: tuple[float, ...], stages: int) -> tuple[int, ...]:
+    return tuple(balance_by_time(times, stages))
+
+
+@lru_cache(maxsize=256)
+def _schedule(kind: ScheduleKind, stages: int, m: int, v: int) -> PipelineSchedule:
+    return build_schedule(kind, stages, m, virtual_stages=v)  # built and validated once per shape
+
+
+@lru_cache(maxsize=512)
+def _schedule_sim(
+    kind: ScheduleKind, stages: int, m: int, v: int, tf: tuple[float, ...], tb: tuple[float, ...], comm: float
+) -> SimulationResult:
+    return simulate(_schedule(kind, stages, m, v), tf, tb, comm)
+
+
+def _stages(costs: ModelCosts, c: Candidate, rows: float, links: Links) -> list[_Stage]:
+    layers = costs.layers
+    balance = _balance(
+        tuple(layer.forward_seconds + layer.backward_seconds for layer in layers), c.num_stages
+    )
+    out, start = [], 0
+    for count in balance:
+        inputs = layers[start - 1].output_bytes if start else costs.input_bytes
+        hidden = layers[start - 1].output_bytes if start else layers[0].output_bytes
+        out.append(_stage(layers[start : start + count], costs, c, rows, inputs, hidden, links))
+        start += count
+    return out
+
+
+def _stage(
+    group: Sequence[LayerCost],
+    costs: ModelCosts,
+    c: Candidate,
+    rows: float,
+    inputs: int,
+    hidden: int,
+    links: Links,
+) -> _Stage:
+    """One stage's costs per micro-batch of ``rows`` samples; ``inputs``: the bytes of its input (at
+    the measured rows), ``hidden``: of the hidden states its first tensor all-reduce carries."""
+    tp, scale = c.tensor_parallel_size, rows / costs.rows
+    forward = backward = tensor_f = tensor_b = activations = parameters = largest = 0.0
+    previous_saved_output = float(inputs)  # the stage input, held until its backward
+    for layer in group:
+        # A tensor two neighbours both save (one's output, the next's input) exists once.
+        shared = min(layer.saved_input_bytes, previous_saved_output)
+        previous_saved_output = layer.saved_output_bytes
+        keep = 1 - layer.split_share + layer.split_share / tp
+        forward += scaled(layer.forward_seconds, layer.forward_fixed_seconds, rows, costs.rows, keep)
+        backward += scaled(layer.backward_seconds, layer.backward_fixed_seconds, rows, costs.rows, keep)
+        one = links.all_reduce(hidden * scale, tp)
+        tensor_f += layer.tensor_forward_collectives * one
+        tensor_b += layer.tensor_backward_collectives * one
+        split = SPLIT_ACTIVATION_SHARE if layer.split_parameter_bytes else 0.0
+        activations += (layer.activation_bytes - shared) * scale * (1 - split + split / tp)
+        held = layer.parameter_bytes - layer.split_parameter_bytes + layer.split_parameter_bytes / tp
+        parameters += held
+        largest = max(largest, held)
+        hidden = layer.output_bytes
+    # The step holds the stage's input and output per micro-batch until its backward: the input in
+    # full (a first layer that saved it too was counted without it), the output where the last
+    # layer did not save it.
+    boundary = (inputs + group[-1].output_bytes) * scale
+    activations += (inputs + group[-1].output_bytes - group[-1].saved_output_bytes) * scale
+    recompute = 0.0
+    if c.recompute is RecomputeMode.ALWAYS:
+        recompute = forward + tensor_f
+    elif c.recompute is RecomputeMode.EXCEPT_LAST:
+        recompute = (forward + tensor_f) * (c.num_microbatches - 1) / c.num_microbatches
+    return _Stage(
+        forward=forward + tensor_f,
+        backward=backward + tensor_b + recompute,
+        compute=forward + backward,
+        tensor=tensor_f + tensor_b,
+        recompute=recompute,
+        activations=activations,
+        kept_when_recomputed=boundary,
+        output=group[-1].output_bytes * scale,
+        parameters=parameters,
+        largest_layer=largest,
+    )
+
+
+def _memory(
+    c: Candidate, costs: ModelCosts, stages: Sequence[_Stage], held: Sequence[int], peak: Sequence[int]
+) -> MemoryUse:
+    """One rank's peak, holding the stages ``held``."""
+    p = sum(stages[s].parameters for s in held)
+    g = p * costs.gradient_factor
+    k, dp = costs.optimizer_state_factor, c.data_parallel_size
+    if c.recompute is RecomputeMode.NEVER:
+        activations = sum(peak[s] * stages[s].activations for s in held)
+    else:
+        # Inputs kept per micro-batch alive, and one micro-batch's whole activations while its
+        # forward runs again (two under except_last: the last micro-batch keeps its own).
+        whole = max(stages[s].activations for s in held)
+        extra = 2 if c.recompute is RecomputeMode.EXCEPT_LAST else 1
+        activations = sum(peak[s] * stages[s].kept_when_recomputed for s in held) + extra * whole
+    if c.data_mode is DataMode.REPLICATED:
+        return MemoryUse(p, g, k * p, activations)
+    if c.data_mode is DataMode.ZERO1:
+        return MemoryUse(p, g, k * p / dp, activations)
+    if c.reshard_after_forward:
+        # Shards, plus the layer in use and the one prefetched, whole, with the layer's gradient.
+        largest = max(stages[s].largest_layer for s in held)
+        return MemoryUse(
+            p / dp + 2 * largest, g / dp + largest * costs.gradient_factor, k * p / dp, activations
+        )
+    # Without resharding the stage stays gathered through the step and its gradients whole until
+    # the window's reduce-scatter: the shards on top of what a replica holds.
+    return MemoryUse(p / dp + p, g + g / dp, k * p / dp, activations)
+
+
+def _exposed(comm: float, window: float, links: Links) -> float:
+    return max(0.0, comm - window) if links.overlap_data_parallel else comm
+
+
+def _data_seconds(
+    c: Candidate, costs: ModelCosts, stages: Sequence[_Stage], held: Sequence[int], links: Links
+) -> float:
+    """The data axis' communication a rank leaves exposed per step."""
+    dp = c.data_parallel_size
+    if dp == 1:
+        return 0.0
+    p = sum(stages[s].parameters for s in held)
+    g = p * costs.gradient_factor
+    first = stages[min(held)]  # the rank's first forward and its last backward run this stage
+    if c.data_mode is DataMode.REPLICATED:
+        return _exposed(links.all_reduce(g, dp), first.backward, links)
+    if c.data_mode is DataMode.ZERO1:
+        return _exposed(links.reduce_scatter(g, dp), first.backward, links) + _exposed(
+            links.all_gather(p, dp), first.forward, links
+        )
+    if c.reshard_after_forward:
+        # Per micro-batch: gathered for the forward, again for the backward, reduced after it.
+        gather, reduce = links.all_gather(p, dp), links.reduce_scatter(g, dp)
+        per_microbatch = _exposed(gather, first.forward, links) + _exposed(
+            gather + reduce, first.backward, links
+        )
+        return c.num_microbatches * per_microbatch
+    return _exposed(links.all_gather(p, dp), first.forward, links) + _exposed(
+        links.reduce_scatter(g, dp), first.backward, links
+    )
+
+
+def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: int) -> Prediction:
+    """``candidate``'s step time and peak memory per rank for a global batch of ``batch`` samples."""
+    c, links = candidate, machine.links
+    rows = batch / c.data_parallel_size / c.num_microbatches
+    stages = _stages(costs, c, rows, links)
+    pp = c.pipeline_parallel_size
+    message = 0.0
+    if pp > 1:
+        message = links.p2p(max(s.output for s in stages[:-1]))
+    sim = _schedule_sim(
+        c.schedule,
+        c.num_stages,
+        c.num_microbatches,
+        c.virtual_stages,
+        tuple(s.forward for s in stages),
+        tuple(s.backward for s in stages),
+        message,
+    )
+    ranks = [[s for s in range(c.num_stages) if s % pp == r] for r in range(pp)]
+    busiest = max(range(pp), key=lambda r: sim.busy[r])
+    m = c.num_microbatches
+    data = max(_data_seconds(c, costs, stages, held, links) for held in ranks)
+    unhidden = replace(links, overlap_data_parallel=False)
+    traffic = max(_data_seconds(c, costs, stages, held, unhidden) for held in ranks)
+    memories = [_memory(c, costs, stages, held, sim.peak_inflight) for held in ranks]
+    worst = max(memories, key=lambda use: use.total)
+    mine = ranks[busiest]
+    return Prediction(
+        candidate=c,
+        step_seconds=sim.makespan + data,
+        compute_seconds=m * sum(stages[s].compute for s in mine),
+        bubble_seconds=sim.makespan - sim.busy[busiest],
+        tensor_seconds=m * sum(stages[s].tensor for s in mine),
+        recompute_seconds=m * sum(stages[s].recompute for s in mine),
+        data_seconds=data,
+        data_traffic_seconds=traffic,
+        memory=worst,
+        rank_memory=tuple(memories),
+        fits=worst.total <= machine.memory_bytes,
+    )

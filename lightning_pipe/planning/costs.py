@@ -1,0 +1,171 @@
+"""What the cost model is told: the model's measured costs per layer, the devices' memory and the
+links between them, all as plain numbers.
+
+Keeping the inputs apart from the model that uses them (:mod:`.model`) means a planner can be
+tested on costs written by hand, where the right answer is known by construction, and fed on a
+real machine by :mod:`.measure` (and, later, by a probe of the real process group) without either
+knowing about the other.
+
+Times and bytes are per *micro-batch of* :attr:`ModelCosts.rows` *samples*, as measured; the model
+scales them to a candidate's micro-batch size: linearly, past a fixed part that does not shrink
+with the rows (kernel launches, Python, the weights read once) and that the measurement estimates
+from two sizes. Nothing here is tensor-parallel yet: the model splits a layer's work and memory by
+the share of its parameters the plan splits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+"""Bytes in a gigabyte, as the planner prints memory (decimal, like device spec sheets)."""
+
+
+def format_bytes(nbytes: float) -> str:
+    """``"5.1 GB"``, ``"12.4 MB"``, ``"900 kB"``: three significant digits, decimal units."""
+    for unit, size in (("TB", 1e12), ("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.3g} B"
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One pipeline layer, measured on a micro-batch of :attr:`ModelCosts.rows` samples."""
+
+    forward_seconds: float
+    backward_seconds: float
+    forward_fixed_seconds: float = 0.0
+    """The part of ``forward_seconds`` that does not scale with the rows."""
+    backward_fixed_seconds: float = 0.0
+    activation_bytes: int = 0
+    """What autograd saves for backward in the forward (parameters left out)."""
+    output_bytes: int = 0
+    """The layer's output: a stage boundary after it sends this, forward and (as a gradient) back."""
+    saved_input_bytes: int = 0
+    """Of ``activation_bytes``, the layer's input (saved by this layer too when the previous one
+    saved its output: counted once in a stage)."""
+    saved_output_bytes: int = 0
+    """Of ``activation_bytes``, the layer's own output."""
+    parameter_bytes: int = 0
+    split_parameter_bytes: int = 0
+    """Of ``parameter_bytes``, what the tensor-parallel plan splits over the tensor ranks."""
+    tensor_forward_collectives: int = 0
+    """All-reduces of the hidden states in this layer's forward under tensor parallelism (one per
+    row-parallel or vocab-parallel module)."""
+    tensor_backward_collectives: int = 0
+    """All-reduces of the input gradient in its backward (one per column-parallel module)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "forward_seconds",
+            "backward_seconds",
+            "forward_fixed_seconds",
+            "backward_fixed_seconds",
+        ):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}.")
+        if (
+            self.forward_fixed_seconds > self.forward_seconds
+            or self.backward_fixed_seconds > self.backward_seconds
+        ):
+            raise ValueError("A fixed part of a layer's time cannot exceed the time it is part of.")
+        if not 0 <= self.split_parameter_bytes <= self.parameter_bytes:
+            raise ValueError(
+                f"split_parameter_bytes ({self.split_parameter_bytes}) must lie between 0 and the layer's "
+                f"parameter_bytes ({self.parameter_bytes})."
+            )
+
+    @property
+    def split_share(self) -> float:
+        """The share of the layer's parameters (and, as the model assumes, of its compute) that
+        tensor parallelism splits."""
+        return self.split_parameter_bytes / self.parameter_bytes if self.parameter_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """The measured model: its layers in pipeline order and what training adds per parameter."""
+
+    layers: tuple[LayerCost, ...]
+    rows: int
+    """Samples in the micro-batch the layers were measured on."""
+    input_bytes: int = 0
+    """The first layer's input for that micro-batch (the first stage holds it until backward)."""
+    optimizer_state_factor: float = 2.0
+    """Optimizer state bytes per parameter byte (AdamW in the parameters' dtype: 2; SGD: 0;
+    SGD with momentum: 1)."""
+    gradient_factor: float = 1.0
+    """Gradient bytes per parameter byte (1: gradients in the parameters' dtype)."""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("A model needs at least one layer to plan.")
+        if self.rows < 1:
+            raise ValueError(f"rows (samples per measured micro-batch) must be >= 1, got {self.rows}.")
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+
+@dataclass(frozen=True)
+class Links:
+    """How fast the processes reach each other (bytes per second, seconds)."""
+
+    p2p_bandwidth: float = 5e9
+    p2p_latency: float = 20e-6
+    collective_bandwidth: float = 5e9
+    """The bus bandwidth of all-reduce, reduce-scatter and all-gather (the ring's per-link rate)."""
+    collective_latency: float = 20e-6
+    overlap_data_parallel: bool = True
+    """Whether the data axis' communication runs behind compute, as the engine arranges it (the
+    reducer under the last backward, ZeRO-1's gather under the next forward, FSDP2's prefetch):
+    then only what outlasts that compute is exposed. Tensor parallelism's collectives sit between
+    a layer's matrix products and are always exposed."""
+
+    def __post_init__(self) -> None:
+        for name in ("p2p_bandwidth", "collective_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"{name} must be a positive number of bytes per second, got {getattr(self, name)!r}."
+                )
+        for name in ("p2p_latency", "collective_latency"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}.")
+
+    def p2p(self, nbytes: float) -> float:
+        """One message between pipeline neighbours."""
+        return self.p2p_latency + nbytes / self.p2p_bandwidth
+
+    def all_reduce(self, nbytes: float, ranks: int) -> float:
+        """A ring all-reduce: every rank sends and receives ``2 (n - 1) / n`` of the bytes."""
+        if ranks <= 1:
+            return 0.0
+        return (
+            2 * (ranks - 1) * self.collective_latency
+            + 2 * (ranks - 1) / ranks * nbytes / self.collective_bandwidth
+        )
+
+    def reduce_scatter(self, nbytes: float, ranks: int) -> float:
+        """A ring reduce-scatter (or all-gather) of ``nbytes`` in all: half an all-reduce."""
+        if ranks <= 1:
+            return 0.0
+        return (ranks - 1) * self.collective_latency + (
+            ranks - 1
+        ) / ranks * nbytes / self.collective_bandwidth
+
+    all_gather = reduce_scatter
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The processes a layout is chosen for."""
+
+    world_size: int
+    memory_bytes: float
+    """What each process may hold (CUDA's free memory, or the user's ``max_memory``)."""
+    links: Links = Links()
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}.")
+        if not self.memory_bytes > 0:
+            raise ValueError(f"memory_bytes must be a positive number of bytes, got {self.memory_bytes!r}.")

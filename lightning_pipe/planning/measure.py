@@ -1,0 +1,178 @@
+"""Measure what the cost model needs, on one device, without building the whole model there.
+
+* Time and activation bytes per layer: the layer profiler of ``partition="time"``
+  (:func:`~lightning_pipe.partition.profile.profile_layers`), which copies one layer at a time to
+  the device (materialising a meta-built one with random values), so a model too large for the
+  device is still measured. It runs twice, on micro-batches of ``rows`` and ``2 x rows`` samples:
+  the difference is the part that grows with the micro-batch, the rest the fixed part (launches,
+  Python, reading the weights) that makes many small micro-batches slower than few large ones.
+* Parameter bytes per layer: from the parameters' shapes and dtypes, so a meta-built model
+  (:mod:`~lightning_pipe.construction.meta`) costs nothing to count.
+* What tensor parallelism splits: the model's plan, resolved and checked by the same function the
+  runtime uses (:func:`~lightning_pipe.tensor_parallel.plan.resolve_plan`), which also decides
+  which tensor sizes the model accepts (heads and split dimensions divisible).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pipe.partition.profile import profile_layers
+from lightning_pipe.planning.costs import LayerCost, ModelCosts
+from lightning_pipe.tensor_parallel.plan import resolve_plan
+from lightning_pipe.tensor_parallel.styles import TensorParallelStyle
+
+_FORWARD_REDUCING = frozenset(
+    {TensorParallelStyle.ROWWISE, TensorParallelStyle.ROWWISE_SPLIT, TensorParallelStyle.VOCAB}
+)
+"""Styles whose module all-reduces its output in forward (the column styles reduce the input's
+gradient in backward)."""
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s distinct parameters (meta ones included: shapes and dtypes suffice)."""
+    distinct = {id(p): p for p in module.parameters()}.values()
+    return sum(p.numel() * p.element_size() for p in distinct)
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """What the tensor-parallel plan does inside one pipeline layer."""
+
+    parameter_bytes: int = 0
+    forward_collectives: int = 0
+    backward_collectives: int = 0
+
+
+def plan_splits(
+    model: nn.Module, layers: Sequence[nn.Module], resolved: Mapping[str, TensorParallelStyle]
+) -> list[LayerSplit]:
+    """Per layer of ``layers`` (modules inside ``model``), the split parameters and collectives of
+    the plan ``resolved`` (module name in ``model`` -> style)."""
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for module in layer.modules():
+            owner.setdefault(id(module), index)
+    bytes_ = [0] * len(layers)
+    forward = [0] * len(layers)
+    backward = [0] * len(layers)
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        if id(module) not in owner:
+            continue  # outside the pipeline's layers (a module only the model's forward uses)
+        index = owner[id(module)]
+        if style.is_column or style in _FORWARD_REDUCING:
+            bytes_[index] += parameter_bytes(module)
+        forward[index] += style in _FORWARD_REDUCING
+        backward[index] += style.is_column
+    return [LayerSplit(b, f, k) for b, f, k in zip(bytes_, forward, backward, strict=True)]
+
+
+def accepted_tensor_sizes(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    plan_for: Callable[[int], Mapping[str, str] | None],
+    world: int,
+) -> tuple[frozenset[int], dict[int, list[LayerSplit]]]:
+    """The tensor sizes dividing ``world`` that the model's plan accepts (``plan_for(t)`` returns
+    the plan for ``t`` ranks, ``None`` for a model without one, or raises for a size it refuses),
+    and per accepted size > 1 what it splits in each of ``layers``. Each size is checked by
+    :func:`resolve_plan`, the runtime's own check, so the planner never proposes a size that
+    setup would refuse."""
+    sizes = {1}
+    splits: dict[int, list[LayerSplit]] = {}
+    for t in range(2, world + 1):
+        if world % t:
+            continue
+        try:
+            plan = plan_for(t)
+            if not plan:
+                break  # no plan: tensor parallelism is not available at any size
+            resolved = resolve_plan(model, plan, t)
+        except (ValueError, TypeError):
+            continue  # a dimension or head count ``t`` does not divide
+        sizes.add(t)
+        splits[t] = plan_splits(model, layers, resolved)
+    return frozenset(sizes), splits
+
+
+def _fixed(small: float, large: float) -> float:
+    """The part of a time measured at ``rows`` (``small``) and ``2 rows`` (``large``) that does not
+    scale: ``2 small - large``, kept within ``[0, small]`` (timing noise can push it outside)."""
+    return min(max(2 * small - large, 0.0), small)
+
+
+def measure_layers(
+    layers: Sequence[nn.Module],
+    sample_at: Callable[[int], Any],
+    rows: int,
+    device: torch.device,
+    splits: Sequence[LayerSplit] | None = None,
+    repeats: int = 3,
+) -> list[LayerCost]:
+    """Every layer's cost per micro-batch of ``rows`` samples (``sample_at(r)``: the first layer's
+    input for ``r`` samples); ``splits``: what a tensor-parallel plan splits per layer."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}.")
+    small = profile_layers(layers, sample_at(rows), device, repeats)
+    large = profile_layers(layers, sample_at(2 * rows), device, repeats)
+    splits = list(splits) if splits is not None else [LayerSplit()] * len(layers)
+    costs = []
+    for layer, a, b, split in zip(layers, small, large, splits, strict=True):
+        costs.append(
+            LayerCost(
+                forward_seconds=a.forward,
+                backward_seconds=a.backward,
+                forward_fixed_seconds=_fixed(a.forward, b.forward),
+                backward_fixed_seconds=_fixed(a.backward, b.backward),
+                activation_bytes=a.saved_bytes,
+                output_bytes=a.output_bytes,
+                saved_input_bytes=a.saved_input_bytes,
+                saved_output_bytes=a.saved_output_bytes,
+                parameter_bytes=parameter_bytes(layer),
+                split_parameter_bytes=min(split.parameter_bytes, parameter_bytes(layer)),
+                tensor_forward_collectives=split.forward_collectives,
+                tensor_backward_collectives=split.backward_collectives,
+            )
+        )
+    return costs
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (a tensor or a tuple of them)."""
+    if isinstance(value, tuple | list):
+        return sum(tensor_bytes(v) for v in value)
+    return value.nbytes if isinstance(value, torch.Tensor) else 0
+
+
+def measure_model(
+    layers: Sequence[nn.Module],
+    sample_at: Callable[[int], Any],
+    rows: int,
+    device: torch.device,
+    splits: Sequence[LayerSplit] | None = None,
+    repeats: int = 3,
+    optimizer_state_factor: float = 2.0,
+) -> ModelCosts:
+    """:func:`measure_layers`, with the first layer's input and the optimizer's bytes: what the
+    cost model needs of a model."""
+    costs = measure_layers(layers, sample_at, rows, device, splits, repeats)
+    return ModelCosts(
+        tuple(costs),
+        rows,
+        input_bytes=tensor_bytes(sample_at(rows)),
+        optimizer_state_factor=optimizer_state_factor,
+    )
+
+
+def device_memory(device: torch.device) -> int | None:
+    """The bytes free on a CUDA device; ``None`` elsewhere (the user must say: ``--memory``)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return None

@@ -1,0 +1,97 @@
+"""Choose a layout: every candidate predicted, the fastest that fits memory first.
+
+Ties (equal predicted times within a part in a million) go to the candidate moving less data
+between replicas (communication hidden behind compute on paper still contends for the links and
+the memory bus), then to the one holding less memory, then to the simpler one (fewer pipeline
+stages, fewer tensor ranks, fewer micro-batches, no recomputation): a difference the cost model
+cannot see is not worth a more complex run. When nothing fits, :attr:`Plan.refusal` is one
+sentence with the least any candidate needs, that candidate, and the limit, so that the user
+knows how far off the model is and what came closest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.planning.candidates import Constraints, ModelShape, enumerate_candidates
+from lightning_pipe.planning.cost_model import Prediction, predict
+from lightning_pipe.planning.costs import Machine, ModelCosts, format_bytes
+
+
+class NothingFitsError(ValueError):
+    """No candidate fits the memory each process has; the message is :attr:`Plan.refusal`."""
+
+
+def _rank_key(p: Prediction) -> tuple[float, float, float, int, int, int, int]:
+    c = p.candidate
+    return (
+        float(f"{p.step_seconds:.6g}"),  # a part in a million: beyond what any measurement resolves
+        float(f"{p.data_traffic_seconds:.6g}"),
+        p.peak_bytes,
+        c.pipeline_parallel_size * c.virtual_stages,
+        c.tensor_parallel_size,
+        c.num_microbatches,
+        int(c.recompute is not RecomputeMode.NEVER),
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every candidate's prediction: those that fit, fastest first, then the others, smallest
+    peak first."""
+
+    predictions: tuple[Prediction, ...]
+    memory_bytes: float
+    batch: int
+
+    @property
+    def fitting(self) -> tuple[Prediction, ...]:
+        return tuple(p for p in self.predictions if p.fits)
+
+    @property
+    def best(self) -> Prediction | None:
+        """The fastest candidate that fits; ``None`` when none does."""
+        fitting = self.fitting
+        return fitting[0] if fitting else None
+
+    @property
+    def refusal(self) -> str | None:
+        """``None`` when a candidate fits; otherwise the sentence saying why none does."""
+        if self.best is not None:
+            return None
+        least = min(self.predictions, key=lambda p: p.peak_bytes)
+        return (
+            f"needs {format_bytes(least.peak_bytes)} per rank at best ({least.candidate}), "
+            f"the limit is {format_bytes(self.memory_bytes)}"
+        )
+
+    def chosen(self) -> Prediction:
+        """:attr:`best`, or :class:`NothingFitsError` with :attr:`refusal`."""
+        best = self.best
+        if best is None:
+            raise NothingFitsError(
+                f"No layout fits: the model {self.refusal}. Give each process more memory, or add "
+                "processes (more pipeline stages or data ranks to shard over)."
+            )
+        return best
+
+
+def plan_layout(
+    costs: ModelCosts,
+    machine: Machine,
+    shape: ModelShape,
+    batch: int,
+    constraints: Constraints | None = None,
+) -> Plan:
+    """Predict every candidate for ``machine`` and a global batch of ``batch`` samples."""
+    if shape.num_layers != len(costs.layers):
+        raise ValueError(
+            f"The shape has {shape.num_layers} layers but {len(costs.layers)} were measured: they must "
+            "describe the same pipeline."
+        )
+    candidates = enumerate_candidates(machine.world_size, shape, batch, constraints or Constraints())
+    predictions = [predict(c, costs, machine, batch) for c in candidates]
+    fitting = sorted((p for p in predictions if p.fits), key=_rank_key)
+    others = sorted((p for p in predictions if not p.fits), key=lambda p: (p.peak_bytes, _rank_key(p)))
+    return Plan(tuple(fitting + others), machine.memory_bytes, batch)

@@ -1,0 +1,500 @@
+"""The layout planner (issue 47, first part): candidates, the cost model on costs written by hand
+whose answer is known by construction, the measurements, and ``python -m lightning_pipe.plan``.
+
+Single process and fast: nothing here starts a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pipe.execution.recompute import RecomputeMode
+from lightning_pipe.partition.profile import profile_layers
+from lightning_pipe.planning import (
+    Candidate,
+    Constraints,
+    DataMode,
+    LayerCost,
+    Links,
+    Machine,
+    ModelCosts,
+    ModelShape,
+    NothingFitsError,
+    enumerate_candidates,
+    plan_layout,
+    predict,
+    render,
+    why,
+)
+from lightning_pipe.planning.costs import GB
+from lightning_pipe.planning.measure import _fixed, accepted_tensor_sizes, parameter_bytes, plan_splits
+from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
+
+FREE_LINKS = Links(p2p_bandwidth=1e30, p2p_latency=0.0, collective_bandwidth=1e30, collective_latency=0.0)
+
+
+def _costs(
+    layers: int = 8, params: int = 1000, activations: int = 10, f: float = 1.0, b: float = 2.0
+) -> ModelCosts:
+    """``layers`` equal layers, ``f`` and ``b`` seconds per sample (no fixed part)."""
+    layer = LayerCost(f, b, activation_bytes=activations, output_bytes=1, parameter_bytes=params)
+    return ModelCosts((layer,) * layers, rows=1)
+
+
+# ----------------------------------------------------------------------------- candidates
+def test_candidates_divide_the_world_and_respect_the_model() -> None:
+    shape = ModelShape(num_layers=4, tensor_parallel_sizes=frozenset({1, 2}))
+    found = enumerate_candidates(8, shape, batch=8, constraints=Constraints())
+    sizes = {(c.pipeline_parallel_size, c.tensor_parallel_size, c.data_parallel_size) for c in found}
+    # pp=8 has more stages than layers, tp=4 and 8 are not accepted by the model.
+    assert sizes == {(1, 1, 8), (2, 1, 4), (4, 1, 2), (1, 2, 4), (2, 2, 2), (4, 2, 1)}
+    for c in found:
+        assert c.num_stages <= 4
+        assert 8 % c.data_parallel_size == 0 and (8 // c.data_parallel_size) % c.num_microbatches == 0
+        if c.data_parallel_size == 1:
+            assert c.data_mode is DataMode.REPLICATED
+        if c.pipeline_parallel_size == 1:
+            assert (c.schedule, c.virtual_stages) == (ScheduleKind.ONE_F_ONE_B, 1)
+        if c.schedule is ScheduleKind.INTERLEAVED_1F1B:
+            assert c.virtual_stages >= 2 and c.pipeline_parallel_size >= 2
+        else:
+            assert c.virtual_stages == 1
+        if c.reshard_after_forward:
+            assert c.data_mode is DataMode.FSDP2 and not c.schedule.splits_backward
+    assert {c.data_mode for c in found} == set(DataMode)
+    assert {c.recompute for c in found} == {RecomputeMode.NEVER, RecomputeMode.ALWAYS}
+    assert any(c.schedule is ScheduleKind.INTERLEAVED_1F1B and c.virtual_stages == 2 for c in found)
+    assert len(found) == len(set(found))
+
+
+def test_the_sizes_a_user_set_are_kept() -> None:
+    shape = ModelShape(num_layers=8, tensor_parallel_sizes=frozenset({1, 2, 4}))
+    fixed = Constraints(
+        pipeline_parallel_size=2, data_mode="zero1", num_microbatches=2, recompute="never", schedule="1f1b"
+    )
+    found = enumerate_candidates(8, shape, batch=16, constraints=fixed)
+    assert found
+    assert {
+        (c.pipeline_parallel_size, c.data_mode, c.num_microbatches, c.recompute, c.schedule) for c in found
+    } == {(2, DataMode.ZERO1, 2, RecomputeMode.NEVER, ScheduleKind.ONE_F_ONE_B)}
+    assert {c.tensor_parallel_size for c in found} == {1, 2, 4}
+
+
+@pytest.mark.parametrize(
+    "constraints, batch, words",
+    [
+        (Constraints(pipeline_parallel_size=3), 8, "pipeline_parallel_size=3"),
+        (Constraints(tensor_parallel_size=4), 8, "tensor_parallel_size=4"),
+        (Constraints(num_microbatches=3), 8, "num_microbatches=3"),
+        (Constraints(pipeline_parallel_size=1, schedule="zb_h1"), 8, "'zb_h1'"),
+    ],
+)
+def test_a_constraint_no_layout_meets_is_named(constraints: Constraints, batch: int, words: str) -> None:
+    shape = ModelShape(num_layers=4, tensor_parallel_sizes=frozenset({1, 2}))
+    with pytest.raises(ValueError, match=re.escape(words)):
+        enumerate_candidates(8, shape, batch, constraints)
+
+
+def test_constraints_are_checked() -> None:
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
+        Constraints(pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="data mode must be one of"):
+        Constraints(data_mode="zero3")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- the cost model
+def test_the_schedule_bubble_comes_from_the_simulator() -> None:
+    """4 stages of 2 layers (forward 2 s, backward 4 s per micro-batch of one sample), 1F1B with
+    4 micro-batches: (m + p - 1)(t_f + t_b) = 7 x 6 = 42 s, of which 18 s are bubble."""
+    c = Candidate(4, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 4, RecomputeMode.NEVER)
+    p = predict(c, _costs(), Machine(4, 1e12, FREE_LINKS), batch=4)
+    assert p.step_seconds == pytest.approx(42.0)
+    assert p.compute_seconds == pytest.approx(24.0)
+    assert p.bubble_seconds == pytest.approx(18.0)
+    # Recomputation runs each forward again in backward: (m + p - 1)(2 t_f + t_b) = 7 x 8.
+    again = predict(
+        replace(c, recompute=RecomputeMode.ALWAYS), _costs(), Machine(4, 1e12, FREE_LINKS), batch=4
+    )
+    assert again.step_seconds == pytest.approx(56.0)
+    assert again.recompute_seconds == pytest.approx(8.0)
+
+
+def test_with_free_communication_and_a_large_bubble_data_parallelism_wins() -> None:
+    """A batch of 4 on 4 processes: pipelines can have at most 4 micro-batches, so their bubble is
+    large; data parallelism splits the batch with no bubble, and its communication costs nothing
+    here. The winner is dp=4, predicted at exactly a quarter of one device's 8 x 3 x 4 s."""
+    plan = plan_layout(_costs(), Machine(4, 1e12, FREE_LINKS), ModelShape(8), batch=4)
+    best = plan.chosen()
+    assert (best.candidate.pipeline_parallel_size, best.candidate.data_parallel_size) == (1, 4)
+    assert best.step_seconds == pytest.approx(24.0)
+    assert best.candidate.recompute is RecomputeMode.NEVER
+    pipelines = [p for p in plan.predictions if p.candidate.pipeline_parallel_size > 1]
+    assert min(p.step_seconds for p in pipelines) > 24.0
+    assert "won" in why(plan) and str(best.candidate) in why(plan)
+
+
+def test_slow_data_links_make_the_pipeline_win() -> None:
+    """The same model with a data axis whose all-reduce takes longer than the whole step: now the
+    pipeline (point-to-point messages cost nothing) beats every data-parallel layout."""
+    slow = Links(p2p_bandwidth=1e30, p2p_latency=0.0, collective_bandwidth=1.0, collective_latency=0.0)
+    plan = plan_layout(_costs(), Machine(4, 1e12, slow), ModelShape(8), batch=4)
+    best = plan.chosen()
+    assert (best.candidate.pipeline_parallel_size, best.candidate.data_parallel_size) == (4, 1)
+    assert best.data_seconds == 0.0
+
+
+def test_with_memory_too_small_for_replicas_a_pipeline_is_chosen() -> None:
+    """8 layers of 1 GB of parameters, AdamW (2 bytes of state per parameter byte): a replica
+    needs 8 + 8 + 16 = 32 GB, ZeRO-1 over 4 ranks 20 GB, FSDP2 resharding (8 + 8 + 16) / 4 + 3 =
+    11 GB, a 4-stage pipeline 2 + 2 + 4 = 8 GB (plus tiny activations). With 10 GB only the
+    4-stage pipeline fits, although data parallelism would be faster."""
+    costs = _costs(params=10**9)
+    roomy = plan_layout(costs, Machine(4, 1e12, FREE_LINKS), ModelShape(8), batch=4).chosen()
+    assert roomy.candidate.data_parallel_size == 4
+    plan = plan_layout(costs, Machine(4, 10 * GB, FREE_LINKS), ModelShape(8), batch=4)
+    best = plan.chosen()
+    assert best.candidate.pipeline_parallel_size == 4 and best.fits
+    assert best.peak_bytes <= 10 * GB
+    assert {p.candidate.pipeline_parallel_size for p in plan.fitting} == {4}
+    by_mode = {
+        (p.candidate.data_mode, p.candidate.reshard_after_forward): p.memory
+        for p in plan.predictions
+        if p.candidate.data_parallel_size == 4
+        and p.candidate.num_microbatches == 1
+        and p.candidate.recompute is RecomputeMode.NEVER
+    }
+    replicated = by_mode[(DataMode.REPLICATED, False)]
+    assert (replicated.parameters, replicated.gradients, replicated.optimizer) == (8 * GB, 8 * GB, 16 * GB)
+    assert by_mode[(DataMode.ZERO1, False)].optimizer == 4 * GB
+    sharded = by_mode[(DataMode.FSDP2, True)]
+    assert sharded.parameters + sharded.gradients + sharded.optimizer == pytest.approx(11 * GB)
+    assert "need more than 10 GB per rank" in why(plan)
+
+
+def test_between_equal_times_less_traffic_wins_before_less_memory() -> None:
+    """Data-parallel traffic that hides entirely behind backward: every dp=4 layout is predicted
+    equally fast, FSDP2's resharding holds the least memory, but it gathers the parameters twice
+    per micro-batch; ZeRO-1 moves what a replicated all-reduce moves and keeps a quarter of the
+    optimizer state, so it wins, for that reason."""
+    hidden = Links(collective_bandwidth=1e12, collective_latency=0.0, overlap_data_parallel=True)
+    fixed = Constraints(data_parallel_size=4, num_microbatches=2, recompute="never")
+    plan = plan_layout(_costs(params=10**6), Machine(4, 1e12, hidden), ModelShape(8), 8, fixed)
+    assert all(p.data_seconds == 0.0 for p in plan.predictions)
+    by_mode = {(p.candidate.data_mode, p.candidate.reshard_after_forward): p for p in plan.predictions}
+    resharded = by_mode[(DataMode.FSDP2, True)]
+    assert resharded.peak_bytes < by_mode[(DataMode.ZERO1, False)].peak_bytes
+    assert resharded.data_traffic_seconds > by_mode[(DataMode.ZERO1, False)].data_traffic_seconds
+    assert plan.chosen().candidate.data_mode is DataMode.ZERO1
+    assert "as fast as pp=1, dp=4 replicated" in why(plan) and "lower peak memory" in why(plan)
+
+
+def test_when_nothing_fits_one_sentence_gives_the_need_and_the_limit() -> None:
+    costs = _costs(params=10**9)
+    plan = plan_layout(costs, Machine(4, 1 * GB, FREE_LINKS), ModelShape(8), batch=4)
+    assert plan.best is None
+    least = min(plan.predictions, key=lambda p: p.peak_bytes)
+    assert (
+        plan.refusal
+        == f"needs {least.peak_bytes / GB:.3g} GB per rank at best ({least.candidate}), the limit is 1 GB"
+    )
+    assert least.peak_bytes > 1 * GB
+    assert re.fullmatch(r"needs [0-9.]+ GB per rank at best \(pp=.*\), the limit is 1 GB", plan.refusal or "")
+    with pytest.raises(NothingFitsError, match=re.escape(plan.refusal or "")):
+        plan.chosen()
+    assert why(plan).startswith("Nothing fits: the model needs")
+
+
+def test_tensor_parallelism_pays_only_when_its_all_reduces_are_cheap() -> None:
+    """Layers whose work the plan splits entirely: with free links tp=4 is as fast as dp=4 and
+    holds a quarter of the parameters, so it wins on memory; with slow links its all-reduces
+    (every layer, every micro-batch) lose to the data axis, whose traffic hides behind backward."""
+    layer = LayerCost(
+        1.0,
+        2.0,
+        activation_bytes=10,
+        output_bytes=1000,
+        parameter_bytes=1000,
+        split_parameter_bytes=1000,
+        tensor_forward_collectives=1,
+        tensor_backward_collectives=1,
+    )
+    costs = ModelCosts((layer,) * 4, rows=1)
+    shape = ModelShape(4, frozenset({1, 2, 4}))
+    fixed = Constraints(
+        pipeline_parallel_size=1, num_microbatches=1, recompute="never", data_mode="replicated"
+    )
+    free = plan_layout(costs, Machine(4, 1e12, FREE_LINKS), shape, 4, fixed).chosen()
+    assert free.candidate.tensor_parallel_size == 4
+    slow = Links(collective_bandwidth=1e4, collective_latency=0.0, p2p_bandwidth=1e30, p2p_latency=0.0)
+    plan = plan_layout(costs, Machine(4, 1e12, slow), shape, 4, fixed)
+    assert plan.chosen().candidate.tensor_parallel_size == 1
+    tp4 = next(p for p in plan.predictions if p.candidate.tensor_parallel_size == 4)
+    # 4 layers x 2 all-reduces of the hidden states of 4 samples (4000 bytes) over 4 ranks:
+    # 2 x 3/4 x 4000 / 1e4 = 0.6 s each.
+    assert tp4.tensor_seconds == pytest.approx(4 * 2 * 0.6)
+
+
+def test_the_report_shows_the_top_five() -> None:
+    plan = plan_layout(_costs(), Machine(4, 1e12, FREE_LINKS), ModelShape(8), batch=8)
+    text = render(plan)
+    rows = [line for line in text.splitlines() if re.match(r"\d+\s", line)]
+    assert len(rows) == 5
+    assert rows[0].split()[0] == "1" and str(plan.predictions[0].candidate) in rows[0]
+    assert "peak/rank" in text
+
+
+# ----------------------------------------------------------------------------- measurements
+def test_the_profiler_counts_saved_activations_and_outputs() -> None:
+    """A Linear saves its input (its weight is left out), a ReLU its output."""
+    times = profile_layers([nn.Linear(16, 32), nn.ReLU()], torch.randn(4, 16), torch.device("cpu"), repeats=1)
+    assert [t.saved_bytes for t in times] == [4 * 16 * 4, 4 * 32 * 4]
+    assert [t.output_bytes for t in times] == [4 * 32 * 4, 4 * 32 * 4]
+    assert [(t.saved_input_bytes, t.saved_output_bytes) for t in times] == [(4 * 16 * 4, 0), (0, 4 * 32 * 4)]
+
+
+@pytest.mark.parametrize("kind, alive", [("gpipe", 4), ("1f1b", 1)])
+def test_predicted_activations_are_the_executors_own_count(kind: str, alive: int) -> None:
+    """One stage run by the engine's executor, its activation meter on: the bytes it counts for
+    the micro-batches alive at once are the planner's prediction from the profiler's counts (a
+    tensor two neighbouring layers both save counted once), plus the one weight autograd keeps for
+    the input gradient, which the planner counts with the parameters."""
+    from lightning_pipe.batches.microbatch import signature
+    from lightning_pipe.execution.executor import PipelineExecutor
+    from lightning_pipe.planning.measure import measure_model
+
+    torch.manual_seed(0)
+    width, rows = 64, 32
+    stage = [nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width), nn.Tanh()]
+    executor = PipelineExecutor({0: stage}, 1, [0], torch.device("cpu"))
+    executor.measure_activation_memory = True
+    inputs = [torch.randn(rows, width) for _ in range(4)]
+    result = executor.run(
+        build_schedule(kind, 1, 4), 0, inputs=inputs, head=lambda y, i: y.square().mean(),
+        signatures=[signature(x) for x in inputs],
+    )  # fmt: skip
+    assert result.peak_stashed == alive
+    costs = measure_model(stage, lambda r: torch.randn(r, width), rows, torch.device("cpu"), repeats=1)
+    c = Candidate(1, 1, 1, DataMode.REPLICATED, ScheduleKind(kind), 1, 4, RecomputeMode.NEVER)
+    predicted = predict(c, costs, Machine(1, 1e12), batch=4 * rows)
+    kept_weight = width * width * 4  # the second Linear's, for its input gradient
+    assert predicted.memory.activations == result.peak_activation_bytes - kept_weight
+
+
+def test_the_fixed_part_of_a_time() -> None:
+    assert _fixed(1.0, 1.5) == pytest.approx(0.5)  # doubling the rows added 0.5 s: 0.5 s is fixed
+    assert _fixed(1.0, 3.0) == 0.0  # noise: more than doubled
+    assert _fixed(1.0, 0.5) == 1.0  # noise: faster on more rows
+
+
+def test_parameter_bytes_and_the_plans_splits_on_the_meta_device() -> None:
+    from lightning_pipe.construction.meta import parameters_on_meta
+    from tests.gpt_models import DIM, VOCAB, TinyGPT
+
+    with parameters_on_meta():
+        model = TinyGPT()
+    layers = model.configure_pipeline()
+    assert all(p.is_meta for p in model.parameters())
+    block = 4 * (
+        2 * 2 * DIM
+        + 3 * DIM * DIM
+        + 3 * DIM
+        + DIM * DIM
+        + DIM
+        + 4 * DIM * DIM
+        + 4 * DIM
+        + 4 * DIM * DIM
+        + DIM
+    )
+    assert parameter_bytes(layers[1]) == block
+    sizes, splits = accepted_tensor_sizes(model, layers, lambda t: model.tensor_parallel_plan(), 8)
+    assert sizes == {1, 2, 4}  # 4 heads: 8 tensor ranks would split a head
+    block_split = splits[2][1]
+    assert block_split.parameter_bytes == block - 4 * 4 * DIM  # all but the two norms
+    assert (block_split.forward_collectives, block_split.backward_collectives) == (2, 2)
+    assert splits[2][0].parameter_bytes == 4 * VOCAB * DIM  # the token embedding, not the positions
+    no_plan = accepted_tensor_sizes(model, layers, lambda t: None, 8)
+    assert no_plan == (frozenset({1}), {})
+    assert plan_splits(model, layers, {}) == [splits[2][0].__class__()] * 4
+
+
+# ----------------------------------------------------------------------------- the command
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    from lightning_pipe.plan import main
+
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_the_command_plans_a_tiny_gpt(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _run(
+        capsys,
+        "tests.gpt_models:TinyGPT",
+        "--devices",
+        "4",
+        "--memory",
+        "1GB",
+        "--batch",
+        "8",
+        "--seq",
+        "8",
+        "--repeats",
+        "1",
+    )
+    assert code == 0, out
+    rows = [line for line in out.splitlines() if re.match(r"\d+\s+pp=", line)]
+    assert len(rows) == 5, out
+    assert " won: " in out
+    code, out = _run(
+        capsys,
+        "tests.gpt_models:TinyGPT",
+        "--devices",
+        "4",
+        "--memory",
+        "1GB",
+        "--batch",
+        "8",
+        "--seq",
+        "8",
+        "--repeats",
+        "1",
+        "--pipeline-parallel-size",
+        "2",
+        "--json",
+    )
+    ranked = json.loads(out)
+    assert ranked[-1] == {"why": None}
+    assert ranked[:-1] and all(p["candidate"]["pipeline_parallel_size"] == 2 for p in ranked[:-1])
+
+
+def test_the_command_refuses_a_constraint_before_measuring(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_pipe.plan import main
+
+    argv = ["tests.gpt_models:TinyGPT", "--devices", "4", "--memory", "1GB", "--batch", "8", "--seq", "8"]
+    with mock.patch("lightning_pipe.plan.measure_model", side_effect=AssertionError("measured")):
+        assert main([*argv, "--pipeline-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "No layout of 4 processes meets pipeline_parallel_size=3" in err
+
+
+def test_the_command_plans_a_tiny_llama_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from tests.hf_models import tiny_config
+
+    tiny_config().save_pretrained(tmp_path)
+    code, out = _run(
+        capsys,
+        str(tmp_path),
+        "--devices",
+        "4",
+        "--memory",
+        "1GB",
+        "--batch",
+        "8",
+        "--seq",
+        "8",
+        "--repeats",
+        "1",
+        "--tensor-parallel-size",
+        "2",
+    )
+    assert code == 0, out
+    rows = [line for line in out.splitlines() if re.match(r"\d+\s+pp=", line)]
+    assert rows and all("tp=2" in row for row in rows), out
+    # 2 key-value heads: 4 tensor ranks are refused by the model's own plan check.
+    code, out = _run(
+        capsys,
+        str(tmp_path / "config.json"),
+        "--devices",
+        "4",
+        "--memory",
+        "1KB",
+        "--batch",
+        "8",
+        "--seq",
+        "8",
+        "--repeats",
+        "1",
+    )
+    assert code == 1
+    assert "Nothing fits: the model needs" in out and "the limit is 1 kB." in out
+    assert "tp=4" not in out
+
+
+# ----------------------------------------------------------------------------- the links' probe
+def test_the_links_fit_recovers_latency_and_bandwidth() -> None:
+    from lightning_pipe.planning.links import LARGE_BYTES, SMALL_BYTES, _fit
+
+    latency, bandwidth, units = 30e-6, 2e9, 1.5  # an all-reduce over 4 ranks moves 2 x 3/4 of the bytes
+    small, large = (latency + n * units / bandwidth for n in (SMALL_BYTES, LARGE_BYTES))
+    assert _fit(small, large, units) == (pytest.approx(latency), pytest.approx(bandwidth))
+    assert _fit(1e-3, 1e-3, 1.0)[1] == pytest.approx(LARGE_BYTES / 1e-3)  # noise: no slope
+
+
+WIDTH, ROWS = 64, 32
+
+
+def _pipeline_stage() -> list[nn.Module]:
+    return [nn.Linear(WIDTH, WIDTH), nn.SiLU(), nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+
+
+def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], int]:
+    """The links' probe, then one 1F1B step of 4 micro-batches over the ranks (a stage each), the
+    executor's activation meter on: its peak bytes on this rank."""
+    import torch.distributed as dist
+
+    from lightning_pipe.batches.microbatch import signature
+    from lightning_pipe.execution.executor import PipelineExecutor
+    from lightning_pipe.planning.links import probe_links
+
+    links = probe_links(torch.device("cpu"), repeats=2)
+    probed = (links.p2p_bandwidth, links.p2p_latency, links.collective_bandwidth, links.collective_latency,
+              float(links.overlap_data_parallel))  # fmt: skip
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    executor = PipelineExecutor({rank: _pipeline_stage()}, p, list(range(p)), torch.device("cpu"))
+    executor.measure_activation_memory = True
+    inputs = [torch.randn(ROWS, WIDTH) for _ in range(4)]
+    result = executor.run(
+        build_schedule("1f1b", p, 4), rank, inputs=inputs if rank == 0 else None,
+        head=lambda y, i: y.square().mean(), signatures=[signature(x) for x in inputs],
+    )  # fmt: skip
+    return probed, result.peak_activation_bytes
+
+
+@pytest.mark.distributed
+def test_the_links_probe_and_a_pipelines_activations_on_three_ranks() -> None:
+    """Every rank gets rank 0's probe of the links; and each pipeline rank's activation bytes, as
+    the executor's meter counts them over the micro-batches 1F1B keeps alive (3, 2, 1), are the
+    planner's prediction (from one stage measured by the profiler, the stages given equal times so
+    that the planner splits the layers as the run does) plus the weights autograd keeps for the
+    input gradient (one on the first stage, whose input needs none, two on the others)."""
+    from lightning_pipe.planning.measure import measure_model
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_probe_and_pipeline_worker, 3, timeout=120)
+    probes = [probe for probe, _ in results]
+    assert probes[0] == probes[1] == probes[2]
+    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap = probes[0]
+    assert p2p_bandwidth > 0 and bandwidth > 0 and p2p_latency >= 0 and latency >= 0
+    assert overlap == 0.0  # gloo on CPU: the data axis' traffic is not hidden
+
+    measured = measure_model(
+        _pipeline_stage(), lambda r: torch.randn(r, WIDTH), ROWS, torch.device("cpu"), repeats=1
+    )
+    layers = tuple(replace(layer, forward_seconds=1.0, backward_seconds=2.0, forward_fixed_seconds=0.0,
+                           backward_fixed_seconds=0.0) for layer in measured.layers) * 3  # fmt: skip
+    costs = replace(measured, layers=layers)
+    c = Candidate(3, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 4, RecomputeMode.NEVER)
+    predicted = predict(c, costs, Machine(3, 1e12), batch=4 * ROWS)
+    weight = WIDTH * WIDTH * 4
+    kept = [weight, 2 * weight, 2 * weight]
+    assert [m.activations for m in predicted.rank_memory] == [
+        b - w for (_, b), w in zip(results, kept, strict=True)
+    ]
