@@ -11,9 +11,10 @@ Three launches. Two ranks: at C=2 a hand-written GPT whose attention call is the
 float32), llama (tied embeddings, grouped-query), qwen2 (grouped-query, biases) and mistral (a
 sliding window); the refusals at the first training batch (a model whose attention is not the
 ring, a batch without token counts, a length not divisible by 2C); a checkpoint saved at C=2
-loaded at C=1 and trained one more step. Four ranks: C=2 x pp=2 (the GPT, llama), C=2 x tp=2
-(llama, and with sequence parallelism), dp=4 x C=2 with ZeRO-1 and recomputation (the GPT)
-and FSDP2 (llama). Two ranks under Lightning: ``PipeTPStrategy(context_parallel_size=2)``
+loaded at C=1 and trained one more step. Four ranks: C=2 x pp=2 (the GPT, llama; qwen2 under
+ZB-H1, mistral under GPipe), C=2 x tp=2 (llama, and with sequence parallelism; qwen2, mistral),
+dp=4 x C=2 with ZeRO-1 and recomputation (the GPT) and FSDP2 (llama). Two ranks under Lightning:
+``PipeTPStrategy(context_parallel_size=2)``
 fitting llama the Hugging Face way and the GPT through ``configure_pipeline``,
 ``pipeline_input`` and ``loss_items``. The batch cut and the option refusals run in one process.
 """
@@ -315,13 +316,19 @@ def two_ranks(root: str) -> dict[str, Any]:
 def four_ranks() -> dict[str, Any]:
     """C=2 x pp=2 (the GPT, llama) and C=2 x tp=2 (llama), world 4; and dp=4 at C=2 (two
     context groups reading different samples) with ZeRO-1 and recomputation (the GPT) and with
-    FSDP2 (llama)."""
+    FSDP2 (llama). qwen2 (grouped-query, biases) at pp=2 under ZB-H1 and at tp=2, mistral (a
+    sliding window) at pp=2 under GPipe and at tp=2."""
+    with_qwen2()
     out: dict[str, Any] = {}
     for key, model_name, dp, pp, tp, more in (
         ("gpt-pp2", "gpt", 2, 2, 1, {}),
         ("llama-pp2", "llama", 2, 2, 1, {}),
         ("llama-tp2", "llama", 2, 1, 2, {}),
         ("llama-tp2-sp", "llama", 2, 1, 2, {"sequence_parallel": True}),
+        ("qwen2-pp2-zb", "qwen2", 2, 2, 1, {"schedule": "zb_h1"}),
+        ("qwen2-tp2", "qwen2", 2, 1, 2, {}),
+        ("mistral-pp2-gpipe", "mistral", 2, 2, 1, {"schedule": "gpipe"}),
+        ("mistral-tp2", "mistral", 2, 1, 2, {}),
         ("gpt-dp4-zero1-recompute", "gpt", 4, 1, 1, {"shard_optimizer_state": True, "recompute": "always"}),
         ("llama-dp4-fsdp", "llama", 4, 1, 1, {"shard_parameters": True}),
     ):
@@ -330,7 +337,7 @@ def four_ranks() -> dict[str, Any]:
             ref = (
                 gpt_reference(torch.float64, STEPS, 0.5)
                 if model_name == "gpt"
-                else hf_reference("llama", STEPS, 0.5)
+                else hf_reference(model_name, STEPS, 0.5)
             )
             out[key] = gaps(run, ref)
         else:
@@ -366,7 +373,17 @@ def test_context_parallel_at_c2_equals_one_device_and_its_checkpoint_resumes_at_
 @pytest.mark.distributed
 def test_context_parallel_composes_with_the_pipeline_and_tensor_axes() -> None:
     results = run_distributed(four_ranks, 4, timeout=600)
-    for key in ("gpt-pp2", "llama-pp2", "llama-tp2", "gpt-dp4-zero1-recompute", "llama-dp4-fsdp"):
+    for key in (
+        "gpt-pp2",
+        "llama-pp2",
+        "llama-tp2",
+        "qwen2-pp2-zb",
+        "qwen2-tp2",
+        "mistral-pp2-gpipe",
+        "mistral-tp2",
+        "gpt-dp4-zero1-recompute",
+        "llama-dp4-fsdp",
+    ):
         _check(results[0], key, 1e-9)
         for rank in range(1, 4):  # the layers of every rank that holds some: half the tokens
             assert results[rank][key] in ([SEQ // 2], []), (key, rank, results[rank][key])
