@@ -11,8 +11,8 @@ Three launches. Two ranks: at C=2 a hand-written GPT whose attention call is the
 float32), llama (tied embeddings, grouped-query), qwen2 (grouped-query, biases) and mistral (a
 sliding window); the refusals at the first training batch (a model whose attention is not the
 ring, a batch without token counts, a length not divisible by 2C); a checkpoint saved at C=2
-loaded at C=1 and trained one more step. Four ranks: C=2 x pp=2 (the GPT, llama; qwen2 under
-ZB-H1, mistral under GPipe), C=2 x tp=2 (llama, and with sequence parallelism; qwen2, mistral),
+loaded at C=1 and trained one more step. Four ranks: C=2 x pp=2 (the GPT, llama, also interleaved;
+qwen2 under ZB-H1, mistral under GPipe), C=2 x tp=2 (llama, and with sequence parallelism; qwen2, mistral),
 dp=4 x C=2 with ZeRO-1 and recomputation (the GPT) and FSDP2 (llama). Two ranks under Lightning:
 ``PipeTPStrategy(context_parallel_size=2)``
 fitting llama the Hugging Face way and the GPT through ``configure_pipeline``,
@@ -326,6 +326,7 @@ def four_ranks() -> dict[str, Any]:
         ("llama-tp2", "llama", 2, 1, 2, {}),
         ("llama-tp2-sp", "llama", 2, 1, 2, {"sequence_parallel": True}),
         ("qwen2-pp2-zb", "qwen2", 2, 2, 1, {"schedule": "zb_h1"}),
+        ("llama-pp2-interleaved", "llama", 2, 2, 1, {"schedule": "interleaved_1f1b", "virtual_stages": 2}),
         ("qwen2-tp2", "qwen2", 2, 1, 2, {}),
         ("mistral-pp2-gpipe", "mistral", 2, 2, 1, {"schedule": "gpipe"}),
         ("mistral-tp2", "mistral", 2, 1, 2, {}),
@@ -378,6 +379,7 @@ def test_context_parallel_composes_with_the_pipeline_and_tensor_axes() -> None:
         "llama-pp2",
         "llama-tp2",
         "qwen2-pp2-zb",
+        "llama-pp2-interleaved",
         "qwen2-tp2",
         "mistral-pp2-gpipe",
         "mistral-tp2",
