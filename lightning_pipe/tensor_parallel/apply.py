@@ -18,6 +18,7 @@ from torch import nn
 from lightning_pipe.tensor_parallel.adapters import adapter_parts, lora_base
 from lightning_pipe.tensor_parallel.cross_entropy import tag_vocab_parallel
 from lightning_pipe.tensor_parallel.dropout import RegionDropout, RegionStream, SequenceDropout
+from lightning_pipe.tensor_parallel.eager import run_eagerly
 from lightning_pipe.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -37,6 +38,7 @@ from lightning_pipe.tensor_parallel.styles import TensorParallelStyle
 class _LogitsHead(ColumnParallelLinear):
     """A column-parallel output head whose vocab-sharded logits are tagged for the parallel loss."""
 
+    @run_eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tag_vocab_parallel(
             super().forward(x), self.group, dist.get_rank(self.group) * self.out_features
@@ -85,6 +87,7 @@ def _sequence_hooks(
     the gradient is equal on every rank, and its backward keeps this rank's part)."""
     if style is TensorParallelStyle.SEQUENCE_SCATTER:
 
+        @run_eagerly
         def scatter(_: nn.Module, args: Any, output: Any) -> Any:
             if not sequence_active():
                 return output
@@ -100,6 +103,7 @@ def _sequence_hooks(
             return gather_for_module(x, group)
         return gather_from_sequence(x, group, GatheredGradient.EQUAL)
 
+    @run_eagerly
     def gather(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not sequence_active():
             return None

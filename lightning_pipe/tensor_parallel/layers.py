@@ -13,6 +13,9 @@ the weights of its single-device twin.
   replicated, is added once after the sum.
 * :class:`VocabParallelEmbedding`: vocabulary rows split; ids outside this rank's range are looked
   up as row 0 and zeroed, then ``g`` sums the ranks' rows, exactly one of which is non-zero.
+
+Their ``forward`` runs eagerly under ``torch.compile`` (:func:`~.eager.run_eagerly`): a compiled
+block's graph stops before each and resumes after it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_pipe.tensor_parallel.eager import run_eagerly
 from lightning_pipe.tensor_parallel.regions import (
     copy_to_region,
     gather_from_region,
@@ -87,6 +91,7 @@ class ColumnParallelLinear(nn.Module):
     for an input made from the gathered sequence inside the module (a cast, a norm), which is
     saved whole and gets ``f``. ``"none"``: no sequence parallelism."""
 
+    @run_eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_input != "none" and sequence_active():
             y = sequence_parallel_linear(
@@ -122,6 +127,7 @@ class RowParallelLinear(nn.Module):
     once (a reduce-scatter instead of ``g``); the bias, added to each rank's part, then gets a
     gradient from that part only, which the runtime sums over the group."""
 
+    @run_eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
@@ -175,6 +181,7 @@ class VocabParallelEmbedding(nn.Module):
         else:
             self.embed_scale = None if scale is None else torch.tensor(float(scale))
 
+    @run_eagerly
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = torch.where(outside, torch.zeros_like(ids), ids - self.start)
