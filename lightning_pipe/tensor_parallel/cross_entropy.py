@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_pipe.tensor_parallel.eager import run_eagerly
 from lightning_pipe.tensor_parallel.regions import gather_from_region, named
 
 _GROUP = "_lightning_pipe_vocab_group"
@@ -78,7 +77,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits * grad.unsqueeze(-1), None, None, None
 
 
-@run_eagerly
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,

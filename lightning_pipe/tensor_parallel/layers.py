@@ -14,7 +14,7 @@ the weights of its single-device twin.
 * :class:`VocabParallelEmbedding`: vocabulary rows split; ids outside this rank's range are looked
   up as row 0 and zeroed, then ``g`` sums the ranks' rows, exactly one of which is non-zero.
 
-Their ``forward`` runs eagerly under ``torch.compile`` (:func:`~.eager.run_eagerly`): a compiled
+Their ``forward`` runs eagerly under ``torch.compile`` (:mod:`~.eager`): a compiled
 block's graph stops before each and resumes after it.
 """
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe.tensor_parallel.eager import run_eagerly
+from lightning_pipe.tensor_parallel.eager import eager_under_compile
 from lightning_pipe.tensor_parallel.regions import (
     copy_to_region,
     gather_from_region,
@@ -66,6 +66,7 @@ def tensor_parallel_dim(param: torch.Tensor) -> int | None:
     return getattr(param, "tensor_parallel_dim", None)
 
 
+@eager_under_compile("forward")
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear`` with its output features split across ``group``."""
 
@@ -91,7 +92,6 @@ class ColumnParallelLinear(nn.Module):
     for an input made from the gathered sequence inside the module (a cast, a norm), which is
     saved whole and gets ``f``. ``"none"``: no sequence parallelism."""
 
-    @run_eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_input != "none" and sequence_active():
             y = sequence_parallel_linear(
@@ -107,6 +107,7 @@ class ColumnParallelLinear(nn.Module):
         return f"{local}, gather_output={self.gather_output}{sequence}"
 
 
+@eager_under_compile("forward")
 class RowParallelLinear(nn.Module):
     """``nn.Linear`` with its input features split across ``group``."""
 
@@ -127,7 +128,6 @@ class RowParallelLinear(nn.Module):
     once (a reduce-scatter instead of ``g``); the bias, added to each rank's part, then gets a
     gradient from that part only, which the runtime sums over the group."""
 
-    @run_eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
@@ -144,6 +144,7 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features} (local), out_features={self.out_features}{sequence}"
 
 
+@eager_under_compile("forward")
 class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding`` with its vocabulary (rows) split across ``group``.
 
@@ -181,7 +182,6 @@ class VocabParallelEmbedding(nn.Module):
         else:
             self.embed_scale = None if scale is None else torch.tensor(float(scale))
 
-    @run_eagerly
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = torch.where(outside, torch.zeros_like(ids), ids - self.start)

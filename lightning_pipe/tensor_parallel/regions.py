@@ -37,7 +37,8 @@ with which ranks, so that the runtime's fault board turns the loss into its ``Pe
 the rank that stopped. The engine's fault handling stays out of this package: it only gets a
 context-manager factory.
 
-Each entry point runs eagerly under ``torch.compile`` (:mod:`~lightning_pipe.tensor_parallel.eager`).
+Under ``torch.compile`` they run eagerly, with the layers that call them
+(:mod:`~lightning_pipe.tensor_parallel.eager`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.collectives import all_gather_flat, reduce_scatter_flat
-from lightning_pipe.tensor_parallel.eager import run_eagerly
 
 SEQUENCE_DIM = 1
 """The sequence dim of the activations sequence parallelism splits (``[batch, sequence, ...]``)."""
@@ -190,25 +190,21 @@ class _ScatterToRegion(torch.autograd.Function):
         return _gather_last(grad, ctx.group, "all_gather_backward"), None
 
 
-@run_eagerly
 def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Megatron's ``f``: identity forward, all-reduce of the gradient in backward."""
     return _CopyToRegion.apply(x, group)
 
 
-@run_eagerly
 def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Megatron's ``g``: all-reduce forward, identity backward."""
     return _ReduceFromRegion.apply(x, group)
 
 
-@run_eagerly
 def gather_from_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
     return _GatherFromRegion.apply(x, group)
 
 
-@run_eagerly
 def scatter_to_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
     return _ScatterToRegion.apply(x, group)
@@ -378,13 +374,11 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_sequence(grad, ctx.group, "sequence_all_gather_backward"), None
 
 
-@run_eagerly
 def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Keep this rank's part of the sequence forward; all-gather the gradient backward."""
     return _ScatterToSequence.apply(x, group)
 
 
-@run_eagerly
 def gather_from_sequence(
     x: torch.Tensor, group: dist.ProcessGroup, gradient: GatheredGradient = GatheredGradient.PARTIAL
 ) -> torch.Tensor:
@@ -393,7 +387,6 @@ def gather_from_sequence(
     return _GatherFromSequence.apply(x, group, gradient)
 
 
-@run_eagerly
 def reduce_scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum over the group and keep this rank's part of the sequence forward; all-gather the
     gradient backward."""

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_pipe.tensor_parallel.eager import run_eagerly
 from lightning_pipe.tensor_parallel.regions import (
     GatheredGradient,
     all_gather_sequence,
@@ -96,7 +95,6 @@ class SequencePart:
         return (self.part._version, whole._version) == self._versions
 
 
-@run_eagerly
 def gather_for_module(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The whole sequence for a ``sequence_gather`` module whose column layers compute tensor
     parallel inside it: tagged with ``part``; backward reduce-scatters (see the module docstring)."""
@@ -182,7 +180,6 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_input, None, grad_weight, grad_bias, None, None
 
 
-@run_eagerly
 def sequence_parallel_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup, gathered: bool
 ) -> torch.Tensor:
