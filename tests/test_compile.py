@@ -230,13 +230,13 @@ def test_compiled_layers_train_like_eager_layers(compiled_cases: list[dict[str, 
 def test_no_layer_is_compiled_again_for_a_shape_nor_a_tensor_parallel_layer_on_its_own(
     compiled_cases: list[dict[str, Any]],
 ) -> None:
-    """Dynamo compiles each layer's code once: no frame is compiled again because a tensor's size
-    differs from its first compilation's, and no code of lightning_pipe (the tensor-parallel
-    layers, their collectives and hooks run eagerly between a layer's graphs) is compiled as a
-    frame of its own. Before, the sharded layers' ``forward`` (one code object for every column or
-    row layer) was compiled anew for each layer's weight shape and for the whole and the split
-    sequence: 15 graphs instead of 6 in the tensor-parallel case, a recompile each, and Dynamo's
-    recompile limit (8) reached, leaving the layers eager, in a model with more layer shapes."""
+    """Dynamo compiles each layer's code once for its shapes: no frame is compiled again because a
+    tensor's size differs from its first compilation's, and no code of lightning_pipe (the
+    tensor-parallel layers and hooks, with their collectives, run eagerly between a layer's graphs)
+    is compiled as a frame of its own. Before, the sharded layers' ``forward`` (one code object for
+    every column or row layer) was compiled anew for each layer's weight shape and for the whole
+    and the split sequence: 15 graphs instead of 6 in the tensor-parallel case, a recompile each
+    (with more layer shapes, up to Dynamo's recompile limit, 8, past which the layer runs eager)."""
     library = os.path.dirname(lightning_pipe.__file__) + os.sep
     for name, *_ in CASES:
         for rank, r in enumerate(compiled_cases):
