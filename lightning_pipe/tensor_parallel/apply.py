@@ -91,12 +91,20 @@ def _sequence_hooks(
         module.register_forward_pre_hook(_GatherHook(group, has_columns), with_kwargs=True)
 
 
-@eager_under_compile("__call__")
-class _ScatterHook:
-    """A ``sequence_scatter`` module's forward hook: its output split along the sequence."""
+class _SequenceHook:
+    """A sequence-parallel hook: what it holds (the group) is shared by copies, as a function's
+    closure was (a process group cannot be copied; a copied module keeps its hooks working)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SequenceHook:
+        return self
+
+
+@eager_under_compile("__call__")
+class _ScatterHook(_SequenceHook):
+    """A ``sequence_scatter`` module's forward hook: its output split along the sequence."""
 
     def __call__(self, _: nn.Module, args: Any, output: Any) -> Any:
         if not sequence_active():
@@ -107,11 +115,12 @@ class _ScatterHook:
 
 
 @eager_under_compile("__call__")
-class _GatherHook:
+class _GatherHook(_SequenceHook):
     """A ``sequence_gather`` module's forward pre-hook: its first input gathered along the sequence."""
 
     def __init__(self, group: dist.ProcessGroup, has_columns: bool) -> None:
-        self.group, self.has_columns = group, has_columns
+        super().__init__(group)
+        self.has_columns = has_columns
 
     def gathered(self, x: torch.Tensor) -> torch.Tensor:
         if self.has_columns:
