@@ -13,6 +13,7 @@ layer silently left eager would fail the test. Every compiled case also runs wit
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_pipe
 from lightning_pipe.execution.compile import compile_arguments, compile_layers, compiled_here
 from lightning_pipe.runtime import RuntimeOptions
 from tests.distributed import run_distributed
@@ -157,6 +159,7 @@ def _train(
 def compile_worker(
     cases: list[tuple[str, tuple[int, int, int], dict[str, Any], float, bool]],
 ) -> dict[str, Any]:
+    torch._dynamo.utils.set_compilation_metrics_limit(1000)  # every frame of a case (default 64)
     out: dict[str, Any] = {}
     for name, sizes, options, dropout, skip in cases:
         eager = _train(sizes, options, dropout, skip, False)
@@ -166,9 +169,26 @@ def compile_worker(
         backend = Counting()
         # Tensor parallelism's collectives break the graph (refused with fullgraph, tested below).
         fullgraph = sizes[2] == 1
+        torch._dynamo.utils.clear_compilation_metrics()
         compiled = _train(sizes, options, dropout, skip, {"backend": backend, "fullgraph": fullgraph})
-        out[name] = {"eager": eager, "compiled": compiled, "graphs": backend.graphs, "calls": backend.calls}
+        out[name] = {
+            "eager": eager,
+            "compiled": compiled,
+            "graphs": backend.graphs,
+            "calls": backend.calls,
+            "frames": _compiled_frames(),
+        }
     return out
+
+
+def _compiled_frames() -> list[tuple[str, str, str]]:
+    """Each frame Dynamo compiled since the metrics were cleared: its file, function and, for a
+    recompilation, the guard that failed ("" for a first compilation)."""
+    return [
+        (str(m.co_filename), str(m.co_name), m.recompile_reason or "")
+        for m in torch._dynamo.utils.get_compilation_metrics()
+        if m.co_filename is not None  # AOTAutograd's own entries (the backward's)
+    ]
 
 
 def _max_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -182,9 +202,15 @@ def _max_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max([worst, *((a["weights"][n] - b["weights"][n]).abs().max().item() for n in a["weights"])])
 
 
+@pytest.fixture(scope="module")
+def compiled_cases() -> list[dict[str, Any]]:
+    """Every case trained eager and compiled on two ranks: one launch for the tests below."""
+    return run_distributed(compile_worker, 2, CASES, timeout=300)
+
+
 @pytest.mark.distributed
-def test_compiled_layers_train_like_eager_layers() -> None:
-    got = run_distributed(compile_worker, 2, CASES, timeout=300)
+def test_compiled_layers_train_like_eager_layers(compiled_cases: list[dict[str, Any]]) -> None:
+    got = compiled_cases
     for name, *_ in CASES:
         for rank, r in enumerate(got):
             case = r[name]
@@ -198,6 +224,28 @@ def test_compiled_layers_train_like_eager_layers() -> None:
             difference = _max_difference(case["eager"], case["compiled"])
             print(f"{name} rank {rank}: max |compiled - eager| = {difference:.2e}")
             assert difference <= TOL, (name, rank, difference)
+
+
+@pytest.mark.distributed
+def test_no_layer_is_compiled_again_for_a_shape_nor_a_tensor_parallel_layer_on_its_own(
+    compiled_cases: list[dict[str, Any]],
+) -> None:
+    """Dynamo compiles each layer's code once for its shapes: no frame is compiled again because a
+    tensor's size differs from its first compilation's, and no code of lightning_pipe (the
+    tensor-parallel layers and hooks, with their collectives, run eagerly between a layer's graphs)
+    is compiled as a frame of its own. Before, the sharded layers' ``forward`` (one code object for
+    every column or row layer) was compiled anew for each layer's weight shape and for the whole
+    and the split sequence: 15 graphs instead of 6 in the tensor-parallel case, a recompile each
+    (with more layer shapes, up to Dynamo's recompile limit, 8, past which the layer runs eager)."""
+    library = os.path.dirname(lightning_pipe.__file__) + os.sep
+    for name, *_ in CASES:
+        for rank, r in enumerate(compiled_cases):
+            frames = r[name]["frames"]
+            assert frames, (name, rank)  # the metrics were recorded
+            resized = [f for f in frames if "size mismatch" in f[2]]
+            assert not resized, (name, rank, resized)
+            ours = [f for f in frames if f[0].startswith(library)]
+            assert not ours, (name, rank, ours)
 
 
 def test_the_option_is_checked_when_made() -> None:

@@ -6,8 +6,10 @@ sharded checkpoint, saved after step 6, resumes at pp=4 and continues on the sam
 construction, tensor-parallel sharding, the data-parallel reducer, clipping and checkpoints all go
 through the runtime's public API as a user's loop calls it. With ``--shard-parameters`` (FSDP2
 over the data axis) at dp=2 x pp=2 the losses are the same, and its checkpoint resumes unsharded
-at pp=4. The 3D run goes through torchrun itself; the others run the same script with the same
-arguments on ranks forked from the tests' fork server (``tests.distributed.run_script``).
+at pp=4. The sharded run goes through torchrun itself (4 processes, each a fresh interpreter);
+the others, the 3D run's 8 ranks among them, run the same script with the same arguments on ranks
+forked from the tests' fork server (``tests.distributed.run_script``), which spares them the
+imports.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _run(cwd: Path, processes: int, *args: str, torchrun: bool = False) -> dict[
 
 
 def test_runtime_trains_dp_pp_tp_like_one_process_and_resumes_at_another_layout(tmp_path: Path) -> None:
-    three_d = _run(tmp_path, 8, "--dp", "2", "--pp", "2", "--tp", "2", "--save-at", "6", torchrun=True)
+    three_d = _run(tmp_path, 8, "--dp", "2", "--pp", "2", "--tp", "2", "--save-at", "6")
     assert (tmp_path / "engine.ckpt" / "pipe_tp_metadata.json").is_file()
     one = _plain_torch_losses()
     assert sorted(three_d) == list(range(STEPS))
@@ -91,7 +93,9 @@ def test_runtime_with_sharded_parameters_trains_like_one_process_and_resumes_uns
 ) -> None:
     """``--shard-parameters`` (FSDP2 over the data axis) at dp=2 x pp=2: the same losses; its
     checkpoint resumes at pp=4 without sharding on the same losses."""
-    sharded = _run(tmp_path, 4, "--dp", "2", "--pp", "2", "--shard-parameters", "--save-at", "6")
+    sharded = _run(
+        tmp_path, 4, "--dp", "2", "--pp", "2", "--shard-parameters", "--save-at", "6", torchrun=True
+    )
     one = _plain_torch_losses()
     for step, loss in one.items():
         assert sharded[step] == pytest.approx(loss, abs=1e-5), f"dp2 x pp2 sharded, step {step}"

@@ -455,3 +455,28 @@ def test_shard_range_rejects_indivisible_size(tp_run: tuple[int, list[dict[str, 
         assert g["message"] is not None, f"rank {rank}: no ValueError for size {g['size']} under tp={tp}"
         assert str(g["size"]) in g["message"], g["message"]
         assert f"tensor_parallel_size={tp}" in g["message"], g["message"]
+
+
+class _Uncopyable:
+    """Stands in for a process group, which cannot be copied."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError("cannot pickle 'ProcessGroup' object")
+
+
+def test_a_module_with_sequence_hooks_can_be_deep_copied_and_shares_its_hooks() -> None:
+    """The sequence-parallel hooks are objects (so that ``torch.compile`` runs them eagerly); a
+    copied module (an EMA copy, say) keeps them and their group, shared, as it did their closures."""
+    import copy
+
+    from lightning_pipe.tensor_parallel.apply import _sequence_hooks
+    from lightning_pipe.tensor_parallel.styles import TensorParallelStyle
+
+    group: Any = _Uncopyable()
+    gathering, scattering = nn.Linear(2, 2), nn.Linear(2, 2)
+    _sequence_hooks(gathering, TensorParallelStyle.SEQUENCE_GATHER, group, has_columns=True)
+    _sequence_hooks(scattering, TensorParallelStyle.SEQUENCE_SCATTER, group, has_columns=False)
+    for module, hooks in ((gathering, "_forward_pre_hooks"), (scattering, "_forward_hooks")):
+        copied = copy.deepcopy(module)
+        assert list(getattr(copied, hooks).values()) == list(getattr(module, hooks).values())
+        assert [h.group for h in getattr(copied, hooks).values()] == [group]

@@ -14,6 +14,7 @@ deferral. :func:`build` takes those steps in that order and returns their produc
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.runtime.prepare import Preparation, Preparer, preparation_of
 from lightning_pipe.runtime.sharding import refuse_parallelized, shard_parameters
 from lightning_pipe.skip.plan import SkipLayers, SkipRoute
+from lightning_pipe.tensor_parallel.eager import keep_eager_under_compile
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 
 TiedGroup = tuple[str, dist.ProcessGroup, bool]
@@ -188,6 +190,11 @@ def build(
     if layout.data_parallel_size > 1 and done.fully_sharded is None:
         make_replicas_equal(own, mesh, materialized, naming)
     fully_sharded = shard_parameters(done, model_layers, stage_indices, module, mesh, options, naming)
+    compiling = options.compile_arguments is not None or "torch._dynamo" in sys.modules
+    if layout.tensor_parallel_size > 1 and compiling:
+        # Compiled layers (ours, or a user's: compiling imported Dynamo) run the sharded layers
+        # eagerly between their graphs; a process that never compiles does not import Dynamo.
+        keep_eager_under_compile()
     compile_layers(own, options.compile_arguments, layout.tensor_parallel_size)  # after slicing, sharding
     staged: dict[int, Sequence[nn.Module]] = {
         s: [executed[i] for i in partition.layer_range(s)] for s in stage_indices

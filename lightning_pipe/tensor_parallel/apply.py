@@ -18,6 +18,7 @@ from torch import nn
 from lightning_pipe.tensor_parallel.adapters import adapter_parts, lora_base
 from lightning_pipe.tensor_parallel.cross_entropy import tag_vocab_parallel
 from lightning_pipe.tensor_parallel.dropout import RegionDropout, RegionStream, SequenceDropout
+from lightning_pipe.tensor_parallel.eager import eager_under_compile
 from lightning_pipe.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,6 +35,7 @@ from lightning_pipe.tensor_parallel.sources import record_source
 from lightning_pipe.tensor_parallel.styles import TensorParallelStyle
 
 
+@eager_under_compile("forward")
 class _LogitsHead(ColumnParallelLinear):
     """A column-parallel output head whose vocab-sharded logits are tagged for the parallel loss."""
 
@@ -84,35 +86,58 @@ def _sequence_hooks(
     gather's backward reduce-scatters (``has_columns``), or for layers computed whole only (a head:
     the gradient is equal on every rank, and its backward keeps this rank's part)."""
     if style is TensorParallelStyle.SEQUENCE_SCATTER:
+        module.register_forward_hook(_ScatterHook(group))
+    else:
+        module.register_forward_pre_hook(_GatherHook(group, has_columns), with_kwargs=True)
 
-        def scatter(_: nn.Module, args: Any, output: Any) -> Any:
-            if not sequence_active():
-                return output
-            if isinstance(output, tuple):
-                return (scatter_to_sequence(output[0], group), *output[1:])
-            return scatter_to_sequence(output, group)
 
-        module.register_forward_hook(scatter)
-        return
+class _SequenceHook:
+    """A sequence-parallel hook: what it holds (the group) is shared by copies, as a function's
+    closure was (a process group cannot be copied; a copied module keeps its hooks working)."""
 
-    def gathered(x: torch.Tensor) -> torch.Tensor:
-        if has_columns:
-            return gather_for_module(x, group)
-        return gather_from_sequence(x, group, GatheredGradient.EQUAL)
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
 
-    def gather(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SequenceHook:
+        return self
+
+
+@eager_under_compile("__call__")
+class _ScatterHook(_SequenceHook):
+    """A ``sequence_scatter`` module's forward hook: its output split along the sequence."""
+
+    def __call__(self, _: nn.Module, args: Any, output: Any) -> Any:
+        if not sequence_active():
+            return output
+        if isinstance(output, tuple):
+            return (scatter_to_sequence(output[0], self.group), *output[1:])
+        return scatter_to_sequence(output, self.group)
+
+
+@eager_under_compile("__call__")
+class _GatherHook(_SequenceHook):
+    """A ``sequence_gather`` module's forward pre-hook: its first input gathered along the sequence."""
+
+    def __init__(self, group: dist.ProcessGroup, has_columns: bool) -> None:
+        super().__init__(group)
+        self.has_columns = has_columns
+
+    def gathered(self, x: torch.Tensor) -> torch.Tensor:
+        if self.has_columns:
+            return gather_for_module(x, self.group)
+        return gather_from_sequence(x, self.group, GatheredGradient.EQUAL)
+
+    def __call__(self, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not sequence_active():
             return None
         if args:
-            return (gathered(args[0]), *args[1:]), kwargs
+            return (self.gathered(args[0]), *args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": gathered(kwargs["hidden_states"])}
+            return args, {**kwargs, "hidden_states": self.gathered(kwargs["hidden_states"])}
         raise TypeError(
             "A 'sequence_gather' module was called without a positional input or hidden_states=; "
             "it gathers its first input along the sequence."
         )
-
-    module.register_forward_pre_hook(gather, with_kwargs=True)
 
 
 def apply_plan(

@@ -13,6 +13,9 @@ the weights of its single-device twin.
   replicated, is added once after the sum.
 * :class:`VocabParallelEmbedding`: vocabulary rows split; ids outside this rank's range are looked
   up as row 0 and zeroed, then ``g`` sums the ranks' rows, exactly one of which is non-zero.
+
+Their ``forward`` runs eagerly under ``torch.compile`` (:mod:`~.eager`): a compiled
+block's graph stops before each and resumes after it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_pipe.tensor_parallel.eager import eager_under_compile
 from lightning_pipe.tensor_parallel.regions import (
     copy_to_region,
     gather_from_region,
@@ -62,6 +66,7 @@ def tensor_parallel_dim(param: torch.Tensor) -> int | None:
     return getattr(param, "tensor_parallel_dim", None)
 
 
+@eager_under_compile("forward")
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear`` with its output features split across ``group``."""
 
@@ -102,6 +107,7 @@ class ColumnParallelLinear(nn.Module):
         return f"{local}, gather_output={self.gather_output}{sequence}"
 
 
+@eager_under_compile("forward")
 class RowParallelLinear(nn.Module):
     """``nn.Linear`` with its input features split across ``group``."""
 
@@ -138,6 +144,7 @@ class RowParallelLinear(nn.Module):
         return f"in_features={self.in_features} (local), out_features={self.out_features}{sequence}"
 
 
+@eager_under_compile("forward")
 class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding`` with its vocabulary (rows) split across ``group``.
 

@@ -36,6 +36,9 @@ saying what it was doing ("all-gathering the sequence over the tensor-parallel g
 with which ranks, so that the runtime's fault board turns the loss into its ``PeerLostError`` naming
 the rank that stopped. The engine's fault handling stays out of this package: it only gets a
 context-manager factory.
+
+Under ``torch.compile`` they run eagerly, with the layers that call them
+(:mod:`~lightning_pipe.tensor_parallel.eager`).
 """
 
 from __future__ import annotations
