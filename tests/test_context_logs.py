@@ -57,10 +57,29 @@ def test_no_tokens_on_any_rank_gives_the_plain_mean(monkeypatch: pytest.MonkeyPa
     assert float(mine[0].value) == pytest.approx(1.5)
 
 
-@pytest.mark.parametrize("peer_names", [("loss", "acc"), ("acc",), ("loss", "acc", "extra")])
+@pytest.mark.parametrize("peer_names", [("loss", "acc"), ("acc",), ("loss", "acc", "extra"), ()])
 def test_ranks_logging_different_keys_are_refused(
     monkeypatch: pytest.MonkeyPatch, peer_names: tuple[str, ...]
 ) -> None:
     _with_peer(monkeypatch, _peer_tensor(monkeypatch, _records(*((n, 1.0) for n in peer_names)), items=5.0))
     with pytest.raises(MisconfigurationException, match="logged different keys in this batch"):
         whole_over_context(_records(("acc", 1.0), ("loss", 1.0)), 5.0, 4, None, 2, CPU)  # type: ignore[arg-type]
+
+
+def test_a_rank_that_logged_nothing_still_meets_its_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_peer(monkeypatch, _peer_tensor(monkeypatch, _records(("loss", 1.0)), items=5.0))
+    with pytest.raises(MisconfigurationException, match="logged different keys in this batch"):
+        whole_over_context([], 5.0, 4, None, 2, CPU)  # type: ignore[arg-type]
+
+
+def test_a_logged_metric_and_a_batch_without_tokens_are_warned_about_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(context_logs, "_warned", set())
+    monkeypatch.setattr(context_logs.dist, "all_reduce", lambda t, group=None: None)
+    metric = LoggedValue("validation_step", "val_acc", {}, "accuracy", 0.0, 0.0)
+    with pytest.warns(UserWarning, match=r"Metric\(s\) \['accuracy'\] are updated with each rank's part"):
+        whole_over_context([metric], 5.0, 4, None, 2, CPU)  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match="counts no loss items"):
+        whole_over_context(_records(("loss", 1.0)), None, 4, None, 2, CPU)  # type: ignore[arg-type]
+    assert context_logs._warned == {"metric", "items"}

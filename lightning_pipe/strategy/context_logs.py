@@ -54,8 +54,8 @@ def whole_over_context(
 ) -> None:
     """Make each value of ``records`` (in place) the context group's: weighted by ``items`` (this
     rank's loss items of the batch; its ``samples`` when the batch counts none)."""
-    if not records:
-        return
+    # No early return without records: a rank that logged nothing must still meet a peer that
+    # logged something in the all-reduce (and be refused with it), not leave it waiting.
     plain = [r for r in records if r.metric_attribute is None]
     metrics = [r.metric_attribute for r in records if r.metric_attribute is not None]
     if metrics:
