@@ -28,7 +28,12 @@ def _records(*named: tuple[str, float]) -> list[LoggedValue]:
 
 def _peer_tensor(monkeypatch: pytest.MonkeyPatch, records: list[LoggedValue], items: float) -> torch.Tensor:
     captured: list[torch.Tensor] = []
-    monkeypatch.setattr(context_logs.dist, "all_reduce", lambda t, group=None: captured.append(t.clone()))
+
+    def capture(t: torch.Tensor, group: Any = None) -> None:  # and a twin of the peer as the other rank
+        captured.append(t.clone())
+        t += captured[-1]
+
+    monkeypatch.setattr(context_logs.dist, "all_reduce", capture)
     whole_over_context(records, items, 4, None, 2, CPU)  # type: ignore[arg-type]
     return captured[0]
 
@@ -76,10 +81,18 @@ def test_a_logged_metric_and_a_batch_without_tokens_are_warned_about_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(context_logs, "_warned", set())
-    monkeypatch.setattr(context_logs.dist, "all_reduce", lambda t, group=None: None)
+    monkeypatch.setattr(context_logs.dist, "all_reduce", lambda t, group=None: t.add_(t.clone()))
     metric = LoggedValue("validation_step", "val_acc", {}, "accuracy", 0.0, 0.0)
     with pytest.warns(UserWarning, match=r"Metric\(s\) \['accuracy'\] are updated with each rank's part"):
         whole_over_context([metric], 5.0, 4, None, 2, CPU)  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="counts no loss items"):
         whole_over_context(_records(("loss", 1.0)), None, 4, None, 2, CPU)  # type: ignore[arg-type]
     assert context_logs._warned == {"metric", "items"}
+
+
+def test_unread_on_cuda_different_keys_give_nan_not_a_mix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the verdict is not read (it would stall the step): the values become NaN."""
+    _with_peer(monkeypatch, _peer_tensor(monkeypatch, _records(("acc", 2.0), ("loss", 3.0)), items=5.0))
+    mine = _records(("loss", 1.0), ("acc", 1.0))
+    whole_over_context(mine, 5.0, 4, None, 2, CPU, read_verdict=False)  # type: ignore[arg-type]
+    assert all(torch.isnan(torch.as_tensor(r.value)) for r in mine)

@@ -6,7 +6,8 @@ part's. As the runtime does for the loss it returns, every record is made the wh
 each rank's value weighted by its loss items (tokens) of the batch, summed over the context group
 and divided by the group's items. One all-reduce per batch carries every record (and, in front,
 the count and a digest of the logged names, so that ranks logging different keys are refused
-rather than mixed); it runs on every rank, each pipeline stage in its own context group, after the
+rather than mixed: on the CPU at once; on CUDA, where reading the verdict would stall the step,
+their values become NaN); it runs on every rank, each pipeline stage in its own context group, after the
 records reached it from the last stage, so every rank replays the same values.
 
 A torchmetrics ``Metric`` is updated with each rank's part, and its states are not combined here
@@ -51,9 +52,11 @@ def whole_over_context(
     group: dist.ProcessGroup,
     size: int,
     device: torch.device,
+    read_verdict: bool | None = None,
 ) -> None:
     """Make each value of ``records`` (in place) the context group's: weighted by ``items`` (this
-    rank's loss items of the batch; its ``samples`` when the batch counts none)."""
+    rank's loss items of the batch; its ``samples`` when the batch counts none). ``read_verdict``:
+    refuse different keys at once (``None``: on the CPU, where reading waits for nothing)."""
     # No early return without records: a rank that logged nothing must still meet a peer that
     # logged something in the all-reduce (and be refused with it), not leave it waiting.
     plain = [r for r in records if r.metric_attribute is None]
@@ -89,8 +92,10 @@ def whole_over_context(
         stacked[5 : 5 + n] = values * weight
         stacked[5 + slots : 5 + slots + n] = values
     dist.all_reduce(stacked, group=group)
-    count, digests, squares, weights, ranks = stacked[:5].tolist()
-    if count != n * ranks or digests != digest * ranks or digests * digests != ranks * squares:
+    # The verdict on the names stays on the device: on CUDA reading it would stall the step.
+    count, digests, squares, weights = stacked[0], stacked[1], stacked[2], stacked[3]
+    agreed = (count == n * size) & (digests == digest * size) & (digests * digests == size * squares)
+    if (device.type == "cpu" if read_verdict is None else read_verdict) and not bool(agreed):
         names = [f"{r.fx}/{r.name}" for r in records]
         raise MisconfigurationException(
             f"context_parallel_size={size}: the ranks of a context group logged different keys in this batch "
@@ -99,9 +104,11 @@ def whole_over_context(
         )
     if n == 0:
         return
-    if weights > 0:
-        whole = stacked[5 : 5 + n] / weights
-    else:  # no rank holds an item (every label ignored): the parts' plain mean
-        whole = stacked[5 + slots : 5 + slots + n] / ranks
+    weighted = stacked[5 : 5 + n] / torch.where(weights > 0, weights, 1.0)
+    plain_mean = stacked[5 + slots : 5 + slots + n] / size  # no rank holds an item: the parts' mean
+    whole = torch.where(weights > 0, weighted, plain_mean)
+    # On CUDA the verdict is not read: values of ranks that logged different keys become NaN
+    # rather than a silent mix of other keys' values.
+    whole = torch.where(agreed, whole, torch.full_like(whole, float("nan")))
     for record, value in zip(plain, whole, strict=True):
         record.weighted_sum = value * record.weight
