@@ -459,10 +459,16 @@ def lightning_worker() -> dict[str, Any]:
         num_microbatches=2,
         timeout=timedelta(seconds=60),
     )
-    trainer = fit(model, strategy, 2, DataLoader(lightning_rows(), batch_size=BATCH), max_epochs=1)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = fit(model, strategy, 2, DataLoader(lightning_rows(), batch_size=BATCH), root, max_epochs=1)
+        # the logged values: each step's train_loss, and val_loss over two batches, on every rank
+        validated = trainer.validate(
+            model, DataLoader(lightning_rows(VAL_STEPS), batch_size=BATCH), verbose=False
+        )
     state = gather_model_state(model, trainer.strategy.runtime.partition, trainer.strategy.mesh)
     sampler = trainer.strategy.distributed_sampler_kwargs
     out = {"state": state, "sampler": sampler, "layout": str(trainer.strategy.mesh.layout)}
+    out |= {"train_losses": model.losses, "val_loss": validated[0]["val_loss"]}
     gpt = GPTModule()
     strategy = PipeTPStrategy(
         data_parallel_size=2, context_parallel_size=2, num_microbatches=2, timeout=timedelta(seconds=60)
@@ -503,8 +509,12 @@ def gpt_rows() -> list[tuple[torch.Tensor, ...]]:
     return [tuple(t[i] for t in gpt_batch(s)) for s in range(STEPS) for i in range(BATCH)]
 
 
-def lightning_rows() -> list[dict[str, torch.Tensor]]:
-    return [{k: v[i] for k, v in hf_batch(s).items()} for s in range(STEPS) for i in range(BATCH)]
+def lightning_rows(steps: range = range(STEPS)) -> list[dict[str, torch.Tensor]]:
+    return [{k: v[i] for k, v in hf_batch(s).items()} for s in steps for i in range(BATCH)]
+
+
+VAL_STEPS = range(STEPS, STEPS + 2)
+"""The validation batches after the fit (new samples)."""
 
 
 @pytest.mark.distributed
@@ -522,6 +532,18 @@ def test_the_strategy_option_fits_a_hugging_face_model_at_c2_like_one_device() -
     reference = hf_families.train_reference(hf_families.build("llama"), steps, 0.5)
     gap = max(float((got[0]["state"]["model." + k] - v).abs().max()) for k, v in reference["last"].items())
     assert gap < 1e-5, gap
+    # what the user's step logs is the whole sequences', on every rank: each step's train_loss and,
+    # with the trained weights, val_loss (the mean of two equal batches' losses)
+    for g in got:
+        assert torch.allclose(
+            torch.tensor(g["train_losses"]), torch.tensor(reference["losses"]), atol=1e-5, rtol=0
+        )
+    trained = hf_families.build("llama")
+    trained.load_state_dict(reference["last"])
+    with torch.no_grad():
+        val = [float(hf_families.reference_loss(trained, hf_batch(s))) for s in VAL_STEPS]
+    for g in got:
+        assert abs(g["val_loss"] - sum(val) / len(val)) < 1e-5, (g["val_loss"], val)
     assert [g["sampler"] for g in got] == [{"num_replicas": 1, "rank": 0}] * 2
     # the hand-written GPT (configure_pipeline, pipeline_input, loss_items): one device, same order
     gpt_order = [gpt_rows()[i] for i in DistributedSampler(rows, num_replicas=1, rank=0, seed=0)]

@@ -52,3 +52,28 @@ def test_router_jitter_is_named_as_it_draws_too() -> None:
     model = transformers.MixtralForCausalLM(made).train()
     layers = list(model.model.layers)
     assert dropout_sources(model, layers) == [f"model.layers.{i}.mlp (jitter_noise=0.01)" for i in range(4)]
+
+
+def test_under_context_parallelism_the_line_says_each_rank_draws_its_part_and_seeding_is_refused() -> None:
+    """Each rank of a context group draws the masks of its part of the sequences: the line says
+    so whatever the seeding, and ``layer_seeded_dropout=True`` (the same masks on every layout) is
+    refused rather than promised."""
+    import pytest
+
+    from lightning_pipe import PipeTPStrategy
+    from lightning_pipe.runtime import RuntimeOptions
+
+    sources = dropout_sources(_model(), list(_model()))
+    for seeded in (False, True):
+        line = describe_dropout(sources, layer_seeded=seeded, context_parallel_size=2)
+        assert "context_parallel_size=2 each rank draws the masks of its part" in line, line
+        assert "same masks on every" not in line and "layer_seeded_dropout=True draws" not in line
+    refusal = (
+        r"layer_seeded_dropout=True cannot promise .* context_parallel_size=2 .* "
+        "leave layer_seeded_dropout unset"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        RuntimeOptions(context_parallel_size=2, layer_seeded_dropout=True)
+    with pytest.raises(ValueError, match=refusal):
+        PipeTPStrategy(data_parallel_size=2, context_parallel_size=2, layer_seeded_dropout=True)
+    RuntimeOptions(context_parallel_size=2)  # unset: allowed (the layout log says what is drawn)

@@ -65,6 +65,9 @@ class BatchResult:
     device computes the mean over the batch), a float64 scalar on the device, not read."""
     results: Any = None
     """What the head's ``results()`` returned on the last stage (``None`` without one)."""
+    items: float | None = None
+    """This rank's loss items in the batch (e.g. predicted tokens; under context parallelism those
+    of its part of the sequences), when the model's hooks count them; ``None`` otherwise."""
     outputs: dict[int, Any] = field(default_factory=dict)
     """On the last stage: micro-batch index -> what the head returned for it (losses detached)."""
     num_microbatches: int = 0

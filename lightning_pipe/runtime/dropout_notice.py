@@ -3,7 +3,8 @@
 A pipeline draws its random numbers on other ranks, in another order and per micro-batch, so its
 dropout masks are not one device's: losses differ from step 1 (by about 1e-2 at a dropout of 0.1),
 by design. That is said once, in the layout log, with the modules that draw and the option that
-makes the masks the same on every layout (``layer_seeded_dropout=True``).
+makes the masks the same on every layout (``layer_seeded_dropout=True``); under context
+parallelism no option does yet (each rank draws its part's masks), and the line says so.
 
 Two kinds of module draw: dropout modules (``nn.Dropout`` and its kin, the tensor-parallel
 dropouts) with ``p > 0``, and modules that call functional dropout with a rate they hold as a
@@ -57,13 +58,19 @@ def dropout_sources(module: nn.Module, layers: Sequence[nn.Module]) -> list[str]
     return sources
 
 
-def describe_dropout(sources: Sequence[str], layer_seeded: bool) -> str:
+def describe_dropout(sources: Sequence[str], layer_seeded: bool, context_parallel_size: int = 1) -> str:
     """The layout log's line on dropout (empty when nothing draws)."""
     if not sources:
         return ""
     n = len(sources)
     shown = ", ".join(sources[:_SHOWN]) + (f" and {n - _SHOWN} more" if n > _SHOWN else "")
     head = f"\n  dropout in training, drawn by {n} module{'s' if n != 1 else ''}: {shown}; "
+    if context_parallel_size > 1:  # whether layer-seeded or not: each rank draws its part's masks
+        return head + (
+            f"with context_parallel_size={context_parallel_size} each rank draws the masks of its part of "
+            "the sequences, so they are neither one device's nor another layout's and losses differ from "
+            "one device's from the first step (set the dropout rates to 0 for an exact comparison)"
+        )
     if layer_seeded:
         return head + (
             "layer-seeded (layer_seeded_dropout): the same masks on every pipeline and tensor layout "

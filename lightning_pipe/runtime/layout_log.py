@@ -68,7 +68,8 @@ def describe_layout(
     if skip_routes:
         routes = ", ".join(f"{r.producer} -> {r.consumer} ({', '.join(r.names)})" for r in skip_routes)
         text += f"\n  skip connections sent between stages: {routes}"
-    text += describe_dropout(dropout_sources(module, layers), options.seeds_layers)
+    sources = dropout_sources(module, layers)
+    text += describe_dropout(sources, options.seeds_layers, layout.context_parallel_size)
     text += describe_sharding(options, layout.data_parallel_size, fully_sharded)
     if done.built_on_meta:
         text += (

@@ -102,7 +102,8 @@ class RuntimeOptions:
     masks for their different samples (one process would draw one mask for the whole batch), and
     ``"dropout"`` plan entries keep their per-tensor-rank streams. ``None``: on with
     ``sequence_parallel``, else off (each rank draws from its own generator: reproducible, but a
-    pipeline's masks are not one device's)."""
+    pipeline's masks are not one device's). ``True`` is refused with ``context_parallel_size > 1``
+    (each rank draws the masks of its part of the sequences)."""
     shard_parameters: bool = False
     """FSDP2 over the data axis: each data-parallel rank keeps 1/dp of its stage's parameters,
     gradients and optimizer state (:mod:`lightning_pipe.data_parallel.fully_sharded`)."""
@@ -252,6 +253,15 @@ class RuntimeOptions:
                 f"context_parallel_size={self.context_parallel_size} cannot be combined with "
                 f"expert_parallel_size={self.expert_parallel_size} yet (both borrow ranks from the data "
                 "axis); use one of them."
+            )
+        if self.layer_seeded_dropout is True:
+            # Each rank draws its chunks' masks with its chunks' shapes: not one device's, nor
+            # another layout's, which is what the option promises.
+            raise ValueError(
+                f"layer_seeded_dropout=True cannot promise the same dropout masks on every layout with "
+                f"context_parallel_size={self.context_parallel_size} (each rank draws masks for its part of "
+                "the sequences, not the whole sequence's): leave layer_seeded_dropout unset, or use "
+                "context_parallel_size=1."
             )
         if str(getattr(self.partition, "value", self.partition)) == "time":
             raise ValueError(

@@ -234,6 +234,7 @@ class BatchRunner:
         return BatchResult(
             device_loss=payload.get("loss"),
             results=payload.get("results"),
+            items=local if counted else None,
             outputs=run.outputs,
             num_microbatches=m,
             peak_stashed=run.peak_stashed,

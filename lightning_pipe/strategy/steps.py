@@ -22,6 +22,7 @@ from lightning_pipe.batches.agreement import StepIdentity
 from lightning_pipe.batches.microbatch import batch_size
 from lightning_pipe.checkpoint.full import to_cpu
 from lightning_pipe.runtime import Microbatch, ParallelRuntime, TimelineRecorder
+from lightning_pipe.strategy.context_logs import whole_over_context
 from lightning_pipe.strategy.log_capture import (
     BatchMetrics,
     LogCapture,
@@ -131,6 +132,12 @@ def run_step(
         else:
             result = runtime.eval_batch(batch, head, step=step, recorder=recorder)
     device = runtime.device
+    context_group = runtime.mesh.context_group
+    if context_group is not None:  # each rank's part's values made the whole sequences'
+        whole_over_context(
+            result.results["records"], result.items, head.batch_samples, context_group,
+            runtime.mesh.layout.context_parallel_size, device,
+        )  # fmt: skip
     load_metric_states(module, result.results["metrics"], device)
     replicated = runtime.mesh.layout.data_parallel_size == 1
     replay(trainer, module, result.results["records"], reduce, device, replicated)
