@@ -21,6 +21,7 @@ fitting llama the Hugging Face way and the GPT through ``configure_pipeline``,
 
 from __future__ import annotations
 
+import re
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -573,3 +574,25 @@ def test_a_family_the_ring_cannot_compute_is_refused_when_the_runtime_would_repl
     llama = hf_families.build("llama")
     CausalLMPipeline(llama).use_ring_attention()
     assert llama.config._attn_implementation == "lightning_pipe_ring" and not llama.config.use_cache
+
+
+@pytest.mark.parametrize("name", ["expert_parallel_size", "context_parallel_size"])
+def test_an_option_the_mesh_was_not_laid_out_with_is_refused(name: str) -> None:
+    """The axes carved from the data axis are sizes of both the options and the mesh: a runtime
+    given different ones says which and how to build the mesh (one process, a group of one)."""
+    from torch.distributed import HashStore
+
+    from lightning_pipe.runtime.options import ConfigurationError
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_mesh(ParallelLayout(1, 1, 1), "cpu")
+        model = build_gpt(torch.float32)
+        options = RuntimeOptions(**{name: 2})
+        message = f"{name}=2 in the options, but the mesh was laid out with {name}=1"
+        with pytest.raises(
+            ConfigurationError, match=re.escape(message) + r".*ParallelLayout\(\.\.\., " + name
+        ):
+            ParallelRuntime(model, list(model), mesh, torch.device("cpu"), options, seed=0, hooks=gpt_hooks())
+    finally:
+        dist.destroy_process_group()

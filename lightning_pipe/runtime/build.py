@@ -38,8 +38,7 @@ from lightning_pipe.partition.balance import measures_time
 from lightning_pipe.partition.model import PipelinePartition, partition_model
 from lightning_pipe.partition.profile import profile_layers
 from lightning_pipe.runtime.batch import sample_microbatch
-from lightning_pipe.runtime.context import check_context_layout
-from lightning_pipe.runtime.experts import check_expert_layout, make_replicas_equal
+from lightning_pipe.runtime.experts import make_replicas_equal
 from lightning_pipe.runtime.gradients import Gradients
 from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.runtime.model_recompute import ModelCheckpointing, take_over_checkpointing
@@ -278,8 +277,13 @@ def _refuse_before_partitioning(
             "configure_pipeline()."
         )
     refuse_parallelized(module)
-    check_expert_layout(options, layout)
-    check_context_layout(options, layout)
+    for name in ("expert_parallel_size", "context_parallel_size"):  # axes carved from the data axis
+        if getattr(options, name) != getattr(layout, name):
+            raise ConfigurationError(
+                f"{name}={getattr(options, name)} in the options, but the mesh was laid out with "
+                f"{name}={getattr(layout, name)} ({layout}); build the mesh with "
+                f"ParallelLayout(..., {name}=...) equal to the option."
+            )
     if not skips.plan.empty and options.sequence_parallel and layout.tensor_parallel_size > 1:
         raise ConfigurationError(
             "pipe_tp: skip connections (Stash / Pop, @skippable) cannot be combined with "

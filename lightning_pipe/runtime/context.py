@@ -34,19 +34,8 @@ from lightning_pipe.context import (
     shard_sequence,
 )
 from lightning_pipe.faults.naming import CollectiveNaming
-from lightning_pipe.mesh import ParallelLayout, ParallelMesh
+from lightning_pipe.mesh import ParallelMesh
 from lightning_pipe.runtime.hooks import ModelHooks
-from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
-
-
-def check_context_layout(options: RuntimeOptions, layout: ParallelLayout) -> None:
-    """The option and the mesh agree on the context size."""
-    if options.context_parallel_size != layout.context_parallel_size:
-        raise ConfigurationError(
-            f"context_parallel_size={options.context_parallel_size} in the options, but the mesh was laid "
-            f"out with context_parallel_size={layout.context_parallel_size} ({layout}); build the mesh "
-            "with ParallelLayout(..., context_parallel_size=...) equal to the option."
-        )
 
 
 def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

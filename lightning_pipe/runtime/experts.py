@@ -18,18 +18,8 @@ from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.experts.apply import ExpertPlanError, ExpertSharding, expert_modules, shard_experts
 from lightning_pipe.experts.shard import expert_shard
 from lightning_pipe.faults.naming import CollectiveNaming
-from lightning_pipe.mesh import MeshAxis, ParallelLayout, ParallelMesh
+from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
-
-
-def check_expert_layout(options: RuntimeOptions, layout: ParallelLayout) -> None:
-    """The option and the mesh agree on the expert size."""
-    if options.expert_parallel_size != layout.expert_parallel_size:
-        raise ConfigurationError(
-            f"expert_parallel_size={options.expert_parallel_size} in the options, but the mesh was laid "
-            f"out with expert_parallel_size={layout.expert_parallel_size} ({layout}); build the mesh "
-            "with ParallelLayout(..., expert_parallel_size=...) equal to the option."
-        )
 
 
 def split_experts(
