@@ -91,6 +91,18 @@ _REGISTERED = (
 )
 
 
+_DEFERRED = (
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "peft",
+)
+"""Modules the engine imports only where they are used (FSDP2 and DTensor where parameters are
+sharded, Hugging Face where a model is one): about a second each to import, which every rank of
+every launch would pay."""
+
+
 @pytest.fixture(scope="module")
 def fresh() -> dict[str, list[str]]:
     """Two fresh interpreters, run side by side, for three questions (each costs seconds of
@@ -100,6 +112,7 @@ def fresh() -> dict[str, list[str]]:
     engine_first, lightning_first = _fresh(
         "import sys, lightning_pipe.runtime, lightning_pipe\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))\n"
+        f"print(sorted(m for m in {_DEFERRED!r} if m in sys.modules))\n"
         "import lightning\n" + _REGISTERED,
         "import lightning\nimport lightning_pipe\n" + _REGISTERED,
     )
@@ -111,6 +124,10 @@ def fresh() -> dict[str, list[str]]:
 
 def test_the_engine_imports_no_lightning(fresh: dict[str, list[str]]) -> None:
     assert fresh["lightning_pipe"][0] == "[]", fresh["lightning_pipe"]
+
+
+def test_the_engine_defers_its_heavy_imports(fresh: dict[str, list[str]]) -> None:
+    assert fresh["lightning_pipe"][1] == "[]", fresh["lightning_pipe"]
 
 
 @pytest.mark.parametrize("first", ["lightning_pipe", "lightning"])

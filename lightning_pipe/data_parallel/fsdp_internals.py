@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 
 def _state(root: nn.Module) -> Any:
+    # Imported here: FSDP2 (and DTensor with it) costs about a second to import, and the engine
+    # reaches this module (``collective_of``) whether parameters are sharded or not.
+    from torch.distributed.fsdp import fully_shard
+
     state = fully_shard.state(root)  # type: ignore[attr-defined]
     for member in ("_lazy_init", "_state_ctx", "_root_post_backward_final_callback"):
         if not hasattr(state, member):

@@ -11,27 +11,42 @@ from the FSDP wiring because they touch only tensors, never the units, roots or 
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+# DTensor is imported where a DTensor is made (FSDP2, ``fully_sharded``), not here: importing
+# ``torch.distributed.tensor`` costs about a second, which every rank would pay on importing the
+# engine, sharded or not.
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
+    """Whether ``value`` is a DTensor, without importing DTensor: where its module was never
+    imported (the class lives in it), no DTensor can exist."""
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's elements of ``tensor`` (its shard, for a DTensor)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def full(value: Any) -> Any:
     """``value`` whole: a DTensor gathered (collective over its mesh), anything else as it is."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return value.full_tensor() if is_dtensor(value) else value
 
 
 def gather_whole(value: Any, keep: bool, to_host: bool) -> Any:
     """``value`` gathered whole where this rank ``keep``s it (moved to the host with ``to_host``),
     else its own shard back: a collective over a DTensor's mesh either way, so that only a writer
     ever holds a whole stage. Anything but a DTensor as it is."""
-    if not isinstance(value, DTensor):
+    if not is_dtensor(value):
         return value
     whole = value.full_tensor()
     if not keep:
@@ -42,7 +57,9 @@ def gather_whole(value: Any, keep: bool, to_host: bool) -> Any:
 def shard_like(value: Any, current: Any) -> Any:
     """A whole ``value`` cut like ``current`` (a DTensor shard: this rank's rows, no
     communication); anything else as it is."""
-    if isinstance(current, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+    if is_dtensor(current) and isinstance(value, torch.Tensor) and not is_dtensor(value):
+        from torch.distributed.tensor import distribute_tensor
+
         if tuple(value.shape) != tuple(current.shape):
             return value  # not shaped like it (a scalar step count): the caller decides
         return distribute_tensor(

@@ -17,7 +17,7 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ from torch import nn
 
 from lightning_pipe.construction.materialize import InitFn
 from lightning_pipe.construction.pretrained import WeightFiles
-from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm, batch_norm_layers, normalising_by_batch
 from lightning_pipe.execution.compile import compile_layers
 from lightning_pipe.execution.executor import PipelineExecutor
@@ -56,6 +55,9 @@ from lightning_pipe.skip.plan import SkipLayers, SkipRoute
 from lightning_pipe.tensor_parallel.eager import keep_eager_under_compile
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 
+if TYPE_CHECKING:  # FSDP2 (and DTensor with it) is imported only where parameters are sharded
+    from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
+
 TiedGroup = tuple[str, dist.ProcessGroup, bool]
 """A tied parameter this rank holds: its name, the group of its copies' ranks, and whether it
 counts in the gradient norm here (the first stage's copy does)."""
@@ -85,15 +87,13 @@ class Built:
     layers: list[nn.Module]
     """The pipeline layers (tensor-parallel slices where sliced), as the partition names them."""
     executed: list[nn.Module]
-    """The layers as the executor applies them (with their calls, where the hooks give some, and
-    their skip connections' wrappers)."""
+    """The layers as the executor applies them (with the hooks' calls and skip wrappers)."""
     skip_routes: tuple[SkipRoute, ...]
     """The skip connections between stages (all of the pipeline's, not only this rank's)."""
     fully_sharded: FullyShardedStages | None
     """This rank's stages under FSDP2 (``shard_parameters`` with several data-parallel ranks)."""
     parameters: list[nn.Parameter]
-    """This rank's trainable parameters (its stages' layers, tensor slices, data-parallel
-    shards under ``shard_parameters``)."""
+    """This rank's trainable parameters (its stages' layers, tensor slices, FSDP2 shards)."""
     executor: PipelineExecutor
     """Runs this rank's part of each schedule."""
     gradients: Gradients

@@ -16,21 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.reducer import GradientReducer
 from lightning_pipe.data_parallel.sharded_optimizer import LogicalOptimizer, ShardedOptimizer, ShardingError
-from lightning_pipe.data_parallel.sharded_state import ShardedStateView, local
+from lightning_pipe.data_parallel.sharded_state import ShardedStateView, is_dtensor, local
 from lightning_pipe.experts.shard import expert_shard, held_block
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import MeshAxis, ParallelMesh
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
+
+if TYPE_CHECKING:  # FSDP2 (and DTensor with it) is imported only where parameters are sharded
+    from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 
 TiedCopy = tuple[nn.Parameter, dist.ProcessGroup, bool]
 """A tied parameter this rank holds: its copy, the group of the ranks holding copies, and whether
@@ -307,7 +308,7 @@ class Gradients:
                 continue
             if tensor_parallel_dim(p) is None and not replicas_counted:
                 continue
-            if shard_group is not None and not isinstance(grad, DTensor) and not whole_counted:
+            if shard_group is not None and not is_dtensor(grad) and not whole_counted:
                 continue
             g = local(grad).detach()
             squares = (g if g.dtype == torch.float64 else g.float()).pow(2).sum()

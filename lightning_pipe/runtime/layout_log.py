@@ -11,10 +11,10 @@ meta-built model's storage. It only reads what the runtime built.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.mesh import NodePlacement, ParallelLayout
 from lightning_pipe.partition.model import PipelinePartition
@@ -24,6 +24,9 @@ from lightning_pipe.runtime.options import RuntimeOptions
 from lightning_pipe.runtime.prepare import Preparation
 from lightning_pipe.runtime.sharding import describe_sharding
 from lightning_pipe.skip.plan import SkipRoute
+
+if TYPE_CHECKING:  # FSDP2 (and DTensor with it) is imported only where parameters are sharded
+    from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 
 
 def describe_layout(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,6 @@ from torch import nn
 from lightning_pipe.construction.materialize import InitFn, materialize, release
 from lightning_pipe.construction.meta import has_meta_tensors
 from lightning_pipe.construction.pretrained import WeightFiles
-from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.data_parallel.replicas import broadcast_parameters
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.experts.apply import ExpertSharding
@@ -38,6 +37,9 @@ from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.skip.plan import SkipLayers
 from lightning_pipe.tensor_parallel.plan import lora_region_dropouts, resolve_plan
 from lightning_pipe.tensor_parallel.stage import count_slicing, slice_stage
+
+if TYPE_CHECKING:  # FSDP2 (and DTensor with it) is imported only where parameters are sharded
+    from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.tensor_parallel.styles import TensorParallelStyle
 
 _PREPARED = "_lightning_pipe_prepared"

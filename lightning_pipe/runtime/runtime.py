@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -26,7 +26,6 @@ from lightning_pipe.checkpoint import rank_state
 from lightning_pipe.checkpoint.optimizer_view import keep_own
 from lightning_pipe.construction.materialize import InitFn
 from lightning_pipe.construction.pretrained import WeightFiles
-from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm
 from lightning_pipe.execution.executor import ActionRecorder
 from lightning_pipe.faults.board import FaultBoard
@@ -45,6 +44,9 @@ from lightning_pipe.runtime.prepare import Preparation, other_stages_tensors
 from lightning_pipe.runtime.step import BatchRunner
 from lightning_pipe.runtime.step_checks import StepChecks
 from lightning_pipe.schedule.actions import PipelineSchedule
+
+if TYPE_CHECKING:  # FSDP2 (and DTensor with it) is imported only where parameters are sharded
+    from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 

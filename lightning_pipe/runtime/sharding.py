@@ -9,13 +9,13 @@ keeps it on the module's :class:`~lightning_pipe.runtime.prepare.Preparation`); 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-from lightning_pipe.data_parallel.fully_sharded import ExpertShardingError, FullyShardedStages
+from lightning_pipe.data_parallel.sharded_state import is_dtensor
 from lightning_pipe.execution.layers import apply_layers
 from lightning_pipe.experts.reduction import expert_gradient_divisor
 from lightning_pipe.experts.shard import held_block
@@ -24,13 +24,18 @@ from lightning_pipe.mesh import ParallelMesh, check_replicate_size, data_paralle
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions
 from lightning_pipe.runtime.prepare import Preparation
 
+if TYPE_CHECKING:  # FSDP2 (and DTensor with it) is imported only where parameters are sharded
+    from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
+
 
 def refuse_parallelized(module: nn.Module) -> None:
     """A model that arrives already sharded (``fully_shard`` or ``parallelize_module`` applied in
     ``configure_model``, as Lightning's ``ModelParallelStrategy`` expects) cannot be split into
     stages: the runtime shards it itself, after the split."""
-    found = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
-    if found or any(isinstance(m, FSDPModule) for m in module.modules()):
+    found = [n for n, p in module.named_parameters() if is_dtensor(p)]
+    # FSDP2 not imported: no module can have been sharded (checked so, the engine need not import it).
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if found or (fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in module.modules())):
         raise ConfigurationError(
             f"{type(module).__name__} already holds DTensor parameters or FSDP modules "
             f"({found[:3] or 'fully_shard applied'}): fully_shard or parallelize_module was applied to it "
@@ -90,6 +95,8 @@ def shard_parameters(
     data_mesh = data_parallel_mesh(mesh, replicate)  # collective when replicate > 1
     # Blocks of experts: over the ranks holding the same experts (mesh.py), divided by the data axis.
     expert_mesh = mesh.expert_mesh["expert_data"] if mesh.expert_mesh is not None else None
+    from lightning_pipe.data_parallel.fully_sharded import ExpertShardingError, FullyShardedStages
+
     with naming("sharding the parameters over the data-parallel group (FSDP2)"):
         try:
             sharded = FullyShardedStages(

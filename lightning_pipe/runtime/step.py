@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_pipe.batches.agreement import StepIdentity
 from lightning_pipe.batches.microbatch import as_layer_arguments, batch_size, signature
-from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm
 from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
 from lightning_pipe.execution.p2p import PipelineCommunicationError
@@ -47,6 +46,9 @@ from lightning_pipe.runtime.step_checks import StepChecks, from_last_stage
 from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import build_schedule
 from lightning_pipe.skip.plan import SkipRoute
+
+if TYPE_CHECKING:  # FSDP2 (and DTensor with it) is imported only where parameters are sharded
+    from lightning_pipe.data_parallel.fully_sharded import FullyShardedStages
 
 
 class BatchRunner:
