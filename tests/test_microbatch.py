@@ -3,6 +3,7 @@ counting, loss shares and sample micro-batch (`lightning_pipe.runtime.batch`).""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, namedtuple
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from lightning_pipe.batches.microbatch import (
     batch_size,
+    map_tensors,
     microbatch_sizes,
     signature,
     split_microbatches,
@@ -296,3 +298,23 @@ def test_the_sample_partition_time_measures_is_a_batch_first_microbatch() -> Non
     first = sample_microbatch(example, 2, 4, lambda mb: mb[0] * 10)
     assert first.tolist() == (example[0][:3] * 10).tolist()
     assert sample_microbatch(example[0][:1], 3, 1).shape == (1, 2)  # capped at the batch's samples
+
+
+@dataclasses.dataclass
+class _Held:
+    tokens: torch.Tensor
+    name: str = "x"
+
+
+def test_map_tensors_keeps_every_structure_a_batch_may_have() -> None:
+    """What context parallelism cuts a batch with: each tensor replaced, every container (named
+    tuples, ordered dicts, dataclasses) rebuilt as its own type, other leaves kept."""
+    batch = OrderedDict(
+        pair=Pair(torch.zeros(2, 4), [torch.ones(2, 4), 3]), held=_Held(torch.ones(2, 4)), note=None
+    )
+    out = map_tensors(batch, lambda t: t[:, :2])
+    assert type(out) is OrderedDict and list(out) == ["pair", "held", "note"]
+    assert type(out["pair"]) is Pair and out["pair"].inputs.shape == (2, 2)
+    assert out["pair"].target[0].shape == (2, 2) and out["pair"].target[1] == 3
+    assert type(out["held"]) is _Held and out["held"].tokens.shape == (2, 2) and out["held"].name == "x"
+    assert out["note"] is None

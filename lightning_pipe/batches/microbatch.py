@@ -12,7 +12,7 @@ micro-batch's share of the samples, so the gradient is still that of the whole b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -38,6 +38,22 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
     if is_dataclass_instance(obj):
         return [t for name in split_fields(obj) for t in tensors_of(getattr(obj, name))]
     return []
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)``, over the structures a batch may have
+    (the ones :func:`tensors_of` reads); other leaves kept."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: map_tensors(v, fn) for k, v in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, tuple | list):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    if is_dataclass_instance(obj):
+        return dataclasses.replace(obj, **{k: map_tensors(getattr(obj, k), fn) for k in split_fields(obj)})
+    return obj
 
 
 def batch_size(batch: Any) -> int:

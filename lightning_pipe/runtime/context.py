@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.batches.microbatch import map_tensors, tensors_of
 from lightning_pipe.context import (
     ContextParallelError,
     ContextShard,
@@ -36,29 +37,6 @@ from lightning_pipe.context import (
 from lightning_pipe.faults.naming import CollectiveNaming
 from lightning_pipe.mesh import ParallelMesh
 from lightning_pipe.runtime.hooks import ModelHooks
-
-
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return type(tree)((k, _map_tensors(v, fn)) for k, v in tree.items())
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple
-        return type(tree)(*(_map_tensors(v, fn) for v in tree))
-    if isinstance(tree, list | tuple):
-        return type(tree)(_map_tensors(v, fn) for v in tree)
-    return tree
-
-
-def _first_tensor(tree: Any) -> torch.Tensor | None:
-    found: list[torch.Tensor] = []
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        found.append(t)
-        return t
-
-    _map_tensors(tree, keep)
-    return found[0] if found else None
 
 
 class ContextRun:
@@ -90,7 +68,7 @@ class ContextRun:
         """This rank's part of ``batch`` and the global positions of its tokens."""
         if self.hooks.cut_sequence is not None:
             return self.hooks.cut_sequence(batch, self.rank, self.size)
-        probe = _first_tensor(self.pipeline_input(batch))
+        probe = next(iter(tensors_of(self.pipeline_input(batch))), None)
         if probe is None or probe.dim() < 2:
             raise ContextParallelError(
                 f"context_parallel_size={self.size} cuts each sequence along dim 1 of the pipeline input, "
@@ -104,7 +82,7 @@ class ContextRun:
         def cut(t: torch.Tensor) -> torch.Tensor:
             return shard_sequence(t, 1, self.rank, self.size) if t.dim() >= 2 and t.shape[1] == seq_len else t
 
-        return _map_tensors(batch, cut), positions.to(probe.device)
+        return map_tensors(batch, cut), positions.to(probe.device)
 
     def scope(self, positions: torch.Tensor) -> AbstractContextManager[ContextShard]:
         """The shard a batch's schedule runs under (forwards, backwards, recomputation)."""
