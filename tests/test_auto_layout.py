@@ -28,7 +28,7 @@ from lightning_pipe.planning import Constraints, DataMode, LayerCost, Links, Mac
 from lightning_pipe.planning.auto import parse_memory, plan_replica_batch
 from lightning_pipe.planning.planner import plan_layout
 from lightning_pipe.schedule.builders import ScheduleKind
-from lightning_pipe.strategy.auto_layout import AUTO_LAYOUT_KEY
+from lightning_pipe.strategy.auto_layout import AUTO_LAYOUT_KEY, batch_differs
 from tests.distributed import run_distributed
 from tests.gpt_models import LateGPT, token_data
 from tests.trainers import fit, quiet_trainer
@@ -76,9 +76,13 @@ def fits_worker(root: str) -> dict[str, Any]:
     trainer = fit(
         model, strategy, 2, DataLoader(DATA, batch_size=BATCH), root, max_epochs=1, callbacks=[losses]
     )
+    assert strategy.auto_plan is not None
+    chosen = strategy.auto_plan
+    # A later call of the same Trainer keeps the choice (the model is split for it).
+    validated = trainer.validate(model, DataLoader(DATA, batch_size=BATCH), verbose=False)
+    assert strategy.auto_plan is chosen and validated and "val_loss" in validated[0]
     ckpt = os.path.join(root, "auto.ckpt")
     trainer.save_checkpoint(ckpt)
-    assert strategy.auto_plan is not None
     dp = strategy.auto_plan.chosen().candidate.data_parallel_size
     resumed, more = _auto(max_memory=LIMIT, data_parallel_size=dp), Losses()
     torch.manual_seed(SEED + 1)  # another start: the checkpoint must bring the weights back
@@ -238,3 +242,12 @@ def test_layouts_are_compared_per_sample_of_one_replica() -> None:
             assert len(same) == 1 and same[0].step_seconds == pytest.approx(p.step_seconds / dp)
             assert same[0].peak_bytes == p.peak_bytes
     assert plan.best is not None and plan.best.candidate.data_parallel_size == 2
+
+
+def test_a_batch_of_another_size_than_planned_is_warned_about() -> None:
+    layer = LayerCost(forward_seconds=1.0, backward_seconds=2.0, parameter_bytes=100, output_bytes=10)
+    costs = ModelCosts((layer, layer), rows=4)
+    plan = plan_replica_batch(costs, Machine(2, 1e9), ModelShape(2), 8, Constraints())
+    assert batch_differs(plan, (torch.zeros(8, 3), torch.zeros(8))) is None
+    warning = batch_differs(plan, (torch.zeros(6, 3), torch.zeros(6)))
+    assert warning is not None and "planned for 8 samples per replica" in warning and "have 6" in warning

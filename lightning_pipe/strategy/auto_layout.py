@@ -156,3 +156,19 @@ def plan_module(
         )  # fmt: skip
     except ValueError as err:  # constraints no layout meets: the same sentence on every rank
         raise MisconfigurationException(f"pipe_tp layout='auto': {err}") from None
+
+
+def batch_differs(plan: Plan, batch: Any) -> str | None:
+    """A warning when a training batch is not the size ``layout="auto"`` planned for (the
+    module's ``example_input_array``): the predicted memory and times do not hold then."""
+    try:
+        size = batch_size(batch)
+    except (TypeError, ValueError, IndexError):
+        return None  # a batch the micro-batching reads otherwise: nothing to compare
+    if size == plan.batch:
+        return None
+    return (
+        f"layout='auto' planned for {plan.batch} samples per replica (example_input_array's batch), but the "
+        f"training batches have {size}: the predicted peak memory and step time do not hold. Make "
+        "example_input_array one batch of the dataloader's size."
+    )

@@ -40,6 +40,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 import lightning_pipe.strategy.checkpoints as checkpoints
@@ -48,7 +49,7 @@ from lightning_pipe.huggingface.adapters import find_peft_model, peft_metadata
 from lightning_pipe.huggingface.export import METADATA_KEY as HF_METADATA
 from lightning_pipe.huggingface.export import model_metadata
 from lightning_pipe.planning.auto import record
-from lightning_pipe.strategy.auto_layout import AUTO_LAYOUT_KEY, auto_constraints
+from lightning_pipe.strategy.auto_layout import AUTO_LAYOUT_KEY, auto_constraints, batch_differs
 from lightning_pipe.strategy.compat import run_hooks, should_accumulate, weights_only_of_running_call
 from lightning_pipe.strategy.option_types import PositiveFloat, PositiveInt
 from lightning_pipe.strategy.options import DEFAULT_TIMEOUT, constructor_docstring, split_arguments
@@ -127,6 +128,7 @@ class PipeTPStrategy(PipeTPSetup):
             auto_constraints=constraints,
         )
         self.save_distributed_checkpoint = own.save_distributed_checkpoint
+        self._auto_batch_checked = False
 
     # ------------------------------------------------------------------ steps
     @property
@@ -154,6 +156,11 @@ class PipeTPStrategy(PipeTPSetup):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.module.trainer
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        if self.auto_plan is not None and not self._auto_batch_checked and args:
+            self._auto_batch_checked = True  # once: the first batch says what the dataloader gives
+            warning = batch_differs(self.auto_plan, args[0])
+            if warning is not None:
+                rank_zero_warn(warning)
         if batch_idx % trainer.accumulate_grad_batches == 0:
             # What the closure would have done (after the step, too late for us): zero the grads.
             optimizer = trainer.optimizers[0]
