@@ -1,6 +1,6 @@
 """``python -m lightning_pipe.plan MODEL --devices N --memory 16GB --batch B --seq S``: the layouts
 ``pipe_tp`` could run MODEL with on N processes, ranked by predicted step time, from measurements
-on this machine's device; no process group, no training run (a preview of ``layout="auto"``).
+on this machine's device; no process group, no training run (what ``layout="auto"`` decides in a run).
 
 MODEL is either ``package.module:Factory`` (a class or function called without arguments, whose
 result has ``configure_pipeline()``, built with its parameters on the meta device; its

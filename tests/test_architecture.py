@@ -177,7 +177,7 @@ ALLOWED: dict[str, set[str]] = {
     "tensor_parallel": {"data_parallel", "collectives", "arguments"},
     "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh", "experts"},
     "construction": {"checkpoint", "tensor_parallel", "experts"},
-    "planning": {"schedule", "partition", "execution", "tensor_parallel"},
+    "planning": {"schedule", "partition", "execution", "tensor_parallel", "skip"},
 }
 _ENGINE = set(ALLOWED)
 ALLOWED["runtime"] = _ENGINE
@@ -191,7 +191,7 @@ ALLOWED["plan"] = {"planning", "huggingface", "construction", "execution", "sche
 # checks, and a Hugging Face model's reading.
 ALLOWED["strategy"] = {
     "runtime", "mesh", "checkpoint", "faults", "batches", "construction", "schedule", "arguments",
-    "huggingface",
+    "huggingface", "planning",
 }  # fmt: skip
 ALLOWED["modules"] = set()
 

@@ -3,7 +3,7 @@
 (:mod:`.cost_model`: step time through the schedule simulator, peak memory per rank), the choice
 (:mod:`.planner`), the measurements on one device (:mod:`.measure`), the probe of a process group's
 links (:mod:`.links`) and the table a person reads (:mod:`.report`). ``python -m
-lightning_pipe.plan`` prints a plan; ``layout="auto"`` will use it.
+lightning_pipe.plan`` prints a plan; ``layout="auto"`` (:mod:`.auto`) decides with it in a run.
 
 Plain torch: nothing here starts a process group or imports Lightning (the probe runs in one it
 is given).

@@ -11,6 +11,7 @@ knows how far off the model is and what came closest.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lightning_pipe.execution.recompute import RecomputeMode
@@ -92,6 +93,13 @@ def plan_layout(
         )
     candidates = enumerate_candidates(machine.world_size, shape, batch, constraints or Constraints())
     predictions = [predict(c, costs, machine, batch) for c in candidates]
+    return ranked(predictions, machine.memory_bytes, batch)
+
+
+def ranked(predictions: Iterable[Prediction], memory_bytes: float, batch: int) -> Plan:
+    """A :class:`Plan` of ``predictions``: those that fit fastest first (ties broken as the module
+    docstring says), then the others, smallest peak first."""
+    predictions = list(predictions)
     fitting = sorted((p for p in predictions if p.fits), key=_rank_key)
     others = sorted((p for p in predictions if not p.fits), key=lambda p: (p.peak_bytes, _rank_key(p)))
-    return Plan(tuple(fitting + others), machine.memory_bytes, batch)
+    return Plan(tuple(fitting + others), memory_bytes, batch)

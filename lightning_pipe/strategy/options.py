@@ -34,6 +34,7 @@ from lightning_pipe.mesh import (
     check_replicate_size,
     check_tensor_groups_in_nodes,
 )
+from lightning_pipe.planning.auto import parse_memory
 from lightning_pipe.runtime import RuntimeOptions, as_timeout
 from lightning_pipe.schedule.builders import ScheduleKind
 
@@ -60,6 +61,20 @@ class StrategyOptions:
     """Ranks that shard each planned layer (Megatron-style; needs a ``tensor_parallel_plan``)."""
     data_parallel_size: int | Literal["auto"] = "auto"
     """Model replicas. ``"auto"``: world size / (pipeline x tensor)."""
+    layout: Literal["auto"] | None = None
+    """``"auto"``: choose the layout at setup, before the model is materialised, from measurements on
+    this machine: each pipeline layer's time and saved activations on the module's
+    ``example_input_array`` (one replica's batch; global rank 0 measures), the parameters' bytes,
+    the links between the processes, and ``max_memory``. Of the layouts that fit, the fastest per
+    sample is taken: the three sizes, replicated / ZeRO-1 / FSDP2 on the data axis, the schedule and
+    its virtual stages, the micro-batches and the recomputation (``partition="time"``). Every
+    option among these set to another value than its default is kept as a constraint. The layout
+    log prints the five best candidates and why the winner won; checkpoints record the choice.
+    ``None`` (default): the sizes and options as given."""
+    max_memory: int | float | str | None = None
+    """With ``layout="auto"``: the memory each process may hold at its peak (parameters, gradients,
+    optimizer state as AdamW keeps it, activations), in bytes or as ``"4GB"`` / ``"512MiB"``.
+    Required on CPU; on CUDA the default is the least free device memory over the ranks."""
     process_group_backend: str | None = None
     """``"nccl"`` / ``"gloo"``; default by device."""
     # timeout and tensor_parallel_plan are the engine's fields too (SHARED_FIELDS): its docstrings
@@ -106,6 +121,15 @@ class StrategyOptions:
             if value != "auto":
                 check_count(name, value, also="'auto'")
         check_count("timeline_steps", self.timeline_steps)
+        if self.layout not in (None, "auto"):
+            raise ValueError(f"layout must be 'auto' or None (the sizes as given), got {self.layout!r}.")
+        if self.max_memory is not None:
+            if self.layout != "auto":
+                raise ValueError(
+                    f"max_memory={self.max_memory!r} bounds what layout='auto' may choose, and layout is "
+                    f"{self.layout!r}: pass layout='auto' too, or drop max_memory."
+                )
+            object.__setattr__(self, "max_memory", parse_memory(self.max_memory))
         check_flag("save_distributed_checkpoint", self.save_distributed_checkpoint)
         if self.start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {list(START_METHODS)}, got {self.start_method!r}.")

@@ -40,6 +40,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 import lightning_pipe.strategy.checkpoints as checkpoints
@@ -47,6 +48,8 @@ from lightning_pipe.checkpoint.replace import remove_path
 from lightning_pipe.huggingface.adapters import find_peft_model, peft_metadata
 from lightning_pipe.huggingface.export import METADATA_KEY as HF_METADATA
 from lightning_pipe.huggingface.export import model_metadata
+from lightning_pipe.planning.auto import record
+from lightning_pipe.strategy.auto_layout import AUTO_LAYOUT_KEY, auto_constraints, batch_differs
 from lightning_pipe.strategy.compat import run_hooks, should_accumulate, weights_only_of_running_call
 from lightning_pipe.strategy.option_types import PositiveFloat, PositiveInt
 from lightning_pipe.strategy.options import DEFAULT_TIMEOUT, constructor_docstring, split_arguments
@@ -74,6 +77,8 @@ class PipeTPStrategy(PipeTPSetup):
         virtual_stages: PositiveInt | None = None,
         partition: Literal["parameters", "uniform", "time"] | list[int] = "parameters",
         recompute: Literal["never", "except_last", "always"] = "never",
+        layout: Literal["auto"] | None = None,
+        max_memory: int | float | str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | PositiveFloat | None = DEFAULT_TIMEOUT,
         check_finite: bool = False,
@@ -108,7 +113,10 @@ class PipeTPStrategy(PipeTPSetup):
         # Every option is checked first, by the dataclass that documents it (strategy/options.py),
         # each with one sentence naming it, its value and what is allowed, before anything else runs
         # (LightningCLI shows that sentence as the error).
-        own, options = split_arguments(locals())
+        arguments = locals()
+        own, options = split_arguments(arguments)
+        # Under layout="auto": the options the user set, which the planner keeps.
+        constraints = auto_constraints(arguments, PipeTPStrategy.__init__) if own.layout == "auto" else None
         super().__init__(
             own,
             options,
@@ -117,8 +125,10 @@ class PipeTPStrategy(PipeTPSetup):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            auto_constraints=constraints,
         )
         self.save_distributed_checkpoint = own.save_distributed_checkpoint
+        self._auto_batch_checked = False
 
     # ------------------------------------------------------------------ steps
     @property
@@ -146,6 +156,11 @@ class PipeTPStrategy(PipeTPSetup):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.module.trainer
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        if self.auto_plan is not None and not self._auto_batch_checked and args:
+            self._auto_batch_checked = True  # once: the first batch says what the dataloader gives
+            warning = batch_differs(self.auto_plan, args[0])
+            if warning is not None:
+                rank_zero_warn(warning)
         if batch_idx % trainer.accumulate_grad_batches == 0:
             # What the closure would have done (after the step, too late for us): zero the grads.
             optimizer = trainer.optimizers[0]
@@ -299,6 +314,8 @@ class PipeTPStrategy(PipeTPSetup):
             wrapper = find_peft_model(root, derived.name) if root is not None else None
             peft = peft_metadata(*wrapper) if wrapper is not None else None
             checkpoint[HF_METADATA] = model_metadata(derived.model, derived.prefix, peft)
+        if self.auto_plan is not None:  # what layout="auto" chose, and the prediction it rests on
+            checkpoint[AUTO_LAYOUT_KEY] = record(self.auto_plan)
         checkpoints.save(self.runtime, checkpoint, path, self.save_distributed_checkpoint, self.faults.naming)
 
     @override

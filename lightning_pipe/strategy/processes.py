@@ -27,7 +27,9 @@ from typing_extensions import override
 
 from lightning_pipe.batches.uneven import EvenBatches
 from lightning_pipe.mesh import MeshAxis, NodePlacement, ParallelLayout, ParallelMesh, init_mesh
+from lightning_pipe.planning import Constraints, Plan
 from lightning_pipe.runtime import RuntimeOptions
+from lightning_pipe.strategy.auto_layout import NEEDS_MEMORY
 from lightning_pipe.strategy.compat import (
     default_backend,
     init_process_group,
@@ -43,7 +45,13 @@ class PipeTPProcesses(ParallelStrategy):
     """The processes, the mesh they form and Lightning's collectives over them (see the module
     docstring); the options arrive checked (:func:`~.options.split_arguments`)."""
 
-    def __init__(self, own: StrategyOptions, options: RuntimeOptions, **plugins: Any) -> None:
+    def __init__(
+        self,
+        own: StrategyOptions,
+        options: RuntimeOptions,
+        auto_constraints: Constraints | None = None,
+        **plugins: Any,
+    ) -> None:
         # plugins: Lightning's accelerator, devices, cluster environment, checkpoint I/O and
         # precision plugin, as PipeTPStrategy's constructor (which names and types them) received them.
         super().__init__(**plugins)
@@ -61,6 +69,12 @@ class PipeTPProcesses(ParallelStrategy):
         """The engine's options, checked before any process is launched."""
         self.faults = FaultHandling()
         self._mesh: ParallelMesh | None = None
+        self.max_memory = cast(float | None, own.max_memory)
+        self.auto_constraints = auto_constraints
+        """Under ``layout="auto"``: the options the user set, kept by the planner (``None``: the
+        layout as given)."""
+        self.auto_plan: Plan | None = None
+        """Under ``layout="auto"``: the plan chosen at the first setup (later Trainer calls keep it)."""
 
     # ------------------------------------------------------------------ what this rank is
     @property
@@ -71,8 +85,18 @@ class PipeTPProcesses(ParallelStrategy):
         return self.lightning_module
 
     @property
+    def layout_pending(self) -> bool:
+        """Whether ``layout="auto"`` has yet to choose the sizes (at the strategy's first setup)."""
+        return self.auto_constraints is not None and self.auto_plan is None
+
+    @property
     def mesh(self) -> ParallelMesh:
         if self._mesh is None:
+            if self.layout_pending:
+                raise RuntimeError(
+                    "Under layout='auto' the pipe_tp mesh exists once the layout is chosen, at the "
+                    "strategy's setup (after configure_model())."
+                )
             raise RuntimeError("The pipe_tp mesh exists only after the processes have started.")
         return self._mesh
 
@@ -152,6 +176,9 @@ class PipeTPProcesses(ParallelStrategy):
             self._launcher = launcher(self, self._start_method)
         sizes = (self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size)
         check_layout_fits(sizes, self.options, self.num_processes, self.num_nodes)
+        devices = self.parallel_devices or []
+        if self.layout_pending and self.max_memory is None and any(d.type != "cuda" for d in devices):
+            raise MisconfigurationException(NEEDS_MEMORY.format(device=devices[0].type))
 
     @override
     def setup_environment(self) -> None:
@@ -170,6 +197,16 @@ class PipeTPProcesses(ParallelStrategy):
         init_process_group(
             self.cluster_environment, self._process_group_backend, self._timeout, self.root_device
         )
+        if self.layout_pending:
+            # layout="auto" decides at setup, once the model exists (configure_model() runs after
+            # this): until then the ranks are named as one pipeline, and there is no mesh yet.
+            self._mesh = None
+            self._start_faults(ParallelLayout.resolve(self.world_size, "auto", 1, "auto"))
+            return
+        self.start_mesh()
+
+    def start_mesh(self) -> None:
+        """The fault board, signal watcher and mesh of the layout's sizes (collective)."""
         layout = ParallelLayout.resolve(
             self.world_size,
             self.pipeline_parallel_size,
@@ -178,16 +215,20 @@ class PipeTPProcesses(ParallelStrategy):
             self.options.expert_parallel_size,
             self.options.context_parallel_size,
         )
-        self.faults.start(layout, self.global_rank, self._kill_launched_processes)
-        self._mesh = None
-        with self.faults.naming("learning which node each rank runs on"):
-            nodes = NodePlacement.gather(self.node_rank)
-        self.faults.know_nodes(nodes)
+        nodes = self._start_faults(layout)
         try:
             with self.faults.naming(f"creating the process groups of the {layout} mesh"):
                 self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu", nodes)
         except ValueError as err:  # a tensor-parallel group across nodes: every rank refuses alike
             raise MisconfigurationException(f"pipe_tp cannot lay out {layout} on its nodes: {err}") from None
+
+    def _start_faults(self, layout: ParallelLayout) -> NodePlacement:
+        self.faults.start(layout, self.global_rank, self._kill_launched_processes)
+        self._mesh = None
+        with self.faults.naming("learning which node each rank runs on"):
+            nodes = NodePlacement.gather(self.node_rank)
+        self.faults.know_nodes(nodes)
+        return nodes
 
     def _kill_launched_processes(self, signum: int) -> None:
         """Record the signal for the other ranks' errors; the processes Lightning's launcher started

@@ -31,6 +31,8 @@ from typing_extensions import override
 from lightning_pipe.construction.meta import meta_tensors_set_aside, parameters_on_meta
 from lightning_pipe.construction.pretrained import WeightFiles
 from lightning_pipe.mesh import MeshAxis
+from lightning_pipe.planning import Constraints, NothingFitsError
+from lightning_pipe.planning.auto import describe
 from lightning_pipe.runtime import (
     ConfigurationError,
     ParallelRuntime,
@@ -40,6 +42,7 @@ from lightning_pipe.runtime import (
     preparation_of,
 )
 from lightning_pipe.schedule.builders import ScheduleKind
+from lightning_pipe.strategy.auto_layout import memory_limit, plan_module
 from lightning_pipe.strategy.compat import optimizers_to_device, skip_closure_backward, use_pipeline_summary
 from lightning_pipe.strategy.options import StrategyOptions
 from lightning_pipe.strategy.pipeline_model import (
@@ -63,8 +66,14 @@ class PipeTPSetup(PipeTPProcesses):
     """The model's pipeline on this rank, built at each Trainer call's setup (see the module
     docstring)."""
 
-    def __init__(self, own: StrategyOptions, options: RuntimeOptions, **plugins: Any) -> None:
-        super().__init__(own, options, **plugins)  # plugins: see PipeTPProcesses
+    def __init__(
+        self,
+        own: StrategyOptions,
+        options: RuntimeOptions,
+        auto_constraints: Constraints | None = None,
+        **plugins: Any,
+    ) -> None:
+        super().__init__(own, options, auto_constraints, **plugins)  # plugins: see PipeTPProcesses
         self.tensor_parallel_plan = own.tensor_parallel_plan
         self.pretrained = cast(str | None, own.pretrained)
         self.pretrained_prefix = own.pretrained_prefix
@@ -147,6 +156,8 @@ class PipeTPSetup(PipeTPProcesses):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(module)
+        if self.layout_pending:
+            self._choose_layout(module)
         self._build_runtime(module, trains=trainer.state.fn == TrainerFn.FITTING)
         runtime = self.runtime
         use_pipeline_summary(
@@ -165,6 +176,35 @@ class PipeTPSetup(PipeTPProcesses):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         self._install_global_clipping(trainer)
+
+    def _choose_layout(self, module: LightningModule) -> None:
+        """``layout="auto"``: measure, agree on a plan, print it, refuse when nothing fits (on every
+        rank, before the model is materialised), then take the chosen sizes and options and build
+        their mesh."""
+        assert self.auto_constraints is not None
+        memory = memory_limit(self.max_memory, self.root_device)
+        with self.faults.naming("choosing the layout (layout='auto': global rank 0 measures, then sends)"):
+            plan = plan_module(
+                module, self.tensor_parallel_plan, self.pretrained_prefix, self.root_device, memory,
+                self.auto_constraints,
+            )  # fmt: skip
+        rank_zero_info(describe(plan))
+        try:
+            best = plan.chosen()
+        except NothingFitsError as err:
+            raise MisconfigurationException(f"pipe_tp layout='auto': {err}") from None
+        chosen = best.candidate.options()
+        self.pipeline_parallel_size = best.candidate.pipeline_parallel_size
+        self.tensor_parallel_size = best.candidate.tensor_parallel_size
+        self.data_parallel_size = best.candidate.data_parallel_size
+        engine: dict[str, Any] = {
+            k: v for k, v in chosen.items() if k in {f.name for f in dataclasses.fields(RuntimeOptions)}
+        }
+        if self.options.partition != RuntimeOptions.partition:
+            del engine["partition"]  # a method the user chose is kept (the default gives way to "time")
+        self.options = dataclasses.replace(self.options, **engine)
+        self.auto_plan = plan
+        self.start_mesh()
 
     def _build_runtime(self, module: LightningModule, trains: bool = True) -> None:
         """Build this call's runtime: on the module's first setup it splits, slices and
