@@ -125,28 +125,54 @@ def _llama_batch(sizes: Sizes) -> Any:
 
 
 # ----------------------------------------------------------------------------- the plan (rank 0)
-def _plan(name: str, sizes: Sizes, links: Any, slots: float, repeats: int) -> tuple[Any, Any, Any]:
-    """What ``layout="auto"`` would measure and decide, on this rank: (plan, costs, machine)."""
+def _load(name: str, sizes: Sizes) -> Any:
+    """The model as ``python -m lightning_pipe.plan`` loads it: meta-built, its pipeline layers."""
     from lightning_pipe.plan import load_factory, load_huggingface
-    from lightning_pipe.planning import Machine, ModelShape, plan_layout
-    from lightning_pipe.planning.measure import accepted_tensor_sizes, measure_model
 
     if name == "gpt":
         sys.path.insert(0, str(ROOT / "examples" / "gpt"))
-        loaded = load_factory(
+        return load_factory(
             "gpt_model:CharGPT",
             sizes.seq,
             {"d_model": sizes.width, "n_heads": 4, "n_layers": sizes.layers, "max_len": sizes.seq},
         )
-    else:
-        with tempfile.TemporaryDirectory() as where:
-            _llama_config(sizes).save_pretrained(where)
-            loaded = load_huggingface(where, sizes.seq)
+    with tempfile.TemporaryDirectory() as where:
+        _llama_config(sizes).save_pretrained(where)
+        return load_huggingface(where, sizes.seq)
+
+
+def _rows(sizes: Sizes) -> int:
+    return max(1, sizes.batch // WORLD // 2)  # python -m lightning_pipe.plan's default
+
+
+def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
+    """The compute slots, probed in the group with the model's own layers (forward and backward
+    of one measured micro-batch, timed by the layer profiler) or ``"matrix"`` products."""
+    from lightning_pipe.partition.profile import profile_layers
+    from lightning_pipe.planning.links import probe_compute_slots
+
+    def layers() -> float:
+        times = profile_layers(loaded.layers, loaded.sample_at(_rows(sizes)), torch.device("cpu"), 1)
+        return sum(t.forward + t.backward for t in times)
+
+    return probe_compute_slots(torch.device("cpu"), repeats=2, work=layers if probe == "layers" else None)
+
+
+def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> tuple[Any, Any, Any]:
+    """What ``layout="auto"`` would measure and decide, on this rank: (plan, costs, machine)."""
+    from lightning_pipe.planning import Machine, ModelShape, plan_layout
+    from lightning_pipe.planning.measure import accepted_tensor_sizes, measure_model
+
     tensor_sizes, splits = accepted_tensor_sizes(loaded.root, loaded.layers, loaded.plan_for, WORLD)
-    rows = max(1, sizes.batch // WORLD // 2)  # python -m lightning_pipe.plan's default
     split = splits[min(splits)] if splits else None
     costs = measure_model(
-        loaded.layers, loaded.sample_at, rows, torch.device("cpu"), split, repeats, optimizer=_optimizer
+        loaded.layers,
+        loaded.sample_at,
+        _rows(sizes),
+        torch.device("cpu"),
+        split,
+        repeats,
+        optimizer=_optimizer,
     )
     machine = Machine(WORLD, MEMORY, links, compute_slots=slots)
     plan = plan_layout(costs, machine, ModelShape(len(loaded.layers), tensor_sizes), sizes.batch)
@@ -306,17 +332,20 @@ def _run_one(
     return {"step": times[warmup:], "optimizer": optimizer_times[warmup:], "memory": held}
 
 
-def worker(names: list[str], sizes: dict[str, Sizes], top: int, warmup: int, steps: int, repeats: int) -> Any:
+def worker(
+    names: list[str], sizes: dict[str, Sizes], top: int, warmup: int, steps: int, repeats: int, probe: str
+) -> Any:
     from lightning_pipe.planning.cost_model import stage_balance
-    from lightning_pipe.planning.links import probe_compute_slots, probe_links
+    from lightning_pipe.planning.links import probe_links
 
     links = probe_links(torch.device("cpu"))
     out: dict[str, Any] = {"links": links}
     for name in names:
         box: list[Any] = [None]
-        slots = probe_compute_slots(torch.device("cpu"))  # just before the plan: the load changes
+        loaded = _load(name, sizes[name])
+        slots = _slots(loaded, sizes[name], probe)  # just before the plan: the load changes
         if dist.get_rank() == 0:
-            plan, costs, machine = _plan(name, sizes[name], links, slots, repeats)
+            plan, costs, machine = _plan(loaded, sizes[name], links, slots, repeats)
             chosen = choose(list(plan.predictions), top)
             box[0] = (chosen, [stage_balance(costs, p.candidate) for p, _ in chosen], machine)
         dist.barrier()
@@ -387,6 +416,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per layer when measuring")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument(
+        "--slots-probe",
+        choices=["layers", "matrix"],
+        default="layers",
+        help="what the compute-slot probe times alone and on all ranks at once (default: the model's layers)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     warn_if_busy()
@@ -395,8 +430,10 @@ def main() -> None:
         "llama": Sizes(width=128, layers=6, seq=args.seq, batch=args.batch),
     }
     start = time.monotonic()
-    results = launch(worker, WORLD, args.models, sizes, args.top, args.warmup, args.steps, args.repeats,
-                     timeout=900)  # fmt: skip
+    results = launch(
+        worker, WORLD, args.models, sizes, args.top, args.warmup, args.steps, args.repeats, args.slots_probe,
+        timeout=900,
+    )  # fmt: skip
     summaries = {name: summarise(name, results) for name in args.models}
     if args.json:
         emit_json({"sizes": {k: vars(v) for k, v in sizes.items()}, "links": repr(results[0]["links"]),

@@ -164,6 +164,26 @@ def test_processes_sharing_cores_lend_the_bubble_to_each_other() -> None:
         Machine(4, 1e12, compute_slots=0)
 
 
+def test_fsdp2_pays_a_collectives_latency_per_layer() -> None:
+    """FSDP2 makes each pipeline layer a unit of its own, gathered and reduced by its own
+    collective; ZeRO-1's buckets (one here) make one. Links of 1 s latency a ring step and no
+    bandwidth cost, nothing overlapped, free compute, 4 layers over 4 data ranks (3 ring steps):
+    ZeRO-1's reduce-scatter and all-gather 2 x 3 = 6 s; FSDP2 without resharding 4 layers x
+    (gather + reduce) = 24 s; resharding, per micro-batch 4 x (gather, gather, reduce) = 36 s."""
+    layer = LayerCost(0.0, 0.0, parameter_bytes=1000)
+    costs = ModelCosts((layer,) * 4, rows=1)
+    slow = Links(collective_bandwidth=1e30, collective_latency=1.0, overlap_data_parallel=False)
+
+    def data(mode: DataMode, reshard: bool = False, m: int = 1) -> float:
+        c = Candidate(1, 1, 4, mode, ScheduleKind.ONE_F_ONE_B, 1, m, RecomputeMode.NEVER, reshard)
+        return predict(c, costs, Machine(4, 1e12, slow), 8).data_seconds
+
+    assert data(DataMode.ZERO1) == pytest.approx(6.0)
+    assert data(DataMode.FSDP2) == pytest.approx(24.0)
+    assert data(DataMode.FSDP2, reshard=True) == pytest.approx(36.0)
+    assert data(DataMode.FSDP2, reshard=True, m=2) == pytest.approx(72.0)
+
+
 def test_the_optimizer_step_follows_the_schedule_on_the_parameters_a_rank_updates() -> None:
     """4 layers whose optimizer step takes 1 s each over their whole parameters, free compute:
     a replica steps all 4 (4 s), ZeRO-1 and FSDP2 over 4 data ranks a quarter each (1 s), a
@@ -545,7 +565,8 @@ def test_compute_slots_from_the_probes_times() -> None:
     assert slots_from_times(0.01, 0.04, 4) == pytest.approx(1.0)  # one core's worth left to them
     assert slots_from_times(0.01, 0.01, 4) == pytest.approx(4.0)  # a device each
     assert slots_from_times(0.01, 0.005, 4) == 4.0  # noise: never more than the processes
-    assert slots_from_times(0.01, 0.1, 4) == 1.0  # nor fewer than one
+    # Together slower than one alone (caches thrashed, other jobs): less than one process' worth.
+    assert slots_from_times(0.01, 0.1, 4) == pytest.approx(0.4)
 
 
 WIDTH, ROWS = 64, 32
@@ -597,7 +618,7 @@ def test_the_links_probe_and_a_pipelines_activations_on_three_ranks() -> None:
     p2p_bandwidth, p2p_latency, bandwidth, latency, overlap, slots = probes[0]
     assert p2p_bandwidth > 0 and bandwidth > 0 and p2p_latency >= 0 and latency >= 0
     assert overlap == 0.0  # gloo on CPU: the data axis' traffic is not hidden
-    assert 1.0 <= slots <= 3.0  # the same on every rank (above), a share of the 3 processes
+    assert 0.0 < slots <= 3.0  # the same on every rank (above), a share of the 3 processes
 
     measured = measure_model(
         _pipeline_stage(), lambda r: torch.randn(r, WIDTH), ROWS, torch.device("cpu"), repeats=1

@@ -117,6 +117,7 @@ class _Stage:
     optimizer: float
     """One optimizer step over the stage's parameters as a tensor rank holds them (whole on the
     data axis)."""
+    layers: int
 
 
 def scaled(seconds: float, fixed: float, rows: float, measured_rows: int, share: float = 1.0) -> float:
@@ -220,6 +221,7 @@ def _stage(
         parameters=parameters,
         largest_layer=largest,
         optimizer=optimizer,
+        layers=len(group),
     )
 
 
@@ -273,16 +275,18 @@ def _data_seconds(
         return _exposed(links.reduce_scatter(g, dp), first.backward, links) + _exposed(
             links.all_gather(p, dp), first.forward, links
         )
+    # FSDP2: every pipeline layer is a unit of its own (data_parallel.fully_sharded), gathered and
+    # reduced by a collective of its own: the latency once per layer, the bytes once in all.
+    units = sum(stages[s].layers for s in held)
+    gather = units * links.all_gather(p / units, dp)
+    reduce = units * links.reduce_scatter(g / units, dp)
     if c.reshard_after_forward:
         # Per micro-batch: gathered for the forward, again for the backward, reduced after it.
-        gather, reduce = links.all_gather(p, dp), links.reduce_scatter(g, dp)
         per_microbatch = _exposed(gather, first.forward, links) + _exposed(
             gather + reduce, first.backward, links
         )
         return c.num_microbatches * per_microbatch
-    return _exposed(links.all_gather(p, dp), first.forward, links) + _exposed(
-        links.reduce_scatter(g, dp), first.backward, links
-    )
+    return _exposed(gather, first.forward, links) + _exposed(reduce, first.backward, links)
 
 
 def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: int) -> Prediction:

@@ -171,7 +171,8 @@ class Machine:
     """How many of the processes can compute at full speed at once; ``None``: each has its own
     device. Processes sharing a host's CPU cores (gloo on CPU: the cores over the threads per
     process) share its compute: a rank idle in a pipeline's bubble lends its core to the others,
-    and layouts keeping every rank busy run at the cores' speed, not the processes'."""
+    and layouts keeping every rank busy run at the cores' speed, not the processes'. Below 1 when
+    all the processes together compute less than one alone (caches thrashed, other jobs)."""
 
     def __post_init__(self) -> None:
         if self.compute_slots is not None and not self.compute_slots > 0:
