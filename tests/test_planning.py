@@ -148,18 +148,18 @@ def test_processes_sharing_cores_lend_the_bubble_to_each_other() -> None:
     assert pipeline.shared_compute_seconds == pytest.approx(3.0)
     # As many slots as processes: nothing shared, the devices' prediction.
     assert predict(pp4, costs, replace(shared, compute_slots=4), 4).step_seconds == pytest.approx(21.0)
-    # A tensor all-reduce's wait is not work on the cores. tp=4 over 2 cores, 4 samples through
-    # 4 layers whose work the plan splits: 12 s of compute per rank and 4 x 2 x 0.6 s of
-    # all-reduces (makespan 16.8 s); the cores bound it at 4 x 12 / 2 = 24 s (counting the waits
-    # as work would say 4 x 16.8 / 2 = 33.6 s).
+    # Processes sharing cores are gloo's on CPU, whose all-reduces copy and sum on the cores: tensor
+    # parallelism's count as work. tp=4 over 2 cores, 4 samples through 4 layers whose work the
+    # plan splits: 12 s of compute and 4 x 2 x 0.6 s of all-reduces per rank (makespan 16.8 s), 4
+    # ranks' worth over 2 cores: 33.6 s (were the all-reduces free waits, 4 x 12 / 2 = 24 s).
     layer = LayerCost(1.0, 2.0, output_bytes=1000, parameter_bytes=1000, split_parameter_bytes=1000,
                       tensor_forward_collectives=1, tensor_backward_collectives=1)  # fmt: skip
     slow = Links(collective_bandwidth=1e4, collective_latency=0.0, p2p_bandwidth=1e30, p2p_latency=0.0)
     tp4 = Candidate(1, 4, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
     split = predict(tp4, ModelCosts((layer,) * 4, rows=1), Machine(4, 1e12, slow, compute_slots=2), 4)
     assert split.tensor_seconds == pytest.approx(4 * 2 * 0.6)
-    assert split.step_seconds == pytest.approx(24.0)
-    assert split.shared_compute_seconds == pytest.approx(24.0 - 16.8)
+    assert split.step_seconds == pytest.approx(33.6)
+    assert split.shared_compute_seconds == pytest.approx(33.6 - 16.8)
     with pytest.raises(ValueError, match="compute_slots must be a positive number"):
         Machine(4, 1e12, compute_slots=0)
 

@@ -17,7 +17,9 @@ The step time is what the engine would do, played on paper:
   processes' work divided by the slots. A pipeline's idle ranks lend their cores to the busy ones,
   so its bubble costs less there than on devices of its own (measured on this project's 2-core
   machine: pp=4 at 0.90-0.96 of DDP's throughput where the bubble alone predicts 0.71); the
-  simulated makespan remains the other bound (dependencies between stages);
+  simulated makespan remains the other bound (dependencies between stages). Tensor-parallel
+  all-reduces count as work there: gloo's collectives copy and sum on the same cores (with them,
+  pp=2 x tp=2 is predicted at 0.59 of DDP's throughput, measured 0.58-0.62);
 * the data axis' communication for the mode (replicated: all-reduce; ZeRO-1: reduce-scatter and
   all-gather; FSDP2: all-gather and reduce-scatter, per micro-batch when resharding) is added where
   it outlasts the compute the engine overlaps it with.
@@ -319,9 +321,10 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
     shared = 0.0
     if machine.compute_slots is not None:
         # Every tensor and data rank of a pipeline rank computes its stages (recomputation
-        # included); the tensor all-reduces' waits are left out: waiting for a message frees the core.
-        waits = m * sum(stage.tensor for stage in stages)
-        work = c.tensor_parallel_size * c.data_parallel_size * (sum(sim.busy) - waits)
+        # included), and its tensor all-reduces: processes sharing cores are gloo's on CPU, whose
+        # collectives copy and sum on those cores (the probe timed them with every rank taking
+        # part). Only the waits for a pipeline neighbour's message, outside busy, free a core.
+        work = c.tensor_parallel_size * c.data_parallel_size * sum(sim.busy)
         shared = max(0.0, work / min(machine.compute_slots, machine.world_size) - sim.makespan)
     # The optimizer steps the parameters a rank updates (a data rank's shard under ZeRO-1 and
     # FSDP2), every process at once: on shared cores, at the cores' pace.
