@@ -19,7 +19,8 @@ The step time is what the engine would do, played on paper:
   machine: pp=4 at 0.90-0.96 of DDP's throughput where the bubble alone predicts 0.71); the
   simulated makespan remains the other bound (dependencies between stages). Tensor-parallel
   all-reduces count as work there: gloo's collectives copy and sum on the same cores (with them,
-  pp=2 x tp=2 is predicted at 0.59 of DDP's throughput, measured 0.58-0.62);
+  ``benchmarks/end_to_end.py``'s pp=2 x tp=2 is predicted at 0.59 of DDP's throughput, measured
+  0.58-0.62; pp=4 at 1.03, measured 0.90-0.96);
 * the data axis' communication for the mode (replicated: all-reduce; ZeRO-1: reduce-scatter and
   all-gather; FSDP2: all-gather and reduce-scatter, per micro-batch when resharding) is added where
   it outlasts the compute the engine overlaps it with.
