@@ -69,6 +69,8 @@ class Sizes:
     layers: int
     seq: int
     batch: int
+    rows: int | None = None
+    """Samples per measured micro-batch (the layers are timed at it and twice it)."""
 
 
 def _gpt_parts(sizes: Sizes) -> tuple[Any, list[Any], Callable[[int], Any], Any]:
@@ -142,7 +144,7 @@ def _load(name: str, sizes: Sizes) -> Any:
 
 
 def _rows(sizes: Sizes) -> int:
-    return max(1, sizes.batch // WORLD // 2)  # python -m lightning_pipe.plan's default
+    return sizes.rows or max(1, sizes.batch // WORLD // 2)  # python -m lightning_pipe.plan's default
 
 
 def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
@@ -422,6 +424,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per layer when measuring")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rows", type=int, help="samples per measured micro-batch (default batch / 4 / 2)")
     parser.add_argument(
         "--slots-probe",
         choices=["layers", "matrix"],
@@ -432,8 +435,8 @@ def main() -> None:
     args = parser.parse_args()
     warn_if_busy()
     sizes = {
-        "gpt": Sizes(width=128, layers=6, seq=args.seq, batch=args.batch),
-        "llama": Sizes(width=128, layers=6, seq=args.seq, batch=args.batch),
+        "gpt": Sizes(width=128, layers=6, seq=args.seq, batch=args.batch, rows=args.rows),
+        "llama": Sizes(width=128, layers=6, seq=args.seq, batch=args.batch, rows=args.rows),
     }
     start = time.monotonic()
     results = launch(
