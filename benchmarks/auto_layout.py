@@ -9,9 +9,10 @@ For two models, the example GPT (``examples/gpt``'s ``CharGPT``) and a small Hug
    at a time by rank 0 with one thread (:func:`~lightning_pipe.planning.measure.measure_model`,
    the meta-built model materialised a layer at a time) while the other ranks wait, and the
    machine told how many of the processes can compute at once (``compute_slots``, probed in the
-   group just before: the same work timed on one rank alone and on all four at once,
-   :func:`~lightning_pipe.planning.links.probe_compute_slots`: 2 on an idle 2-core host, fewer
-   when other jobs share it), and the optimizer's step (AdamW) timed per layer;
+   group just before: the model's own layers timed on one rank alone and on all four at once,
+   :func:`~lightning_pipe.planning.links.probe_compute_slots`; ``--slots-probe matrix``: a
+   matrix product instead; at most 2 on a 2-core host, fewer when other jobs share it), and the
+   optimizer's step (AdamW) timed per layer;
 2. the plan ranks every candidate; the benchmark runs the top ``--top`` (default 6) and, for a
    spread, the best-ranked candidate of every other layout (pipeline x tensor x data sizes and
    data mode) the planner considered: the table says which rows are which;
