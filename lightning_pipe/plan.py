@@ -31,7 +31,7 @@ from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.planning.candidates import Constraints, DataMode, ModelShape, enumerate_candidates
 from lightning_pipe.planning.costs import GB, Links, Machine, format_bytes
-from lightning_pipe.planning.measure import accepted_tensor_sizes, device_memory, measure_model
+from lightning_pipe.planning.measure import accepted_tensor_sizes, compute_slots, device_memory, measure_model
 from lightning_pipe.planning.planner import plan_layout
 from lightning_pipe.planning.report import render
 from lightning_pipe.schedule.builders import ScheduleKind
@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         # On CPU the processes' communication runs on the cores that compute (gloo): nothing hides.
         overlap_data_parallel=args.overlap if args.overlap is not None else device.type == "cuda",
     )
-    machine = Machine(args.devices, memory, links)
+    # On CPU the processes share this host's cores: as many compute at once as the cores allow.
+    machine = Machine(args.devices, memory, links, compute_slots=compute_slots(device, args.devices))
     plan = plan_layout(costs, machine, shape, args.batch, constraints)
     if args.json:
         print(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
 from unittest import mock
@@ -125,6 +126,126 @@ def test_the_schedule_bubble_comes_from_the_simulator() -> None:
     )
     assert again.step_seconds == pytest.approx(56.0)
     assert again.recompute_seconds == pytest.approx(8.0)
+
+
+def test_processes_sharing_cores_lend_the_bubble_to_each_other() -> None:
+    """4 processes on 2 cores (``compute_slots=2``), 4 layers of 1 + 2 s per sample, a batch of 4.
+    dp=4 (one sample each) keeps all four busy for 12 s of their own work: on 2 cores, 24 s.
+    pp=4 with 4 micro-batches is 7 x 3 = 21 s on devices of its own (9 s of it bubble), but its
+    48 s of work in all cannot run faster than 24 s on 2 cores, and while a rank waits in the
+    bubble the others use its core: 24 s as well. On devices of their own the pipeline loses
+    (21 s against 12 s); sharing the cores, the two are even."""
+    dp4 = Candidate(1, 1, 4, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+    pp4 = Candidate(4, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 4, RecomputeMode.NEVER)
+    costs = _costs(layers=4)
+    own = Machine(4, 1e12, FREE_LINKS)
+    shared = Machine(4, 1e12, FREE_LINKS, compute_slots=2)
+    assert predict(dp4, costs, own, 4).step_seconds == pytest.approx(12.0)
+    assert predict(pp4, costs, own, 4).step_seconds == pytest.approx(21.0)
+    assert predict(dp4, costs, shared, 4).step_seconds == pytest.approx(24.0)
+    pipeline = predict(pp4, costs, shared, 4)
+    assert pipeline.step_seconds == pytest.approx(24.0)
+    assert pipeline.shared_compute_seconds == pytest.approx(3.0)
+    # As many slots as processes: nothing shared, the devices' prediction.
+    assert predict(pp4, costs, replace(shared, compute_slots=4), 4).step_seconds == pytest.approx(21.0)
+    # Processes sharing cores are gloo's on CPU, whose all-reduces copy and sum on the cores: tensor
+    # parallelism's count as work. tp=4 over 2 cores, 4 samples through 4 layers whose work the
+    # plan splits: 12 s of compute and 4 x 2 x 0.6 s of all-reduces per rank (makespan 16.8 s), 4
+    # ranks' worth over 2 cores: 33.6 s (were the all-reduces free waits, 4 x 12 / 2 = 24 s).
+    layer = LayerCost(1.0, 2.0, output_bytes=1000, parameter_bytes=1000, split_parameter_bytes=1000,
+                      tensor_forward_collectives=1, tensor_backward_collectives=1)  # fmt: skip
+    slow = Links(collective_bandwidth=1e4, collective_latency=0.0, p2p_bandwidth=1e30, p2p_latency=0.0)
+    tp4 = Candidate(1, 4, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+    split = predict(tp4, ModelCosts((layer,) * 4, rows=1), Machine(4, 1e12, slow, compute_slots=2), 4)
+    assert split.tensor_seconds == pytest.approx(4 * 2 * 0.6)
+    assert split.step_seconds == pytest.approx(33.6)
+    assert split.shared_compute_seconds == pytest.approx(33.6 - 16.8)
+    with pytest.raises(ValueError, match="compute_slots must be a positive number"):
+        Machine(4, 1e12, compute_slots=0)
+
+
+def test_fsdp2_pays_a_collectives_latency_per_layer() -> None:
+    """FSDP2 makes each pipeline layer a unit of its own, gathered and reduced by its own
+    collective; ZeRO-1's buckets (one here) make one. Links of 1 s latency a ring step and no
+    bandwidth cost, nothing overlapped, free compute, 4 layers over 4 data ranks (3 ring steps):
+    ZeRO-1's reduce-scatter and all-gather 2 x 3 = 6 s; FSDP2 without resharding 4 layers x
+    (gather + reduce) = 24 s; resharding, per micro-batch 4 x (gather, gather, reduce) = 36 s."""
+    layer = LayerCost(0.0, 0.0, parameter_bytes=1000)
+    costs = ModelCosts((layer,) * 4, rows=1)
+    slow = Links(collective_bandwidth=1e30, collective_latency=1.0, overlap_data_parallel=False)
+
+    def data(mode: DataMode, reshard: bool = False, m: int = 1) -> float:
+        c = Candidate(1, 1, 4, mode, ScheduleKind.ONE_F_ONE_B, 1, m, RecomputeMode.NEVER, reshard)
+        return predict(c, costs, Machine(4, 1e12, slow), 8).data_seconds
+
+    assert data(DataMode.ZERO1) == pytest.approx(6.0)
+    assert data(DataMode.FSDP2) == pytest.approx(24.0)
+    assert data(DataMode.FSDP2, reshard=True) == pytest.approx(36.0)
+    assert data(DataMode.FSDP2, reshard=True, m=2) == pytest.approx(72.0)
+
+
+def test_the_optimizer_step_follows_the_schedule_on_the_parameters_a_rank_updates() -> None:
+    """4 layers whose optimizer step takes 1 s each over their whole parameters, free compute:
+    a replica steps all 4 (4 s), ZeRO-1 and FSDP2 over 4 data ranks a quarter each (1 s), a
+    4-stage pipeline its one layer (1 s); 4 processes stepping at once on 2 cores take twice as long."""
+    layer = LayerCost(0.0, 0.0, parameter_bytes=1000, optimizer_seconds=1.0)
+    costs = ModelCosts((layer,) * 4, rows=1)
+    machine = Machine(4, 1e12, FREE_LINKS)
+
+    def step(pp: int, dp: int, mode: DataMode, on: Machine = machine) -> float:
+        c = Candidate(
+            pp, 1, dp, mode, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER, mode is DataMode.FSDP2
+        )
+        p = predict(c, costs, on, 4)
+        assert p.step_seconds == pytest.approx(p.optimizer_seconds)
+        return p.step_seconds
+
+    assert step(1, 4, DataMode.REPLICATED) == pytest.approx(4.0)
+    assert step(1, 4, DataMode.ZERO1) == pytest.approx(1.0)
+    assert step(1, 4, DataMode.FSDP2) == pytest.approx(1.0)
+    assert step(4, 1, DataMode.REPLICATED) == pytest.approx(1.0)
+    assert step(4, 1, DataMode.REPLICATED, replace(machine, compute_slots=2)) == pytest.approx(2.0)
+    # Tensor parallelism steps a tensor rank's slice: half of a fully split layer at tp=2.
+    split = replace(layer, split_parameter_bytes=1000)
+    c = Candidate(1, 2, 2, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+    assert predict(c, ModelCosts((split,) * 4, rows=1), machine, 4).optimizer_seconds == pytest.approx(2.0)
+
+
+def test_the_optimizer_step_is_timed_per_layer() -> None:
+    """A stand-in optimizer whose step sleeps 20 ms: each layer with parameters measures at least
+    that (the first step, creating the state, is not timed), one without none."""
+    from lightning_pipe.planning.measure import measure_model, optimizer_seconds
+
+    class Sleepy(torch.optim.SGD):
+        steps = 0
+
+        def step(self, closure: object = None) -> None:  # type: ignore[override]
+            Sleepy.steps += 1
+            time.sleep(0.02)
+
+    layers = [nn.Linear(4, 4), nn.ReLU()]
+    assert optimizer_seconds(layers[1], lambda ps: Sleepy(ps, lr=0.1), torch.device("cpu")) == 0.0
+    costs = measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=2,
+                          optimizer=lambda ps: Sleepy(ps, lr=0.1))  # fmt: skip
+    assert Sleepy.steps == 3  # the first layer only: 1 + 2 repeats
+    assert 0.02 <= costs.layers[0].optimizer_seconds < 0.2
+    assert costs.layers[1].optimizer_seconds == 0.0
+    assert (
+        measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=1)
+        .layers[0]
+        .optimizer_seconds
+        == 0.0
+    )  # not asked: not measured
+
+
+def test_compute_slots_are_the_cores_over_the_threads_on_cpu() -> None:
+    from lightning_pipe.planning.measure import compute_slots
+
+    with mock.patch("os.cpu_count", return_value=2):
+        assert compute_slots(torch.device("cpu"), 4, threads=1) == 2.0
+        assert compute_slots(torch.device("cpu"), 1, threads=1) == 1.0  # never more than the processes
+        assert compute_slots(torch.device("cpu"), 4, threads=4) == 1.0  # at least one
+    assert compute_slots(torch.device("meta"), 4) is None  # an accelerator: a device per process
 
 
 def test_with_free_communication_and_a_large_bubble_data_parallelism_wins() -> None:
@@ -437,6 +558,17 @@ def test_the_links_fit_recovers_latency_and_bandwidth() -> None:
     assert _fit(1e-3, 1e-3, 1.0)[1] == pytest.approx(LARGE_BYTES / 1e-3)  # noise: no slope
 
 
+def test_compute_slots_from_the_probes_times() -> None:
+    from lightning_pipe.planning.links import slots_from_times
+
+    assert slots_from_times(0.01, 0.02, 4) == pytest.approx(2.0)  # 4 processes, 2 cores
+    assert slots_from_times(0.01, 0.04, 4) == pytest.approx(1.0)  # one core's worth left to them
+    assert slots_from_times(0.01, 0.01, 4) == pytest.approx(4.0)  # a device each
+    assert slots_from_times(0.01, 0.005, 4) == 4.0  # noise: never more than the processes
+    # Together slower than one alone (caches thrashed, other jobs): less than one process' worth.
+    assert slots_from_times(0.01, 0.1, 4) == pytest.approx(0.4)
+
+
 WIDTH, ROWS = 64, 32
 
 
@@ -451,11 +583,12 @@ def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], int]:
 
     from lightning_pipe.batches.microbatch import signature
     from lightning_pipe.execution.executor import PipelineExecutor
-    from lightning_pipe.planning.links import probe_links
+    from lightning_pipe.planning.links import probe_compute_slots, probe_links
 
     links = probe_links(torch.device("cpu"), repeats=2)
+    slots = probe_compute_slots(torch.device("cpu"), repeats=1, products=4)
     probed = (links.p2p_bandwidth, links.p2p_latency, links.collective_bandwidth, links.collective_latency,
-              float(links.overlap_data_parallel))  # fmt: skip
+              float(links.overlap_data_parallel), slots)  # fmt: skip
     rank, p = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
     executor = PipelineExecutor({rank: _pipeline_stage()}, p, list(range(p)), torch.device("cpu"))
@@ -470,8 +603,9 @@ def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], int]:
 
 @pytest.mark.distributed
 def test_the_links_probe_and_a_pipelines_activations_on_three_ranks() -> None:
-    """Every rank gets rank 0's probe of the links; and each pipeline rank's activation bytes, as
-    the executor's meter counts them over the micro-batches 1F1B keeps alive (3, 2, 1), are the
+    """Every rank gets rank 0's probe of the links and the same probe of the compute slots; and
+    each pipeline rank's activation bytes, as the executor's meter counts them over the
+    micro-batches 1F1B keeps alive (3, 2, 1), are the
     planner's prediction (from one stage measured by the profiler, the stages given equal times so
     that the planner splits the layers as the run does) plus the weights autograd keeps for the
     input gradient (one on the first stage, whose input needs none, two on the others)."""
@@ -481,9 +615,10 @@ def test_the_links_probe_and_a_pipelines_activations_on_three_ranks() -> None:
     results = run_distributed(_probe_and_pipeline_worker, 3, timeout=120)
     probes = [probe for probe, _ in results]
     assert probes[0] == probes[1] == probes[2]
-    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap = probes[0]
+    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap, slots = probes[0]
     assert p2p_bandwidth > 0 and bandwidth > 0 and p2p_latency >= 0 and latency >= 0
     assert overlap == 0.0  # gloo on CPU: the data axis' traffic is not hidden
+    assert 0.0 < slots <= 3.0  # the same on every rank (above), a share of the 3 processes
 
     measured = measure_model(
         _pipeline_stage(), lambda r: torch.randn(r, WIDTH), ROWS, torch.device("cpu"), repeats=1

@@ -12,9 +12,20 @@ The step time is what the engine would do, played on paper:
   those times and the point-to-point message time between stages: its makespan holds the compute,
   the bubble and the waits for messages, and its count of micro-batches alive per stage gives the
   activation memory;
+* processes sharing compute (:attr:`~.costs.Machine.compute_slots`: 4 gloo processes on 2 CPU
+  cores) cannot together compute faster than the slots allow: the step lasts at least all the
+  processes' work divided by the slots. A pipeline's idle ranks lend their cores to the busy ones,
+  so its bubble costs less there than on devices of its own (measured on this project's 2-core
+  machine: pp=4 at 0.90-0.96 of DDP's throughput where the bubble alone predicts 0.71); the
+  simulated makespan remains the other bound (dependencies between stages). Tensor-parallel
+  all-reduces count as work there: gloo's collectives copy and sum on the same cores (with them,
+  ``benchmarks/end_to_end.py``'s pp=2 x tp=2 is predicted at 0.59 of DDP's throughput, measured
+  0.58-0.62; pp=4 at 1.03, measured 0.90-0.96);
 * the data axis' communication for the mode (replicated: all-reduce; ZeRO-1: reduce-scatter and
   all-gather; FSDP2: all-gather and reduce-scatter, per micro-batch when resharding) is added where
   it outlasts the compute the engine overlaps it with.
+
+The optimizer step (when measured) follows the schedule: each rank steps the parameters it updates.
 
 Peak memory per rank is parameters, gradients and optimizer state as the data mode keeps them, and
 the activations of the most micro-batches the schedule keeps alive at once on each of the rank's
@@ -81,6 +92,12 @@ class Prediction:
     rank_memory: tuple[MemoryUse, ...]
     """Each pipeline rank's (the same on every tensor and data rank of it)."""
     fits: bool
+    optimizer_seconds: float = 0.0
+    """The optimizer step on the slowest rank (after the schedule: nothing overlaps it)."""
+    shared_compute_seconds: float = 0.0
+    """The step beyond the schedule's makespan because the processes share fewer compute slots
+    than there are processes (:attr:`~.costs.Machine.compute_slots`): their work, all of it, over
+    the slots."""
 
     @property
     def peak_bytes(self) -> float:
@@ -100,6 +117,10 @@ class _Stage:
     """The stage's output per micro-batch: the message to the next stage."""
     parameters: float
     largest_layer: float
+    optimizer: float
+    """One optimizer step over the stage's parameters as a tensor rank holds them (whole on the
+    data axis)."""
+    layers: int
 
 
 def scaled(seconds: float, fixed: float, rows: float, measured_rows: int, share: float = 1.0) -> float:
@@ -124,6 +145,14 @@ def _schedule_sim(
     kind: ScheduleKind, stages: int, m: int, v: int, tf: tuple[float, ...], tb: tuple[float, ...], comm: float
 ) -> SimulationResult:
     return simulate(_schedule(kind, stages, m, v), tf, tb, comm)
+
+
+def stage_balance(costs: ModelCosts, candidate: Candidate) -> list[int]:
+    """The layers per stage the prediction assumes (``partition="time"``'s split of the measured
+    times), to run the candidate with exactly that split."""
+    return list(
+        _balance(tuple(la.forward_seconds + la.backward_seconds for la in costs.layers), candidate.num_stages)
+    )
 
 
 def _stages(costs: ModelCosts, c: Candidate, rows: float, links: Links) -> list[_Stage]:
@@ -152,7 +181,7 @@ def _stage(
     """One stage's costs per micro-batch of ``rows`` samples; ``inputs``: the bytes of its input (at
     the measured rows), ``hidden``: of the hidden states its first tensor all-reduce carries."""
     tp, scale = c.tensor_parallel_size, rows / costs.rows
-    forward = backward = tensor_f = tensor_b = activations = parameters = largest = 0.0
+    forward = backward = tensor_f = tensor_b = activations = parameters = largest = optimizer = 0.0
     previous_saved_output = float(inputs)  # the stage input, held until its backward
     for layer in group:
         # A tensor two neighbours both save (one's output, the next's input) exists once.
@@ -168,6 +197,9 @@ def _stage(
         activations += (layer.activation_bytes - shared) * scale * (1 - split + split / tp)
         held = layer.parameter_bytes - layer.split_parameter_bytes + layer.split_parameter_bytes / tp
         parameters += held
+        optimizer += layer.optimizer_seconds * (
+            held / layer.parameter_bytes if layer.parameter_bytes else 1.0
+        )
         largest = max(largest, held)
         hidden = layer.output_bytes
     # The step holds the stage's input and output per micro-batch until its backward: the input in
@@ -191,6 +223,8 @@ def _stage(
         output=group[-1].output_bytes * scale,
         parameters=parameters,
         largest_layer=largest,
+        optimizer=optimizer,
+        layers=len(group),
     )
 
 
@@ -244,16 +278,18 @@ def _data_seconds(
         return _exposed(links.reduce_scatter(g, dp), first.backward, links) + _exposed(
             links.all_gather(p, dp), first.forward, links
         )
+    # FSDP2: every pipeline layer is a unit of its own (data_parallel.fully_sharded), gathered and
+    # reduced by a collective of its own: the latency once per layer, the bytes once in all.
+    units = sum(stages[s].layers for s in held)
+    gather = units * links.all_gather(p / units, dp)
+    reduce = units * links.reduce_scatter(g / units, dp)
     if c.reshard_after_forward:
         # Per micro-batch: gathered for the forward, again for the backward, reduced after it.
-        gather, reduce = links.all_gather(p, dp), links.reduce_scatter(g, dp)
         per_microbatch = _exposed(gather, first.forward, links) + _exposed(
             gather + reduce, first.backward, links
         )
         return c.num_microbatches * per_microbatch
-    return _exposed(links.all_gather(p, dp), first.forward, links) + _exposed(
-        links.reduce_scatter(g, dp), first.backward, links
-    )
+    return _exposed(gather, first.forward, links) + _exposed(reduce, first.backward, links)
 
 
 def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: int) -> Prediction:
@@ -283,9 +319,25 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
     memories = [_memory(c, costs, stages, held, sim.peak_inflight) for held in ranks]
     worst = max(memories, key=lambda use: use.total)
     mine = ranks[busiest]
+    shared = 0.0
+    if machine.compute_slots is not None:
+        # Every tensor and data rank of a pipeline rank computes its stages (recomputation
+        # included), and its tensor all-reduces: processes sharing cores are gloo's on CPU, whose
+        # collectives copy and sum on those cores (the probe timed them with every rank taking
+        # part). Only the waits for a pipeline neighbour's message, outside busy, free a core.
+        work = c.tensor_parallel_size * c.data_parallel_size * sum(sim.busy)
+        shared = max(0.0, work / min(machine.compute_slots, machine.world_size) - sim.makespan)
+    # The optimizer steps the parameters a rank updates (a data rank's shard under ZeRO-1 and
+    # FSDP2), every process at once: on shared cores, at the cores' pace.
+    sharded = c.data_mode is not DataMode.REPLICATED
+    optimizer = max(sum(stages[s].optimizer for s in held) for held in ranks) / (
+        c.data_parallel_size if sharded else 1
+    )
+    if machine.compute_slots is not None:
+        optimizer *= max(1.0, machine.world_size / machine.compute_slots)
     return Prediction(
         candidate=c,
-        step_seconds=sim.makespan + data,
+        step_seconds=sim.makespan + shared + data + optimizer,
         compute_seconds=m * sum(stages[s].compute for s in mine),
         bubble_seconds=sim.makespan - sim.busy[busiest],
         tensor_seconds=m * sum(stages[s].tensor for s in mine),
@@ -295,4 +347,6 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
         memory=worst,
         rank_memory=tuple(memories),
         fits=worst.total <= machine.memory_bytes,
+        optimizer_seconds=optimizer,
+        shared_compute_seconds=shared,
     )

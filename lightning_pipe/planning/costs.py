@@ -55,6 +55,9 @@ class LayerCost:
     row-parallel or vocab-parallel module)."""
     tensor_backward_collectives: int = 0
     """All-reduces of the input gradient in its backward (one per column-parallel module)."""
+    optimizer_seconds: float = 0.0
+    """One optimizer step over the layer's parameters, whole (0: not measured). It runs after the
+    pipeline's last backward, outside the schedule, on the share of the parameters a rank updates."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -62,6 +65,7 @@ class LayerCost:
             "backward_seconds",
             "forward_fixed_seconds",
             "backward_fixed_seconds",
+            "optimizer_seconds",
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}.")
@@ -163,8 +167,18 @@ class Machine:
     memory_bytes: float
     """What each process may hold (CUDA's free memory, or the user's ``max_memory``)."""
     links: Links = Links()
+    compute_slots: float | None = None
+    """How many of the processes can compute at full speed at once; ``None``: each has its own
+    device. Processes sharing a host's CPU cores (gloo on CPU: the cores over the threads per
+    process) share its compute: a rank idle in a pipeline's bubble lends its core to the others,
+    and layouts keeping every rank busy run at the cores' speed, not the processes'. Below 1 when
+    all the processes together compute less than one alone (caches thrashed, other jobs)."""
 
     def __post_init__(self) -> None:
+        if self.compute_slots is not None and not self.compute_slots > 0:
+            raise ValueError(
+                f"compute_slots must be a positive number of processes or None, got {self.compute_slots!r}."
+            )
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}.")
         if not self.memory_bytes > 0:

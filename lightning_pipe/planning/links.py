@@ -13,6 +13,14 @@ fraction of a second:
 From two sizes, the small one's time is (nearly) the latency and the difference gives the
 bandwidth. Every rank times its own part, then takes global rank 0's numbers (broadcast), so that
 every rank goes on to the same decision.
+
+:func:`probe_compute_slots` measures the other thing processes of one host share: compute. The
+same fixed piece of work is timed on one rank alone and then on all at once; if ``n`` processes
+together take ``k`` times as long, only ``n / k`` of them compute at full speed at once (4 gloo
+processes on 2 idle cores: 2 for a matrix product; fewer when other jobs share the cores, or for
+work that competes for caches and memory as a model's layers do, which is why ``layout="auto"``
+should time the model's own layers; on GPUs: ``n``). The cost model reads it as
+:attr:`~lightning_pipe.planning.costs.Machine.compute_slots`.
 """
 
 from __future__ import annotations
@@ -54,6 +62,64 @@ def _fit(small: float, large: float, units: float) -> tuple[float, float]:
     extra = (LARGE_BYTES - SMALL_BYTES) * units
     bandwidth = extra / (large - small) if large > small else LARGE_BYTES * units / max(large, 1e-9)
     return max(small - SMALL_BYTES * units / bandwidth, 0.0), bandwidth
+
+
+COMPUTE_PROBE_SIZE = 192
+"""The side of the square matrices multiplied by :func:`probe_compute_slots` (a few ms a product
+on one CPU thread)."""
+
+
+def slots_from_times(alone: float, together: float, ranks: int) -> float:
+    """How many of ``ranks`` processes' worth of compute the host gives them, when a piece of work
+    that takes ``alone`` seconds on one process takes ``together`` on each while all run it:
+    ``ranks x alone / together``, at most ``ranks`` (noise can push it above). It may be below 1:
+    processes thrashing one another's caches, or other jobs on the host, can make all of them
+    together slower than one alone."""
+    if together <= 0 or alone <= 0:
+        return float(ranks)
+    return float(min(ranks, ranks * alone / together))
+
+
+def probe_compute_slots(
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    repeats: int = 3,
+    products: int = 16,
+    work: Callable[[], float] | None = None,
+) -> float:
+    """How many of ``group``'s processes can compute at once at the speed one has alone (the same
+    on every rank; collective). The group's first rank runs ``work`` alone while the others wait,
+    then every rank runs it at once; the medians of ``repeats`` give :func:`slots_from_times`.
+    ``work`` returns the seconds it computed (e.g. the model's own layers, timed by the layer
+    profiler: the truest sample of the run's work); by default ``products`` products of square
+    matrices. On CUDA (a device per process) it is the group's size, unmeasured."""
+    ranks = dist.get_world_size(group)
+    if device.type == "cuda" or ranks == 1:
+        return float(ranks)
+    me = dist.get_rank(group)
+    a = torch.randn(COMPUTE_PROBE_SIZE, COMPUTE_PROBE_SIZE)
+
+    def products_of_matrices() -> float:
+        start = time.perf_counter()
+        b = a
+        for _ in range(products):
+            b = torch.tanh(b @ a)  # tanh: keeps the values bounded
+        return time.perf_counter() - start
+
+    run = work or products_of_matrices
+    run()  # warm-up
+    alone, together = [], []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        if me == 0:
+            alone.append(run())
+        dist.barrier(group=group)
+        together.append(run())
+    mine = torch.tensor([sorted(together)[len(together) // 2]], dtype=torch.float64)
+    dist.all_reduce(mine, group=group)  # the mean over the ranks: every rank's share of the cores
+    numbers = torch.tensor([sorted(alone)[len(alone) // 2] if me == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(numbers, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return slots_from_times(float(numbers[0]), float(mine[0]) / ranks, ranks)
 
 
 def probe_links(device: torch.device, group: dist.ProcessGroup | None = None, repeats: int = 5) -> Links:

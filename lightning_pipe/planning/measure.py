@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -143,6 +145,36 @@ def measure_layers(
     return costs
 
 
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+"""Builds the run's optimizer over some parameters, e.g. ``lambda ps: torch.optim.AdamW(ps)``."""
+
+
+def optimizer_seconds(
+    layer: nn.Module, optimizer: OptimizerFactory, device: torch.device, repeats: int = 3
+) -> float:
+    """One step of ``optimizer`` over tensors shaped like ``layer``'s parameters (meta ones
+    included: zeros of their shapes are stepped, one layer at a time on the device), the median of
+    ``repeats`` after a first step that creates the state."""
+    shapes = [(p.shape, p.dtype) for p in {id(p): p for p in layer.parameters()}.values() if p.requires_grad]
+    if not shapes:
+        return 0.0
+    params = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for shape, dtype in shapes]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    step = optimizer(params)
+    times = []
+    for run in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if run:  # the first creates the state
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def tensor_bytes(value: Any) -> int:
     """The bytes of the tensors in ``value`` (a tensor or a tuple of them)."""
     if isinstance(value, tuple | list):
@@ -158,16 +190,34 @@ def measure_model(
     splits: Sequence[LayerSplit] | None = None,
     repeats: int = 3,
     optimizer_state_factor: float = 2.0,
+    optimizer: OptimizerFactory | None = None,
 ) -> ModelCosts:
     """:func:`measure_layers`, with the first layer's input and the optimizer's bytes: what the
-    cost model needs of a model."""
+    cost model needs of a model. With ``optimizer`` (the run's, as a factory), its step is timed
+    per layer too (:func:`optimizer_seconds`)."""
     costs = measure_layers(layers, sample_at, rows, device, splits, repeats)
+    if optimizer is not None:
+        costs = [
+            replace(cost, optimizer_seconds=optimizer_seconds(layer, optimizer, device, repeats))
+            for cost, layer in zip(costs, layers, strict=True)
+        ]
     return ModelCosts(
         tuple(costs),
         rows,
         input_bytes=tensor_bytes(sample_at(rows)),
         optimizer_state_factor=optimizer_state_factor,
     )
+
+
+def compute_slots(device: torch.device, world: int, threads: int | None = None) -> float | None:
+    """How many of ``world`` processes on this host can compute at once at the speed their layers
+    were measured at: on CPU, the host's cores over the threads each process uses (``threads``,
+    default ``torch.get_num_threads()``), at most ``world``; ``None`` on an accelerator (a device
+    per process)."""
+    if device.type != "cpu":
+        return None
+    cores = os.cpu_count() or 1
+    return float(min(world, max(1.0, cores / (threads or torch.get_num_threads()))))
 
 
 def device_memory(device: torch.device) -> int | None:

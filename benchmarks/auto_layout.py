@@ -1,0 +1,483 @@
+"""How close the layout planner's predictions are: every layout it ranks, run for real next to
+what it predicted (issue 47, "Must show").
+
+For two models, the example GPT (``examples/gpt``'s ``CharGPT``) and a small Hugging Face Llama
+(built from ``LlamaConfig``, nothing downloaded), on 4 gloo processes (one thread each):
+
+1. the planner's inputs are measured as ``layout="auto"`` measures them: the links probed in the
+   real process group (:func:`~lightning_pipe.planning.links.probe_links`), the layers timed one
+   at a time by rank 0 with one thread (:func:`~lightning_pipe.planning.measure.measure_model`,
+   the meta-built model materialised a layer at a time) while the other ranks wait, and the
+   machine told how many of the processes can compute at once (``compute_slots``, probed in the
+   group just before: the model's own layers timed on one rank alone and on all four at once,
+   :func:`~lightning_pipe.planning.links.probe_compute_slots`; ``--slots-probe matrix``: a
+   matrix product instead; at most 2 on a 2-core host, fewer when other jobs share it), and the
+   optimizer's step (AdamW) timed per layer;
+2. the plan ranks every candidate; the benchmark runs the top ``--top`` (default 6) and, for a
+   spread, the best-ranked candidate of every other layout (pipeline x tensor x data sizes and
+   data mode) the planner considered: the table says which rows are which;
+3. each is built in the same 4 processes (a fresh mesh and runtime per candidate, its stages split
+   as the planner split them) and trained for ``--warmup`` + ``--steps`` steps (AdamW); the
+   measured step time is the median of the slowest rank's (barrier to barrier: forward, backward,
+   the data axis' reduction and the optimizer step; the ``optimizer ms`` column is the measured
+   step's part).
+
+Peak memory per rank is measured as the planner counts it, not as RSS (a peak RSS never goes down,
+and these runs share processes; the allocator's slack is not what the planner predicts): the
+bytes of parameters, gradients (the reducer's buckets where it has them) and optimizer state the
+rank holds after a step, plus the executor's activation meter (``measure_activation_memory``:
+the most bytes held for backward over the micro-batches alive at once, stage inputs and outputs
+included), the meter told not to count the rank's own parameters (a weight autograd keeps for the
+input gradient is not a second copy). The largest rank's total is compared.
+
+Goals (printed with the verdict): each step time within 25% of its prediction; the ranking of the
+planner's top three preserved by the measurements; each peak memory within 15%; the planner's pick
+within 10% of the best measured step time.
+
+Run: ``python benchmarks/auto_layout.py`` (table; about 4-6 minutes on 2
+cores) or ``--json``; ``--models gpt`` or ``llama`` for one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _launch import emit_json, launch, median, print_table, warn_if_busy
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+TIMEOUT = timedelta(seconds=300)
+MEMORY = 64e9
+"""Bytes per process the planner is told: enough for every candidate (this benchmark compares
+predictions; the memory limit's test is elsewhere)."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    width: int
+    layers: int
+    seq: int
+    batch: int
+    rows: int | None = None
+    """Samples per measured micro-batch (the layers are timed at it and twice it)."""
+
+
+def _gpt_parts(sizes: Sizes) -> tuple[Any, list[Any], Callable[[int], Any], Any]:
+    """A meta-built CharGPT, its pipeline layers, the plan for ``t`` ranks and the loss head."""
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from gpt_model import CharGPT
+
+    from lightning_pipe.construction.meta import parameters_on_meta
+    from lightning_pipe.tensor_parallel import cross_entropy
+
+    with parameters_on_meta():
+        model = CharGPT(d_model=sizes.width, n_heads=4, n_layers=sizes.layers, max_len=sizes.seq)
+        model.configure_model()
+    return (
+        model,
+        model.configure_pipeline(),
+        lambda t: model.tensor_parallel_plan(),
+        (lambda out, mb: cross_entropy(out, mb.data[1])),
+    )
+
+
+def _gpt_batch(sizes: Sizes) -> Any:
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from gpt_model import MODEL_VOCAB
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, MODEL_VOCAB, (sizes.batch, sizes.seq + 1), generator=g)
+    return (ids[:, :-1], ids[:, 1:])
+
+
+VOCAB = 512
+
+
+def _llama_config(sizes: Sizes) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=sizes.width,
+        intermediate_size=2 * sizes.width,
+        num_hidden_layers=sizes.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=sizes.seq,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+
+
+def _llama_batch(sizes: Sizes) -> Any:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (sizes.batch, sizes.seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+# ----------------------------------------------------------------------------- the plan (rank 0)
+def _load(name: str, sizes: Sizes) -> Any:
+    """The model as ``python -m lightning_pipe.plan`` loads it: meta-built, its pipeline layers."""
+    from lightning_pipe.plan import load_factory, load_huggingface
+
+    if name == "gpt":
+        sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+        return load_factory(
+            "gpt_model:CharGPT",
+            sizes.seq,
+            {"d_model": sizes.width, "n_heads": 4, "n_layers": sizes.layers, "max_len": sizes.seq},
+        )
+    with tempfile.TemporaryDirectory() as where:
+        _llama_config(sizes).save_pretrained(where)
+        return load_huggingface(where, sizes.seq)
+
+
+def _rows(sizes: Sizes) -> int:
+    return sizes.rows or max(1, sizes.batch // WORLD // 2)  # python -m lightning_pipe.plan's default
+
+
+def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
+    """The compute slots, probed in the group with the model's own layers (forward and backward
+    of one measured micro-batch, timed by the layer profiler) or ``"matrix"`` products."""
+    from lightning_pipe.partition.profile import profile_layers
+    from lightning_pipe.planning.links import probe_compute_slots
+
+    def layers() -> float:
+        times = profile_layers(loaded.layers, loaded.sample_at(_rows(sizes)), torch.device("cpu"), 1)
+        return sum(t.forward + t.backward for t in times)
+
+    return probe_compute_slots(torch.device("cpu"), repeats=2, work=layers if probe == "layers" else None)
+
+
+def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> tuple[Any, Any, Any]:
+    """What ``layout="auto"`` would measure and decide, on this rank: (plan, costs, machine)."""
+    from lightning_pipe.planning import Machine, ModelShape, plan_layout
+    from lightning_pipe.planning.measure import accepted_tensor_sizes, measure_model
+
+    tensor_sizes, splits = accepted_tensor_sizes(loaded.root, loaded.layers, loaded.plan_for, WORLD)
+    split = splits[min(splits)] if splits else None
+    costs = measure_model(
+        loaded.layers,
+        loaded.sample_at,
+        _rows(sizes),
+        torch.device("cpu"),
+        split,
+        repeats,
+        optimizer=_optimizer,
+    )
+    machine = Machine(WORLD, MEMORY, links, compute_slots=slots)
+    plan = plan_layout(costs, machine, ModelShape(len(loaded.layers), tensor_sizes), sizes.batch)
+    return plan, costs, machine
+
+
+def _optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The runs' optimizer (timed per layer by the planner, stepped by every run)."""
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _layout_key(c: Any) -> tuple[Any, ...]:
+    return (c.pipeline_parallel_size, c.tensor_parallel_size, c.data_parallel_size, c.data_mode,
+            c.reshard_after_forward)  # fmt: skip
+
+
+def choose(predictions: list[Any], top: int) -> list[tuple[Any, str]]:
+    """The top ``top`` predictions, then the best-ranked of every other layout: (prediction, why)."""
+    chosen = [(p, "top") for p in predictions[:top]]
+    seen = {_layout_key(p.candidate) for p, _ in chosen}
+    for p in predictions[top:]:
+        if _layout_key(p.candidate) not in seen:
+            seen.add(_layout_key(p.candidate))
+            chosen.append((p, "spread"))
+    return chosen
+
+
+# ----------------------------------------------------------------------------- one run
+def _local_bytes(t: torch.Tensor | None) -> int:
+    if t is None or t.is_meta:
+        return 0
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+@contextlib.contextmanager
+def _meter_without(pointers: set[int]) -> Iterator[None]:
+    """The executor's activation meter, not counting tensors stored where this rank's parameters
+    are (a weight autograd saves for the input gradient is the parameter, not a copy)."""
+    import lightning_pipe.execution.executor as executor_module
+    from lightning_pipe.execution import memory
+
+    original = executor_module.counting_saved
+
+    def counting_saved(saved: memory.Counted) -> Any:
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.untyped_storage().data_ptr() not in pointers:
+                saved[(tensor.data_ptr(), tensor.nbytes)] = tensor.nbytes
+            return tensor
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    executor_module.counting_saved = counting_saved
+    try:
+        yield
+    finally:
+        executor_module.counting_saved = original
+
+
+def _run_one(
+    name: str, sizes: Sizes, candidate: Any, balance: list[int], warmup: int, steps: int
+) -> dict[str, Any]:
+    from lightning_pipe.mesh import ParallelLayout, init_mesh
+    from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
+
+    c = candidate
+    options = {k: v for k, v in c.options().items() if not k.endswith("_parallel_size") and k != "partition"}
+    hooks, init = None, None
+    if name == "gpt":
+        model, layers, plan_for, head = _gpt_parts(sizes)
+        batch = _gpt_batch(sizes)
+        plan = plan_for(c.tensor_parallel_size) if c.tensor_parallel_size > 1 else None
+    else:
+        from transformers import LlamaForCausalLM
+
+        from lightning_pipe.construction.meta import parameters_on_meta
+        from lightning_pipe.huggingface import CausalLMPipeline
+        from lightning_pipe.huggingface.outputs import causal_lm_loss
+
+        with parameters_on_meta():
+            model = LlamaForCausalLM(_llama_config(sizes))
+        pipeline = CausalLMPipeline(model)
+        plan = (
+            pipeline.tensor_parallel_plan(c.tensor_parallel_size).plan if c.tensor_parallel_size > 1 else None
+        )
+        hooks, layers, batch = pipeline.hooks(), pipeline.layers(), _llama_batch(sizes)
+        init = model._init_weights  # a Hugging Face model initialises its modules itself
+
+        def head(out: Any, mb: Any) -> Any:
+            return causal_lm_loss(out, mb.data["labels"])
+
+    mesh = init_mesh(
+        ParallelLayout(c.data_parallel_size, c.pipeline_parallel_size, c.tensor_parallel_size), "cpu"
+    )
+    runtime = ParallelRuntime(
+        model, layers, mesh, torch.device("cpu"),
+        RuntimeOptions(**options, partition=balance, tensor_parallel_plan=plan, timeout=TIMEOUT),  # type: ignore[arg-type]
+        seed=0, hooks=hooks, init=init,
+    )  # fmt: skip
+    optimizer = runtime.keep_own(_optimizer(list(model.parameters())))
+    dp, dp_rank = c.data_parallel_size, mesh.coordinates.dp_rank
+    share = sizes.batch // dp
+    if isinstance(batch, dict):
+        mine: Any = {k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch.items()}
+    else:
+        mine = tuple(t[dp_rank * share : (dp_rank + 1) * share] for t in batch)
+    from torch.distributed.tensor import DTensor
+
+    pointers = {
+        (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+        for p in runtime.parameters
+        if not p.is_meta
+    }
+    captured: list[Any] = []
+    run = runtime.executor.run
+
+    def recording_run(*args: Any, **kwargs: Any) -> Any:
+        result = run(*args, **kwargs)
+        captured.append(result)
+        return result
+
+    runtime.executor.run = recording_run  # type: ignore[method-assign]
+    times, optimizer_times = [], []
+    with _meter_without(pointers):
+        for i in range(warmup + steps):
+            runtime.executor.measure_activation_memory = i == 0  # the meter's hooks cost time
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            runtime.begin_accumulation()
+            runtime.train_batch(mine, head)
+            before_step = time.perf_counter()
+            optimizer.step()
+            after_step = time.perf_counter()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+            optimizer_times.append(after_step - before_step)
+    reducer = getattr(getattr(runtime, "gradients", None), "reducer", None)
+    params = list(runtime.parameters)
+    if reducer is not None:
+        grads = sum(_local_bytes(b.buffer) for b in reducer._buckets)
+    else:
+        grads = sum(_local_bytes(p.grad) for p in params)
+    state = sum(
+        _local_bytes(v) for s in optimizer.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )  # fmt: skip
+    held = {
+        "parameters": sum(_local_bytes(p) for p in params),
+        "gradients": grads,
+        "optimizer": state,
+        "activations": captured[0].peak_held_bytes,
+    }
+    runtime.close()
+    return {"step": times[warmup:], "optimizer": optimizer_times[warmup:], "memory": held}
+
+
+def worker(
+    names: list[str], sizes: dict[str, Sizes], top: int, warmup: int, steps: int, repeats: int, probe: str
+) -> Any:
+    from lightning_pipe.planning.cost_model import stage_balance
+    from lightning_pipe.planning.links import probe_links
+
+    links = probe_links(torch.device("cpu"))
+    out: dict[str, Any] = {"links": links}
+    for name in names:
+        box: list[Any] = [None]
+        loaded = _load(name, sizes[name])
+        slots = _slots(loaded, sizes[name], probe)  # just before the plan: the load changes
+        if dist.get_rank() == 0:
+            plan, costs, machine = _plan(loaded, sizes[name], links, slots, repeats)
+            chosen = choose(list(plan.predictions), top)
+            box[0] = (chosen, [stage_balance(costs, p.candidate) for p, _ in chosen], machine)
+        dist.barrier()
+        dist.broadcast_object_list(box, 0)
+        chosen, balances, machine = box[0]
+        runs = []
+        # The processes' first run pays for their first allocations (the allocator's arenas, pages
+        # touched for the first time) beyond its warm-up steps: run the first candidate once before.
+        _run_one(name, sizes[name], chosen[0][0].candidate, balances[0], 1, 1)
+        for (prediction, _why), balance in zip(chosen, balances, strict=True):
+            runs.append(_run_one(name, sizes[name], prediction.candidate, balance, warmup, steps))
+        out[name] = {"chosen": chosen, "balances": balances, "machine": machine, "runs": runs}
+    return out
+
+
+# ----------------------------------------------------------------------------- the table
+def _ranks_agree(predicted: list[float], measured: list[float], k: int = 3) -> bool:
+    """Whether the planner's top ``k`` (by prediction) keep their order when measured."""
+    order = sorted(range(len(predicted)), key=lambda i: predicted[i])[:k]
+    return [measured[i] for i in order] == sorted(measured[i] for i in order)
+
+
+def summarise(name: str, results: list[Any]) -> dict[str, Any]:
+    first = results[0][name]
+    rows = []
+    for index, (prediction, why) in enumerate(first["chosen"]):
+        per_rank = [r[name]["runs"][index] for r in results]
+        steps = [max(values) for values in zip(*(r["step"] for r in per_rank), strict=True)]
+        measured = median(steps)
+        memory = max(sum(r["memory"].values()) for r in per_rank)
+        rows.append({
+            "layout": str(prediction.candidate),
+            "why": why,
+            "predicted_s": prediction.step_seconds,
+            "measured_s": measured,
+            "time_ratio": measured / prediction.step_seconds,
+            "optimizer_s": max(median(r["optimizer"]) for r in per_rank),
+            "predicted_peak_bytes": prediction.peak_bytes,
+            "measured_peak_bytes": memory,
+            "memory_ratio": memory / prediction.peak_bytes,
+            "measured_parts": max((r["memory"] for r in per_rank), key=lambda m: sum(m.values())),
+        })  # fmt: skip
+    predicted = [r["predicted_s"] for r in rows]
+    measured = [r["measured_s"] for r in rows]
+    best = min(measured)
+    pick = rows[0]["measured_s"]  # the planner's pick is its first row
+    goals = {
+        "time_within_25pct": all(0.75 <= r["time_ratio"] <= 1.25 for r in rows),
+        "rows_within_25pct": sum(0.75 <= r["time_ratio"] <= 1.25 for r in rows),
+        "top3_order_kept": _ranks_agree(predicted, measured),
+        "memory_within_15pct": all(0.85 <= r["memory_ratio"] <= 1.15 for r in rows),
+        "pick_within_10pct_of_best": pick <= 1.10 * best,
+    }
+    machine = first["machine"]
+    top3 = sorted(predicted)[:3]
+    return {
+        "top3_predicted_spread": top3[-1] / top3[0] - 1,
+        "rows": rows,
+        "goals": goals,
+        "pick_over_best": pick / best,
+        "compute_slots": machine.compute_slots,
+    }
+
+
+MODELS = {"gpt": "example GPT (CharGPT)", "llama": "Hugging Face Llama (LlamaConfig)"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--top", type=int, default=6, help="the planner's top candidates run (then a spread)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per layer when measuring")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rows", type=int, help="samples per measured micro-batch (default batch / 4 / 2)")
+    parser.add_argument(
+        "--slots-probe",
+        choices=["layers", "matrix"],
+        default="layers",
+        help="what the compute-slot probe times alone and on all ranks at once (default: the model's layers)",
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    warn_if_busy()
+    sizes = {
+        "gpt": Sizes(width=128, layers=6, seq=args.seq, batch=args.batch, rows=args.rows),
+        "llama": Sizes(width=128, layers=6, seq=args.seq, batch=args.batch, rows=args.rows),
+    }
+    start = time.monotonic()
+    results = launch(
+        worker, WORLD, args.models, sizes, args.top, args.warmup, args.steps, args.repeats, args.slots_probe,
+        timeout=900,
+    )  # fmt: skip
+    summaries = {name: summarise(name, results) for name in args.models}
+    if args.json:
+        emit_json({"sizes": {k: vars(v) for k, v in sizes.items()}, "links": repr(results[0]["links"]),
+                   "results": summaries, "seconds": time.monotonic() - start})  # fmt: skip
+        return
+    print(f"{WORLD} gloo processes, 1 thread each, on {os.cpu_count()} cores; links: {results[0]['links']}")
+    for name in args.models:
+        s = summaries[name]
+        size = sizes[name]
+        print(f"\n{MODELS[name]}: width {size.width}, {size.layers} blocks, batch {size.batch} x {size.seq}")
+        print(f"compute slots probed: {s['compute_slots']:.2f} of {WORLD} processes")
+        table = [
+            [
+                str(i), r["layout"], r["why"], f"{r['predicted_s'] * 1e3:.0f}",
+                f"{r['measured_s'] * 1e3:.0f}", f"{r['time_ratio']:.2f}", f"{r['optimizer_s'] * 1e3:.0f}",
+                f"{r['predicted_peak_bytes'] / 1e6:.1f}", f"{r['measured_peak_bytes'] / 1e6:.1f}",
+                f"{r['memory_ratio']:.2f}",
+            ]
+            for i, r in enumerate(s["rows"], 1)
+        ]  # fmt: skip
+        print_table(
+            ["#", "layout", "row", "pred ms", "meas ms", "meas/pred", "optimizer ms", "pred MB", "meas MB",
+             "meas/pred"],
+            table,
+        )  # fmt: skip
+        g = s["goals"]
+        verdict = ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in g.items() if isinstance(v, bool))
+        print(
+            f"pick / best measured: {s['pick_over_best']:.2f}; rows within 25%: {g['rows_within_25pct']} of "
+            f"{len(s['rows'])}; the top three predicted within {s['top3_predicted_spread']:.1%} of each other"
+        )
+        print(verdict)
+    print(f"\n({time.monotonic() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
