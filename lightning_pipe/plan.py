@@ -31,7 +31,13 @@ from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.planning.candidates import Constraints, DataMode, ModelShape, enumerate_candidates
 from lightning_pipe.planning.costs import GB, Links, Machine, format_bytes
-from lightning_pipe.planning.measure import accepted_tensor_sizes, compute_slots, device_memory, measure_model
+from lightning_pipe.planning.measure import (
+    accepted_tensor_sizes,
+    adamw,
+    compute_slots,
+    device_memory,
+    measure_model,
+)
 from lightning_pipe.planning.planner import plan_layout
 from lightning_pipe.planning.report import render
 from lightning_pipe.schedule.builders import ScheduleKind
@@ -240,7 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = args.rows or max(1, args.batch // args.devices // 2)
     split = splits[min(splits)] if splits else None  # the same modules split at any size
     costs = measure_model(
-        loaded.layers, loaded.sample_at, rows, device, split, args.repeats, args.optimizer_state_factor
+        loaded.layers,
+        loaded.sample_at,
+        rows,
+        device,
+        split,
+        args.repeats,
+        args.optimizer_state_factor,
+        optimizer=adamw,  # the step's time as AdamW's, whose state the memory's factor 2 assumes
     )
     layers = costs.layers
     links = Links(

@@ -33,8 +33,8 @@ from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.planning.candidates import Constraints, ModelShape, divisors, enumerate_candidates
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import GB, Links, Machine, ModelCosts, format_bytes
-from lightning_pipe.planning.links import probe_links
-from lightning_pipe.planning.measure import LayerSplit, measure_model
+from lightning_pipe.planning.links import probe_compute_slots, probe_links
+from lightning_pipe.planning.measure import LayerSplit, OptimizerFactory, adamw, measure_model
 from lightning_pipe.planning.planner import Plan, plan_layout, ranked
 from lightning_pipe.planning.report import render
 from lightning_pipe.skip.plan import SkipLayers
@@ -153,23 +153,33 @@ def decide_layout(
     splits: Sequence[LayerSplit] | None = None,
     optimizer_state_factor: float = 2.0,
     repeats: int = 3,
+    optimizer: OptimizerFactory | None = None,
 ) -> Plan:
     """The plan every rank of the default process group agrees on; collective (every rank calls
     it with the same arguments but ``sample_at``, which only global rank 0 calls).
 
     ``layers``: as :func:`measured_layers` gives them; ``sample_at(r)``: the first layer's input
-    for ``r`` samples; ``replica_batch``: the samples one data-parallel replica steps on."""
+    for ``r`` samples; ``replica_batch``: the samples one data-parallel replica steps on;
+    ``optimizer``: the run's optimizer, whose step is timed per layer (default AdamW, which the
+    memory's ``optimizer_state_factor`` of 2 also assumes: at setup the user's optimizer does not
+    exist yet)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     check_constraints(world, shape, replica_batch, constraints)
     # One process has nothing to probe: its plans have no communication.
     links = probe_links(device) if world > 1 else Links(overlap_data_parallel=device.type == "cuda")
+    # gloo processes on one host's CPU share its cores: how many compute at once decides whether a
+    # pipeline's idle ranks cost anything (measured in the group; a device per process on CUDA).
+    slots = probe_compute_slots(device) if world > 1 and device.type == "cpu" else None
     payload: list[Any] = [None]
     if rank == 0:
         try:
             rows = max(1, replica_batch // 2)  # measured at rows and 2 x rows: within the batch
-            costs = measure_model(layers, sample_at, rows, device, splits, repeats, optimizer_state_factor)
-            machine = Machine(world, memory_bytes, links)
+            costs = measure_model(
+                layers, sample_at, rows, device, splits, repeats, optimizer_state_factor,
+                optimizer if optimizer is not None else adamw,
+            )  # fmt: skip
+            machine = Machine(world, memory_bytes, links, compute_slots=slots)
             payload = [plan_replica_batch(costs, machine, shape, replica_batch, constraints)]
         except Exception as err:  # said on every rank: the others would otherwise wait for the plan
             payload = [f"{type(err).__name__}: {err}"]

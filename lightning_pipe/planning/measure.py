@@ -146,7 +146,13 @@ def measure_layers(
 
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-"""Builds the run's optimizer over some parameters, e.g. ``lambda ps: torch.optim.AdamW(ps)``."""
+"""Builds the run's optimizer over some parameters, e.g. :func:`adamw`."""
+
+
+def adamw(parameters: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """AdamW with its defaults: the optimizer a plan assumes when the run's is not known yet (its
+    two state tensors per parameter are the memory's default ``optimizer_state_factor``)."""
+    return torch.optim.AdamW(parameters)
 
 
 def optimizer_seconds(
