@@ -29,6 +29,8 @@ _PARTS = {
     "tensor_seconds": "tensor-parallel all-reduces",
     "data_seconds": "data-parallel communication",
     "recompute_seconds": "recomputation",
+    "optimizer_seconds": "the optimizer step",
+    "shared_compute_seconds": "waiting for the shared cores",
 }
 
 
@@ -58,6 +60,8 @@ def format_table(plan: Plan, top: int = 5) -> str:
         "tp comm",
         "dp comm",
         "recompute",
+        "optimizer",
+        "shared cores",
     )
     lines = [header]
     for i, p in enumerate(rows, 1):
@@ -73,6 +77,8 @@ def format_table(plan: Plan, top: int = 5) -> str:
                 f"{p.tensor_seconds:.3g}",
                 f"{p.data_seconds:.3g}",
                 f"{p.recompute_seconds:.3g}",
+                f"{p.optimizer_seconds:.3g}",
+                f"{p.shared_compute_seconds:.3g}",
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
