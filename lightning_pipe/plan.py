@@ -16,7 +16,6 @@ import argparse
 import importlib
 import json
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import lightning_pipe.planning.auto as planning_auto
 from lightning_pipe.construction.meta import parameters_on_meta
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
@@ -124,25 +124,12 @@ def load_model(spec: str, seq: int, init_args: Mapping[str, Any] | None = None) 
     return load_factory(spec, seq, init_args)
 
 
-_UNITS = {
-    "": GB,
-    "gb": GB,
-    "gib": 2**30,
-    "mb": 1e6,
-    "mib": 2**20,
-    "kb": 1e3,
-    "kib": 2**10,
-    "tb": 1e12,
-    "tib": 2**40,
-}
-
-
 def parse_memory(text: str) -> float:
     """``"16GB"``, ``"512MiB"``, ``"4"`` (gigabytes) -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"memory like 16GB, 512MiB or 4 (gigabytes), got {text!r}")
-    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+    try:
+        return planning_auto.parse_memory(text, bare_unit=GB)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"memory like 16GB, 512MiB or 4 (gigabytes), got {text!r}") from None
 
 
 def _parser() -> argparse.ArgumentParser:

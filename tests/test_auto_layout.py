@@ -244,6 +244,28 @@ def test_layouts_are_compared_per_sample_of_one_replica() -> None:
     assert plan.best is not None and plan.best.candidate.data_parallel_size == 2
 
 
+def test_every_part_of_a_per_sample_time_is_divided_like_the_step() -> None:
+    """The table's parts add up to the step: with the optimizer step timed and processes sharing
+    cores, the optimizer and shared-cores parts of a dp=2 layout are halved like its step."""
+    layer = LayerCost(
+        forward_seconds=1.0, backward_seconds=2.0, parameter_bytes=100, output_bytes=10, optimizer_seconds=0.5
+    )
+    costs = ModelCosts((layer, layer), rows=4, optimizer_state_factor=0.0)
+    machine = Machine(2, 1e9, Links(overlap_data_parallel=False), compute_slots=1.0)
+    shape = ModelShape(2)
+    plan = plan_replica_batch(costs, machine, shape, 4, Constraints())
+    direct = plan_layout(costs, machine, shape, 8, Constraints(data_parallel_size=2))
+    for p in direct.predictions:
+        (same,) = [q for q in plan.predictions if q.candidate == p.candidate]
+        assert p.optimizer_seconds > 0 and p.shared_compute_seconds > 0, p
+        assert same.optimizer_seconds == pytest.approx(p.optimizer_seconds / 2)
+        assert same.shared_compute_seconds == pytest.approx(p.shared_compute_seconds / 2)
+        parts = (
+            same.compute_seconds + same.bubble_seconds + same.tensor_seconds + same.recompute_seconds
+        ) + (same.data_seconds + same.optimizer_seconds + same.shared_compute_seconds)
+        assert same.step_seconds == pytest.approx(parts), same
+
+
 def test_a_batch_of_another_size_than_planned_is_warned_about() -> None:
     layer = LayerCost(forward_seconds=1.0, backward_seconds=2.0, parameter_bytes=100, output_bytes=10)
     costs = ModelCosts((layer, layer), rows=4)

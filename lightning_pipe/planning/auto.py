@@ -53,14 +53,14 @@ _UNITS = {
 }
 
 
-def parse_memory(value: int | float | str) -> float:
+def parse_memory(value: int | float | str, bare_unit: float = 1.0) -> float:
     """``max_memory`` in bytes: a number of bytes, or a string such as ``"4GB"``, ``"512MiB"``
     (decimal ``kB``/``MB``/``GB``/``TB`` and binary ``KiB``/``MiB``/``GiB``/``TiB``; a bare number
-    counts bytes)."""
+    counts ``bare_unit`` bytes: one here, a gigabyte for ``python -m lightning_pipe.plan --memory``)."""
     if isinstance(value, bool):
         raise ValueError(f"max_memory must be a number of bytes or a string like '4GB', got {value!r}.")
     if isinstance(value, int | float):
-        nbytes = float(value)
+        nbytes = float(value) * bare_unit
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         unit = match.group(2).lower() if match else None
@@ -68,7 +68,7 @@ def parse_memory(value: int | float | str) -> float:
             raise ValueError(
                 f"max_memory must be a number of bytes or a string like '4GB', '512MiB', got {value!r}."
             )
-        nbytes = float(match.group(1)) * _UNITS[unit]
+        nbytes = float(match.group(1)) * (_UNITS[unit] if unit else bare_unit)
     if not nbytes > 0:
         raise ValueError(f"max_memory must be a positive amount of memory, got {value!r}.")
     return nbytes
@@ -83,16 +83,9 @@ def measured_layers(layers: Sequence[nn.Module], layer_calls: Any = None) -> lis
 
 def _per_sample(p: Prediction, dp: int) -> Prediction:
     """``p``'s times per step of one replica's samples (a layout with ``dp`` replicas trains ``dp``
-    times as many samples in its step)."""
-    times = (
-        "step_seconds",
-        "compute_seconds",
-        "bubble_seconds",
-        "tensor_seconds",
-        "recompute_seconds",
-        "data_seconds",
-        "data_traffic_seconds",
-    )
+    times as many samples in its step): every ``*_seconds`` field, so that the parts still add up
+    to the step."""
+    times = [f.name for f in dataclasses.fields(Prediction) if f.name.endswith("_seconds")]
     return dataclasses.replace(p, **{name: getattr(p, name) / dp for name in times})
 
 

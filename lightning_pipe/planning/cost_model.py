@@ -29,8 +29,8 @@ The optimizer step (when measured) follows the schedule: each rank steps the par
 
 Peak memory per rank is parameters, gradients and optimizer state as the data mode keeps them, and
 the activations of the most micro-batches the schedule keeps alive at once on each of the rank's
-stages. Not counted: the allocator's slack, framework buffers and the optimizer step's own time;
-:mod:`.report` says so next to the numbers.
+stages. Not counted: the allocator's slack, framework buffers and what the optimizer step
+allocates while it runs; :mod:`.report` says so next to the numbers.
 """
 
 from __future__ import annotations
