@@ -4,6 +4,12 @@
 ``@pytest.mark.distributed`` (a module-scoped fixture that starts them counts for the test that
 first asks for it). Tests that start processes otherwise (torchrun, a script with ``devices=2``)
 carry the mark by hand.
+
+Each test must also leave this thread's torch mode stacks as it found them: a
+``TorchFunctionMode`` left on the stack (ZeRO-1's read guard, say) would see every torch call of
+every later test in the same worker process, and a test that looks at the call stack (where a
+host synchronisation is made) would then fail for a reason that is not its own. The leaking test
+fails instead, naming the modes, and the stacks are emptied for the next one.
 """
 
 from __future__ import annotations
@@ -11,6 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from torch._C import _len_torch_function_stack
+from torch.overrides import _pop_mode as _pop_function_mode
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
+from torch.utils._python_dispatch import _pop_mode as _pop_dispatch_mode
 
 from tests.distributed import running_test
 
@@ -19,3 +29,19 @@ from tests.distributed import running_test
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     with running_test(item.nodeid, item.get_closest_marker("distributed") is not None):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _torch_mode_stacks_left_as_found() -> Iterator[None]:
+    before = (_len_torch_function_stack(), _len_torch_dispatch_stack())
+    yield
+    left = []
+    while _len_torch_function_stack() > before[0]:
+        left.append(type(_pop_function_mode()).__qualname__)
+    while _len_torch_dispatch_stack() > before[1]:
+        left.append(type(_pop_dispatch_mode()).__qualname__)
+    if left:
+        pytest.fail(
+            f"the test left torch mode(s) {left} on this thread's mode stacks; they would see every "
+            "torch call of the later tests in this process (they were popped)"
+        )

@@ -168,6 +168,11 @@ def test_the_teardown_after_a_failure_is_bounded_while_another_thread_waits(
     peer.join().join(30)  # the peer was only slow: the reader's wait completes the gathers
     reader.join(30)
     assert not reader.is_alive() and not gather.pending and not gather._torn and _complete(gather)
+    # The reader's wait could not reach this thread's mode stack: the guard stays there, inert,
+    # until this thread's next wait (or forward) takes it off.
+    assert gather._guard.on_stack() and not gather._guard.active
+    gather.wait_all()
+    assert not gather._guard.on_stack()
 
 
 class _FailedWork:
