@@ -22,14 +22,16 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch._C._distributed_c10d import HashStore, ProcessGroupGloo
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import lightning_pipe.data_parallel.parameter_gather as module
-from lightning_pipe.data_parallel.parameter_gather import ParameterGather, TornParametersError
+from lightning_pipe.data_parallel.parameter_gather import ParameterGather, TornParametersError, _ReadGuard
 from lightning_pipe.data_parallel.reducer import BucketLayout, BucketView
 
 PEER = 7.0
@@ -194,3 +196,26 @@ def test_a_gather_that_failed_is_torn_after_the_teardown(pair: Pair, monkeypatch
     gather.close()  # "completed" is not "succeeded": both buckets are torn
     with pytest.raises(TornParametersError, match=r"did not complete for 2 bucket\(s\)"):
         gather.wait_all()  # a save after the failure
+
+
+class _UserMode(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+    def on_stack(self) -> bool:
+        return any(mode is self for mode in _get_current_function_mode_stack())
+
+
+def test_a_retired_guard_left_on_the_stack_is_dropped_by_the_next_guard() -> None:
+    """A teardown that left its guard to another thread's wait (above) leaves it, retired, on the
+    training thread's stack; the next gather's guard takes it off instead of stacking on it."""
+    left, other = _ReadGuard(set(), lambda: None), _ReadGuard(set(), lambda: None)
+    left.insert()
+    try:
+        with _UserMode() as user_mode:  # a user's mode above it stays
+            left.active = False
+            other.insert()
+            assert not left.on_stack() and other.on_stack() and user_mode.on_stack()
+            assert other.remove()
+    finally:
+        left.remove()

@@ -203,8 +203,14 @@ class _ReadGuard(TorchFunctionMode):
     def insert(self) -> None:
         """Push the guard under every mode but a ``torch.set_default_device`` context (whose exit
         expects to be at the very bottom): a mode entered before the step and exited after it
-        then pops itself, not the guard."""
-        above = [_pop_mode() for _ in range(_len_torch_function_stack())]  # top first
+        then pops itself, not the guard. Retired guards of other gathers still on the stack (their
+        own thread's wait never came: a teardown left them to another thread's wait) are dropped
+        on the way: they do nothing, yet every torch call of this thread would go through them."""
+        above = [
+            mode
+            for mode in (_pop_mode() for _ in range(_len_torch_function_stack()))  # top first
+            if not (isinstance(mode, _ReadGuard) and mode is not self and not mode.active)
+        ]
         while above and isinstance(above[-1], DeviceContext):
             _push_mode(above.pop())
         _push_mode(self)
