@@ -8,8 +8,9 @@ queues the files by their number of tests, most first, which puts the files of a
 while the other has nothing left to do. Longest first, the files left at the end are the short
 ones, and the two workers finish within seconds of each other.
 
-:data:`LONGEST_FIRST` is measured, not exact: the files over about 10 s in a whole run on two
-cores (``--durations=0``, each file's setup, call and teardown times added up), longest first.
+:data:`LONGEST_FIRST` is measured, not exact: the files over about 8 s in a whole run of the test
+command on two cores (``--durations=0``, each file's setup, call and teardown times added up),
+longest first.
 Files not in it (new or short) follow it, most tests first, as xdist would have ordered them.
 A new long file belongs in the list: the order only changes how soon the suite ends, never what
 a test checks (each file's tests still run on one worker, in their own order).
@@ -25,44 +26,39 @@ import pytest
 LONGEST_FIRST: tuple[str, ...] = (
     "test_nodes.py",
     "test_huggingface_families.py",
-    "test_compile.py",
-    "test_engine_equivalence.py",
-    "test_strategy_errors.py",
     "test_skip_connections.py",
-    "test_parameter_gather.py",
-    "test_fully_sharded.py",
     "test_example_cli.py",
-    "test_huggingface_balancing.py",
+    "test_parameter_gather.py",
+    "test_compile.py",
+    "test_fully_sharded.py",
     "test_sequence_parallel.py",
     "test_host_syncs.py",
-    "test_engine_runtime.py",
-    "test_architecture.py",
-    "test_signals.py",
-    "test_timeline.py",
-    "test_optimizer_sharding.py",
-    "test_lost_ranks.py",
     "test_checkpoints.py",
+    "test_lost_ranks.py",
+    "test_signals.py",
+    "test_architecture.py",
     "test_huggingface_lightning.py",
-    "test_interleaved_schedule.py",
-    "test_huggingface_experts.py",
+    "test_engine_runtime.py",
     "test_peft.py",
-    "test_meta_construction.py",
+    "test_huggingface_experts.py",
     "test_context_parallel_axis.py",
+    "test_meta_construction.py",
     "test_fault_messages.py",
-    "test_schedule_fit.py",
-    "test_tensor_parallel_fit.py",
+    "test_optimizer_sharding.py",
+    "test_interleaved_schedule.py",
     "test_strategy_fit.py",
     "test_huggingface_expert_runs.py",
+    "test_engine_equivalence.py",
+    "test_gpu_check.py",
+    "test_huggingface_balancing.py",
+    "test_schedule_fit.py",
+    "test_timeline.py",
     "test_tensor_parallel_reuse.py",
-    "test_schedules.py",
+    "test_tensor_parallel_fit.py",
+    "test_batches.py",
     "test_pretrained.py",
     "test_checkpoint_format.py",
-    "test_batches.py",
-    "test_docs_code.py",
-    "test_gpu_check.py",
-    "test_data_parallel.py",
-    "test_context_parallel.py",
-    "test_auto_layout.py",
+    "test_batchnorm.py",
 )
 
 
