@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import _len_torch_dispatch_stack
 from torch.utils._python_dispatch import _pop_mode as _pop_dispatch_mode
 
 from tests.distributed import running_test
+from tests.scheduling import keep_the_collection_order, longest_files_first
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -45,3 +46,14 @@ def _torch_mode_stacks_left_as_found() -> Iterator[None]:
             f"the test left torch mode(s) {left} on this thread's mode stacks; they would see every "
             "torch call of the later tests in this process (they were popped)"
         )
+
+
+# --- The order of the test files (tests/scheduling.py): the longest first. -----------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    keep_the_collection_order(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    longest_files_first(items)
