@@ -29,6 +29,7 @@ from lightning_pipe.planning import (
     ModelCosts,
     ModelShape,
     NothingFitsError,
+    Prediction,
     enumerate_candidates,
     plan_layout,
     predict,
@@ -315,6 +316,57 @@ def test_between_equal_times_less_traffic_wins_before_less_memory() -> None:
     assert resharded.data_traffic_seconds > by_mode[(DataMode.ZERO1, False)].data_traffic_seconds
     assert plan.chosen().candidate.data_mode is DataMode.ZERO1
     assert "as fast as pp=1, dp=4 replicated" in why(plan) and "lower peak memory" in why(plan)
+
+
+def test_when_the_cores_are_the_bottleneck_the_shorter_schedule_wins_the_tie() -> None:
+    """4 processes on 2 cores, a 4-stage 1F1B pipeline of 1 + 2 s per sample and stage, a batch of
+    8: all ranks' work, 4 x 8 x 3 = 96 s, over 2 cores is 48 s whatever the micro-batches, longer
+    than either schedule (m=4: 7 x 6 = 42 s; m=8: 11 x 3 = 33 s), so both are predicted at 48 s.
+    m=8 wins: its schedule on devices of its own is shorter, so it needs fewer cores lent by ranks
+    waiting in the bubble (on a host with more cores, it is the faster). Before the tie-break on
+    the schedule, the simpler m=4 won."""
+    fixed = Constraints(pipeline_parallel_size=4, schedule="1f1b", recompute="never")
+    machine = Machine(4, 1e12, FREE_LINKS, compute_slots=2)
+    costs = ModelCosts(
+        (LayerCost(1.0, 2.0, parameter_bytes=1000),) * 4, rows=1
+    )  # no activations: equal peaks
+    plan = plan_layout(costs, machine, ModelShape(4), 8, fixed)
+    by_m = {p.candidate.num_microbatches: p for p in plan.predictions}
+    assert by_m[4].step_seconds == pytest.approx(48.0) and by_m[8].step_seconds == pytest.approx(48.0)
+    assert by_m[4].peak_bytes == by_m[8].peak_bytes
+    assert plan.chosen().candidate.num_microbatches == 8
+    assert by_m[4].schedule_seconds == pytest.approx(42.0) and by_m[8].schedule_seconds == pytest.approx(33.0)
+    # Reported for that reason, against the best other layout (here: other micro-batches only).
+    free = plan_layout(costs, machine, ModelShape(4), 8, Constraints(recompute="never"))
+    best = free.chosen()
+    assert best.schedule_seconds == min(
+        p.schedule_seconds for p in free.fitting if p.step_seconds <= best.step_seconds * (1 + 1e-6)
+    )
+
+
+def test_ties_go_to_the_shorter_schedule_then_less_memory_then_fewer_processes_communicating() -> None:
+    """Equal predicted steps, nothing moved between replicas: the shorter schedule on devices of
+    their own wins (the wait for shared cores aside), then the lower peak, then the layout whose
+    collectives span fewer processes (tp x dp); the line under the table says which decided."""
+    from lightning_pipe.planning.cost_model import MemoryUse
+    from lightning_pipe.planning.planner import ranked
+
+    def made(tp: int, dp: int, peak: float, shared: float = 0.0) -> Prediction:
+        c = Candidate(4 // (tp * dp), tp, dp, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 4,
+                      RecomputeMode.NEVER)  # fmt: skip
+        use = MemoryUse(peak, 0.0, 0.0, 0.0)
+        return Prediction(
+            c, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, use, (use,), True, shared_compute_seconds=shared
+        )
+
+    plan = ranked([made(1, 2, 1.0, shared=0.2), made(1, 4, 2.0, shared=0.5)], 10.0, 4)
+    assert plan.chosen().candidate.data_parallel_size == 4
+    assert "shorter schedule on devices of their own (0.5 s against 0.8 s" in why(plan)
+    plan = ranked([made(1, 4, 2.0), made(1, 2, 1.0)], 10.0, 4)
+    assert plan.chosen().candidate.data_parallel_size == 2 and "lower peak memory" in why(plan)
+    plan = ranked([made(2, 2, 1.0), made(1, 4, 1.0), made(1, 2, 1.0)], 10.0, 4)
+    assert [p.communicating_processes for p in plan.predictions] == [2, 4, 4]
+    assert "collectives over fewer processes (2 against 4)" in why(plan)
 
 
 def test_when_nothing_fits_one_sentence_gives_the_need_and_the_limit() -> None:

@@ -103,6 +103,20 @@ class Prediction:
     def peak_bytes(self) -> float:
         return self.memory.total
 
+    @property
+    def schedule_seconds(self) -> float:
+        """The step on devices of their own: the step less the wait for shared cores (the
+        schedule's makespan, the exposed communication and the optimizer step). Between layouts
+        predicted equally fast because the cores are the bottleneck, the one with the shorter
+        schedule relies less on ranks idle in the bubble lending their cores."""
+        return self.step_seconds - self.shared_compute_seconds
+
+    @property
+    def communicating_processes(self) -> int:
+        """The processes each step's collectives span (tensor ranks x data ranks; a pipeline's
+        neighbours only exchange point-to-point messages)."""
+        return self.candidate.tensor_parallel_size * self.candidate.data_parallel_size
+
 
 @dataclass(frozen=True)
 class _Stage:

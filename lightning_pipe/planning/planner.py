@@ -1,10 +1,22 @@
 """Choose a layout: every candidate predicted, the fastest that fits memory first.
 
-Ties (equal predicted times within a part in a million) go to the candidate moving less data
-between replicas (communication hidden behind compute on paper still contends for the links and
-the memory bus), then to the one holding less memory, then to the simpler one (fewer pipeline
-stages, fewer tensor ranks, fewer micro-batches, no recomputation): a difference the cost model
-cannot see is not worth a more complex run. When nothing fits, :attr:`Plan.refusal` is one
+Ties (equal predicted times within a part in a million) are common where the processes share a
+host's cores: the step is then all their work over the cores, the same for many layouts. They are
+broken, in this order, by
+
+1. the shorter schedule on devices of their own (:attr:`~.cost_model.Prediction.schedule_seconds`:
+   the makespan with its bubble and message waits, the exposed communication and the optimizer
+   step; the wait for shared cores left out): the layout that needs fewer cores lent by ranks idle
+   in the bubble, and the faster one where the cores turn out more than probed;
+2. less data moved between replicas (communication hidden behind compute on paper still contends
+   for the links and the memory bus);
+3. less peak memory per rank (more room for the allocator's slack, which the model does not count);
+4. fewer processes in each collective (tensor x data ranks: fewer to wait for, fewer to straggle);
+5. the simpler layout (fewer pipeline stages, fewer tensor ranks, fewer micro-batches, no
+   recomputation): a difference the cost model cannot see is not worth a more complex run.
+
+Every key is a number of the prediction or the candidate, so the order is total and the same on
+every rank and every run with the same measurements. When nothing fits, :attr:`Plan.refusal` is one
 sentence with the least any candidate needs, that candidate, and the limit, so that the user
 knows how far off the model is and what came closest.
 """
@@ -24,12 +36,20 @@ class NothingFitsError(ValueError):
     """No candidate fits the memory each process has; the message is :attr:`Plan.refusal`."""
 
 
-def _rank_key(p: Prediction) -> tuple[float, float, float, int, int, int, int]:
+def _rounded(seconds: float) -> float:
+    """A part in a million: beyond what any measurement resolves (sums in another order tie)."""
+    return float(f"{seconds:.6g}")
+
+
+def _rank_key(p: Prediction) -> tuple[float, float, float, float, int, int, int, int, int]:
+    """The order of the module docstring."""
     c = p.candidate
     return (
-        float(f"{p.step_seconds:.6g}"),  # a part in a million: beyond what any measurement resolves
-        float(f"{p.data_traffic_seconds:.6g}"),
+        _rounded(p.step_seconds),
+        _rounded(p.schedule_seconds),
+        _rounded(p.data_traffic_seconds),
         p.peak_bytes,
+        p.communicating_processes,
         c.pipeline_parallel_size * c.virtual_stages,
         c.tensor_parallel_size,
         c.num_microbatches,

@@ -130,6 +130,12 @@ def why(plan: Plan) -> str:
 
 
 def _tie_reason(best: Prediction, other: Prediction) -> str:
+    """The first of the planner's tie-breaks (:mod:`.planner`) that tells the two apart."""
+    if best.schedule_seconds < other.schedule_seconds * (1 - 1e-6):
+        return (
+            f"its shorter schedule on devices of their own ({best.schedule_seconds:.3g} s against "
+            f"{other.schedule_seconds:.3g} s: it relies less on idle ranks lending their cores)"
+        )
     if best.data_traffic_seconds < other.data_traffic_seconds:
         return (
             f"less data-parallel traffic ({best.data_traffic_seconds:.3g} s against "
@@ -138,6 +144,11 @@ def _tie_reason(best: Prediction, other: Prediction) -> str:
     if best.peak_bytes < other.peak_bytes:
         mine, theirs = format_bytes(best.peak_bytes), format_bytes(other.peak_bytes)
         return f"its lower peak memory ({mine} against {theirs} per rank)"
+    if best.communicating_processes < other.communicating_processes:
+        return (
+            f"collectives over fewer processes ({best.communicating_processes} against "
+            f"{other.communicating_processes})"
+        )
     return "being the simpler layout"
 
 
