@@ -467,6 +467,64 @@ def test_the_fixed_part_of_a_time() -> None:
     assert _fixed(1.0, 0.5) == 1.0  # noise: faster on more rows
 
 
+def test_a_micro_batch_is_timed_from_the_sizes_measured_nearest_it() -> None:
+    """A layer measured at 2 samples (1 + 2 s, no fixed part), 4 (2 + 4 s) and 16 (32 + 64 s: its
+    time per sample quadruples once the micro-batch is large). One device, one 16-sample
+    micro-batch: the measured 96 s, where the line through 2 and 4 samples says 24 s; 8 samples lie
+    on the line between 4 and 16 (6 s, and 4/12 of the 90 s between); 1 sample on the line from
+    the fixed part through 2 samples; 32, the largest measured's time per sample."""
+    layer = LayerCost(1.0, 2.0, parameter_bytes=1000, timings=((16, 32.0, 64.0), (4, 2.0, 4.0)))
+    assert layer.timings == ((4, 2.0, 4.0), (16, 32.0, 64.0))  # sorted
+    costs = ModelCosts((layer,), rows=2)
+    one = Machine(1, 1e12, FREE_LINKS)
+
+    def step(batch: int) -> float:
+        c = Candidate(1, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+        return predict(c, costs, one, batch).step_seconds
+
+    assert step(16) == pytest.approx(96.0)
+    assert step(8) == pytest.approx(6.0 + 90.0 * 4 / 12)
+    assert step(1) == pytest.approx(1.5)
+    assert step(32) == pytest.approx(192.0)
+    # A tensor rank doing half the work of a layer whose parameters are all split: half the time
+    # past the fixed part.
+    fixed = replace(layer, forward_fixed_seconds=0.5, backward_fixed_seconds=0.5)
+    assert fixed.seconds_at(16, 2, share=0.5) == pytest.approx((0.5 + 31.5 / 2, 0.5 + 63.5 / 2))
+    with pytest.raises(ValueError, match="timings must be"):
+        LayerCost(1.0, 2.0, timings=((0, 1.0, 1.0),))
+
+
+def test_the_layers_are_timed_at_the_candidates_micro_batch_sizes() -> None:
+    """The sizes a batch of 16 on 4 processes runs are 1, 2, 4, 8 and 16 samples: measured at 2
+    (and 4, for the fixed part), the layers are also timed at 1, 8 and 16 (at most five sizes, the
+    largest always), and a layer whose time grows faster than its rows (a stand-in profiler) is
+    predicted at 16 samples as measured there."""
+    from lightning_pipe.partition.profile import LayerTime
+    from lightning_pipe.planning.candidates import microbatch_rows
+    from lightning_pipe.planning.measure import measure_model, measurement_sizes
+
+    candidates = enumerate_candidates(4, ModelShape(4), 16, Constraints())
+    needed = microbatch_rows(candidates, 16)
+    assert needed == [1, 2, 4, 8, 16]
+    assert measurement_sizes(needed, 2) == [1, 8, 16]
+    assert measurement_sizes([1, 2, 4, 8, 16, 32, 64, 128], 2) == [1, 16, 128]  # spread, largest kept
+    assert measurement_sizes([1, 2, 4, 8, 16, 32, 64, 128], 2, limit=3) == [128]
+
+    timed: list[int] = []
+
+    def profile(layers: list[nn.Module], sample: torch.Tensor, device: torch.device, repeats: int) -> list:
+        rows = sample.shape[0]
+        timed.append(rows)
+        return [LayerTime(rows * rows * 1e-3, 2 * rows * rows * 1e-3) for _ in layers]
+
+    with mock.patch("lightning_pipe.planning.measure.profile_layers", profile):
+        costs = measure_model([nn.Linear(4, 4)], lambda r: torch.randn(r, 4), 2, torch.device("cpu"),
+                              sizes=measurement_sizes(needed, 2))  # fmt: skip
+    assert sorted(timed) == [1, 2, 4, 8, 16]
+    c = Candidate(1, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+    assert predict(c, costs, Machine(1, 1e12, FREE_LINKS), 16).step_seconds == pytest.approx(3 * 16 * 16e-3)
+
+
 def test_parameter_bytes_and_the_plans_splits_on_the_meta_device() -> None:
     from lightning_pipe.construction.meta import parameters_on_meta
     from tests.gpt_models import DIM, VOCAB, TinyGPT

@@ -4,7 +4,8 @@ The step time is what the engine would do, played on paper:
 
 * the layers are split into ``pp x v`` stages as ``partition="time"`` splits them
   (:func:`~lightning_pipe.partition.balance.balance_by_time`), each stage's forward and backward
-  per micro-batch being its layers' times at the candidate's micro-batch size, divided by the
+  per micro-batch being its layers' times at the candidate's micro-batch size (measured at that
+  size where the measurement had it: :meth:`~.costs.LayerCost.seconds_at`), divided by the
   tensor size where the plan splits the work, plus the tensor-parallel all-reduces (exposed:
   they sit between a layer's matrix products) and, with recomputation, a second forward in
   backward;
@@ -137,13 +138,6 @@ class _Stage:
     layers: int
 
 
-def scaled(seconds: float, fixed: float, rows: float, measured_rows: int, share: float = 1.0) -> float:
-    """A time measured on ``measured_rows`` samples, for ``rows`` samples of which this rank does
-    ``share`` of the work: the fixed part (as many launches whatever the split), and the rest in
-    proportion."""
-    return fixed + (seconds - fixed) * rows / measured_rows * share
-
-
 @lru_cache(maxsize=256)
 def _balance(times: tuple[float, ...], stages: int) -> tuple[int, ...]:
     return tuple(balance_by_time(times, stages))
@@ -202,8 +196,9 @@ def _stage(
         shared = min(layer.saved_input_bytes, previous_saved_output)
         previous_saved_output = layer.saved_output_bytes
         keep = 1 - layer.split_share + layer.split_share / tp
-        forward += scaled(layer.forward_seconds, layer.forward_fixed_seconds, rows, costs.rows, keep)
-        backward += scaled(layer.backward_seconds, layer.backward_fixed_seconds, rows, costs.rows, keep)
+        f, b = layer.seconds_at(rows, costs.rows, keep)
+        forward += f
+        backward += b
         one = links.all_reduce(hidden * scale, tp)
         tensor_f += layer.tensor_forward_collectives * one
         tensor_b += layer.tensor_backward_collectives * one
