@@ -393,6 +393,7 @@ def summarise(name: str, results: list[Any]) -> dict[str, Any]:
             "measured_s": measured,
             "time_ratio": measured / prediction.step_seconds,
             "optimizer_s": max(median(r["optimizer"]) for r in per_rank),
+            "predicted_optimizer_s": prediction.optimizer_seconds,
             "predicted_peak_bytes": prediction.peak_bytes,
             "measured_peak_bytes": memory,
             "memory_ratio": memory / prediction.peak_bytes,

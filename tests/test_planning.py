@@ -228,7 +228,8 @@ def test_the_optimizer_step_is_timed_per_layer() -> None:
     assert optimizer_seconds(layers[1], lambda ps: Sleepy(ps, lr=0.1), torch.device("cpu")) == 0.0
     costs = measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=2,
                           optimizer=lambda ps: Sleepy(ps, lr=0.1))  # fmt: skip
-    assert Sleepy.steps == 3  # the first layer only: 1 + 2 repeats
+    # The first layer only (1 + 2 repeats), then the DTensor probe: plain and DTensor steps, 1 + 2 each.
+    assert Sleepy.steps == 3 + 2 * 3
     assert 0.02 <= costs.layers[0].optimizer_seconds < 0.2
     assert costs.layers[1].optimizer_seconds == 0.0
     assert (
@@ -237,6 +238,60 @@ def test_the_optimizer_step_is_timed_per_layer() -> None:
         .optimizer_seconds
         == 0.0
     )  # not asked: not measured
+
+
+def test_fsdp2_pays_dtensors_dispatch_per_parameter_tensor() -> None:
+    """4 layers of 10 parameter tensors, a DTensor step 1 ms a tensor over plain tensors' (AdamW's
+    own time 0), free compute and links, 4 data ranks. FSDP2 steps all 40 tensors on each rank
+    (sharded, but as many): 40 ms; its hooks a third of that per tensor and collective: one gather
+    and one reduction without resharding (26.7 ms), two gathers and a reduction per micro-batch
+    resharding (40 ms x 2 micro-batches); on 2 cores for 4 processes, twice each. ZeRO-1 steps
+    plain tensors: nothing."""
+    from lightning_pipe.planning.cost_model import FSDP_GATHER_SHARE, FSDP_REDUCE_SHARE
+
+    layer = LayerCost(0.0, 0.0, parameter_bytes=1000, parameter_tensors=10)
+    costs = ModelCosts((layer,) * 4, rows=1, sharded_step_seconds=1e-3)
+
+    def made(mode: DataMode, reshard: bool = False, m: int = 1, machine: Machine | None = None) -> Prediction:
+        c = Candidate(1, 1, 4, mode, ScheduleKind.ONE_F_ONE_B, 1, m, RecomputeMode.NEVER, reshard)
+        return predict(c, costs, machine or Machine(4, 1e12, FREE_LINKS), 8)
+
+    kept = made(DataMode.FSDP2)
+    assert kept.optimizer_seconds == pytest.approx(0.040)
+    assert kept.data_seconds == pytest.approx(0.040 * (FSDP_GATHER_SHARE + FSDP_REDUCE_SHARE))
+    assert kept.step_seconds == pytest.approx(0.040 * (1 + 2 / 3))
+    resharded = made(DataMode.FSDP2, reshard=True, m=2)
+    assert resharded.data_seconds == pytest.approx(0.040 * 2 * (2 * FSDP_GATHER_SHARE + FSDP_REDUCE_SHARE))
+    shared = made(DataMode.FSDP2, machine=Machine(4, 1e12, FREE_LINKS, compute_slots=2))
+    assert shared.step_seconds == pytest.approx(2 * kept.step_seconds)
+    assert made(DataMode.ZERO1).step_seconds == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_dtensor_step_overhead_is_measured_on_one_process() -> None:
+    """A stand-in optimizer whose step sleeps 2 ms for every DTensor it steps (and nothing for a
+    plain tensor): the overhead per tensor is those 2 ms, measured without a process group; the
+    layers' parameter tensors are counted."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from lightning_pipe.planning.measure import measure_model, sharded_step_overhead
+
+    class PerDTensor(torch.optim.SGD):
+        def step(self, closure: object = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if isinstance(p.data, DTensor) or isinstance(p, DTensor):
+                        time.sleep(0.002)
+
+    overhead = sharded_step_overhead(lambda ps: PerDTensor(ps, lr=0.1), torch.device("cpu"), tensors=8)
+    assert 0.002 <= overhead < 0.01
+    assert not dist.is_initialized()
+    real = sharded_step_overhead(lambda ps: torch.optim.AdamW(ps), torch.device("cpu"), tensors=8)
+    assert 0.0 <= real < 0.05  # AdamW over DTensors costs more, not an unbounded amount
+    costs = measure_model([nn.Linear(4, 4), nn.ReLU()], lambda r: torch.randn(r, 4), 2, torch.device("cpu"),
+                          repeats=1, optimizer=lambda ps: PerDTensor(ps, lr=0.1))  # fmt: skip
+    assert [layer.parameter_tensors for layer in costs.layers] == [2, 0]
+    assert costs.sharded_step_seconds >= 0.002
 
 
 def test_compute_slots_are_the_cores_over_the_threads_on_cpu() -> None:

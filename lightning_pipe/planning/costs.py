@@ -62,6 +62,9 @@ class LayerCost:
     optimizer_seconds: float = 0.0
     """One optimizer step over the layer's parameters, whole (0: not measured). It runs after the
     pipeline's last backward, outside the schedule, on the share of the parameters a rank updates."""
+    parameter_tensors: int = 0
+    """How many parameter tensors the layer has (FSDP2 pays per tensor:
+    :attr:`ModelCosts.sharded_step_seconds`)."""
     timings: tuple[tuple[int, float, float], ...] = ()
     """The layer also measured at other micro-batch sizes: ``(rows, forward_seconds,
     backward_seconds)`` each (the sizes the candidates run, :func:`~.measure.measurement_sizes`)."""
@@ -141,6 +144,11 @@ class ModelCosts:
     SGD with momentum: 1)."""
     gradient_factor: float = 1.0
     """Gradient bytes per parameter byte (1: gradients in the parameters' dtype)."""
+    sharded_step_seconds: float = 0.0
+    """Per parameter tensor, what an optimizer step over DTensors (FSDP2's sharded parameters)
+    takes beyond the same step over plain tensors: DTensor dispatches every operation of the step
+    tensor by tensor (0: not measured; :func:`~.measure.sharded_step_overhead`). FSDP2's hooks,
+    which wrap and unwrap each tensor around its gathers and reductions, are counted from it."""
 
     def __post_init__(self) -> None:
         if not self.layers:

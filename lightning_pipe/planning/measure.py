@@ -174,6 +174,7 @@ def measure_layers(
                 saved_input_bytes=a.saved_input_bytes,
                 saved_output_bytes=a.saved_output_bytes,
                 parameter_bytes=parameter_bytes(layer),
+                parameter_tensors=len({id(p) for p in layer.parameters() if p.requires_grad}),
                 split_parameter_bytes=min(split.parameter_bytes, parameter_bytes(layer)),
                 tensor_forward_collectives=split.forward_collectives,
                 tensor_backward_collectives=split.backward_collectives,
@@ -251,7 +252,47 @@ def measure_model(
         rows,
         input_bytes=tensor_bytes(sample_at(rows)),
         optimizer_state_factor=optimizer_state_factor,
+        sharded_step_seconds=sharded_step_overhead(optimizer, device, repeats=repeats) if optimizer else 0.0,
     )
+
+
+def sharded_step_overhead(
+    optimizer: OptimizerFactory, device: torch.device, tensors: int = 32, numel: int = 256, repeats: int = 3
+) -> float:
+    """Per parameter tensor, what a step of ``optimizer`` over DTensors takes beyond the same step
+    over plain tensors (FSDP2 steps its sharded parameters as DTensors, and DTensor dispatches
+    every operation of the step for each tensor: on CPU about 0.3 ms a tensor, several times
+    AdamW's own time on a small layer). Timed on this process alone: ``tensors`` small tensors
+    (``numel`` elements: the dispatch, not the arithmetic, is timed), wrapped as DTensors sharded
+    over a one-process mesh that needs no process group (its elementwise operations communicate
+    nothing), the median of ``repeats`` steps each way after a first that creates the state."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    # No process group: the planner measures on one rank (or none is started); a one-process mesh
+    # is only the DTensors' frame, never used to communicate.
+    mesh = DeviceMesh(device.type, [0], _init_backend=False, _rank=0)
+
+    def step_seconds(wrap: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        params = [nn.Parameter(wrap(torch.zeros(numel, device=device))) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        step = optimizer(list(params))
+        times = []
+        for run in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            step.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if run:  # the first creates the state
+                times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    plain = step_seconds(lambda t: t)
+    sharded = step_seconds(lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False))
+    return max(0.0, sharded - plain) / tensors
 
 
 def compute_slots(device: torch.device, world: int, threads: int | None = None) -> float | None:
