@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import format_bytes
-from lightning_pipe.planning.planner import Plan
+from lightning_pipe.planning.planner import TIE, Plan
 
 NOT_COUNTED = (
     "Predicted from one device's measurements; memory counts parameters, gradients, optimizer state "
     "and activations (not the allocator's slack or framework buffers); time {optimizer}."
 )
 
-TIE = 0.005
-"""Predictions closer than this (a half percent) are called equally fast: no measurement here is
-finer."""
 
 _PARTS = {
     "compute_seconds": "compute",
