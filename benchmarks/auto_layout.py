@@ -72,6 +72,9 @@ class Sizes:
     batch: int
     rows: int | None = None
     """Samples per measured micro-batch (the layers are timed at it and twice it)."""
+    measure_sizes: bool = True
+    """Time the layers at the candidates' micro-batch sizes too (``--no-measure-sizes``: only at
+    ``rows`` and twice them, the line through those two extrapolated)."""
 
 
 def _gpt_parts(sizes: Sizes) -> tuple[Any, list[Any], Callable[[int], Any], Any]:
@@ -163,11 +166,14 @@ def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
 
 def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> tuple[Any, Any, Any]:
     """What ``layout="auto"`` would measure and decide, on this rank: (plan, costs, machine)."""
-    from lightning_pipe.planning import Machine, ModelShape, plan_layout
-    from lightning_pipe.planning.measure import accepted_tensor_sizes, measure_model
+    from lightning_pipe.planning import Constraints, Machine, ModelShape, enumerate_candidates, plan_layout
+    from lightning_pipe.planning.candidates import microbatch_rows
+    from lightning_pipe.planning.measure import accepted_tensor_sizes, measure_model, measurement_sizes
 
     tensor_sizes, splits = accepted_tensor_sizes(loaded.root, loaded.layers, loaded.plan_for, WORLD)
     split = splits[min(splits)] if splits else None
+    shape = ModelShape(len(loaded.layers), tensor_sizes)
+    needed = microbatch_rows(enumerate_candidates(WORLD, shape, sizes.batch, Constraints()), sizes.batch)
     costs = measure_model(
         loaded.layers,
         loaded.sample_at,
@@ -176,9 +182,10 @@ def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> 
         split,
         repeats,
         optimizer=_optimizer,
+        sizes=measurement_sizes(needed, _rows(sizes)) if sizes.measure_sizes else (),
     )
     machine = Machine(WORLD, MEMORY, links, compute_slots=slots)
-    plan = plan_layout(costs, machine, ModelShape(len(loaded.layers), tensor_sizes), sizes.batch)
+    plan = plan_layout(costs, machine, shape, sizes.batch)
     return plan, costs, machine
 
 
@@ -386,6 +393,7 @@ def summarise(name: str, results: list[Any]) -> dict[str, Any]:
             "measured_s": measured,
             "time_ratio": measured / prediction.step_seconds,
             "optimizer_s": max(median(r["optimizer"]) for r in per_rank),
+            "predicted_optimizer_s": prediction.optimizer_seconds,
             "predicted_peak_bytes": prediction.peak_bytes,
             "measured_peak_bytes": memory,
             "memory_ratio": memory / prediction.peak_bytes,
@@ -432,12 +440,26 @@ def main() -> None:
         default="layers",
         help="what the compute-slot probe times alone and on all ranks at once (default: the model's layers)",
     )
+    parser.add_argument(
+        "--no-measure-sizes",
+        dest="measure_sizes",
+        action="store_false",
+        help="time the layers only at --rows and twice them (the line through them extrapolated), not at "
+        "the micro-batch sizes the candidates run",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     warn_if_busy()
     sizes = {
-        "gpt": Sizes(width=128, layers=6, seq=args.seq, batch=args.batch, rows=args.rows),
-        "llama": Sizes(width=128, layers=6, seq=args.seq, batch=args.batch, rows=args.rows),
+        name: Sizes(
+            width=128,
+            layers=6,
+            seq=args.seq,
+            batch=args.batch,
+            rows=args.rows,
+            measure_sizes=args.measure_sizes,
+        )
+        for name in MODELS
     }
     start = time.monotonic()
     results = launch(

@@ -29,7 +29,13 @@ import lightning_pipe.planning.auto as planning_auto
 from lightning_pipe.construction.meta import parameters_on_meta
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.execution.recompute import RecomputeMode
-from lightning_pipe.planning.candidates import Constraints, DataMode, ModelShape, enumerate_candidates
+from lightning_pipe.planning.candidates import (
+    Constraints,
+    DataMode,
+    ModelShape,
+    enumerate_candidates,
+    microbatch_rows,
+)
 from lightning_pipe.planning.costs import GB, Links, Machine, format_bytes
 from lightning_pipe.planning.measure import (
     accepted_tensor_sizes,
@@ -37,6 +43,7 @@ from lightning_pipe.planning.measure import (
     compute_slots,
     device_memory,
     measure_model,
+    measurement_sizes,
 )
 from lightning_pipe.planning.planner import plan_layout
 from lightning_pipe.planning.report import render
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes, splits = accepted_tensor_sizes(loaded.root, loaded.layers, loaded.plan_for, args.devices)
     shape = ModelShape(len(loaded.layers), sizes)
     try:  # a constraint no layout meets is said before anything is measured
-        enumerate_candidates(args.devices, shape, args.batch, constraints)
+        candidates = enumerate_candidates(args.devices, shape, args.batch, constraints)
     except ValueError as err:
         print(f"{_WHERE}: {err}", file=sys.stderr)
         return 2
@@ -241,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats,
         args.optimizer_state_factor,
         optimizer=adamw,  # the step's time as AdamW's, whose state the memory's factor 2 assumes
+        sizes=measurement_sizes(microbatch_rows(candidates, args.batch), rows),
     )
     layers = costs.layers
     links = Links(

@@ -273,3 +273,41 @@ def test_a_batch_of_another_size_than_planned_is_warned_about() -> None:
     assert batch_differs(plan, (torch.zeros(8, 3), torch.zeros(8))) is None
     warning = batch_differs(plan, (torch.zeros(6, 3), torch.zeros(6)))
     assert warning is not None and "planned for 8 samples per replica" in warning and "have 6" in warning
+
+
+def test_the_choice_is_recorded_in_the_loggers_hyperparameters(tmp_path: Any) -> None:
+    """``log_choice`` (called at setup under ``layout="auto"``) gives every logger the chosen layout,
+    its options and the prediction as flat hyperparameters; a CSV logger writes them to its
+    ``hparams.yaml``."""
+    from lightning.pytorch.loggers import CSVLogger, Logger
+
+    from lightning_pipe.planning.auto import record
+    from lightning_pipe.strategy.auto_layout import log_choice
+
+    seen: list[dict[str, Any]] = []
+
+    class Capture(Logger):
+        name = "capture"
+        version = 0
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            seen.append(dict(params))
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            pass
+
+    layer = LayerCost(forward_seconds=1.0, backward_seconds=2.0, parameter_bytes=100, output_bytes=10)
+    plan = plan_replica_batch(
+        ModelCosts((layer, layer), rows=4), Machine(2, 1e9), ModelShape(2), 8, Constraints()
+    )
+    csv = CSVLogger(str(tmp_path))
+    values = log_choice([Capture(), csv], plan)
+    assert seen == [values]
+    chosen = plan.chosen()
+    assert values[f"{AUTO_LAYOUT_KEY}/layout"] == str(chosen.candidate)
+    assert values[f"{AUTO_LAYOUT_KEY}/pipeline_parallel_size"] == chosen.candidate.pipeline_parallel_size
+    assert values[f"{AUTO_LAYOUT_KEY}/predicted_seconds_per_replica_batch"] == chosen.step_seconds
+    assert len(values) == len(record(plan))
+    csv.save()
+    written = (tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text()
+    assert f"{AUTO_LAYOUT_KEY}/layout: {chosen.candidate}" in written

@@ -29,6 +29,7 @@ from lightning_pipe.planning import (
     ModelCosts,
     ModelShape,
     NothingFitsError,
+    Prediction,
     enumerate_candidates,
     plan_layout,
     predict,
@@ -227,7 +228,8 @@ def test_the_optimizer_step_is_timed_per_layer() -> None:
     assert optimizer_seconds(layers[1], lambda ps: Sleepy(ps, lr=0.1), torch.device("cpu")) == 0.0
     costs = measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=2,
                           optimizer=lambda ps: Sleepy(ps, lr=0.1))  # fmt: skip
-    assert Sleepy.steps == 3  # the first layer only: 1 + 2 repeats
+    # The first layer only (1 + 2 repeats), then the DTensor probe: plain and DTensor steps, 1 + 2 each.
+    assert Sleepy.steps == 3 + 2 * 3
     assert 0.02 <= costs.layers[0].optimizer_seconds < 0.2
     assert costs.layers[1].optimizer_seconds == 0.0
     assert (
@@ -236,6 +238,60 @@ def test_the_optimizer_step_is_timed_per_layer() -> None:
         .optimizer_seconds
         == 0.0
     )  # not asked: not measured
+
+
+def test_fsdp2_pays_dtensors_dispatch_per_parameter_tensor() -> None:
+    """4 layers of 10 parameter tensors, a DTensor step 1 ms a tensor over plain tensors' (AdamW's
+    own time 0), free compute and links, 4 data ranks. FSDP2 steps all 40 tensors on each rank
+    (sharded, but as many): 40 ms; its hooks a third of that per tensor and collective: one gather
+    and one reduction without resharding (26.7 ms), two gathers and a reduction per micro-batch
+    resharding (40 ms x 2 micro-batches); on 2 cores for 4 processes, twice each. ZeRO-1 steps
+    plain tensors: nothing."""
+    from lightning_pipe.planning.cost_model import FSDP_GATHER_SHARE, FSDP_REDUCE_SHARE
+
+    layer = LayerCost(0.0, 0.0, parameter_bytes=1000, parameter_tensors=10)
+    costs = ModelCosts((layer,) * 4, rows=1, sharded_step_seconds=1e-3)
+
+    def made(mode: DataMode, reshard: bool = False, m: int = 1, machine: Machine | None = None) -> Prediction:
+        c = Candidate(1, 1, 4, mode, ScheduleKind.ONE_F_ONE_B, 1, m, RecomputeMode.NEVER, reshard)
+        return predict(c, costs, machine or Machine(4, 1e12, FREE_LINKS), 8)
+
+    kept = made(DataMode.FSDP2)
+    assert kept.optimizer_seconds == pytest.approx(0.040)
+    assert kept.data_seconds == pytest.approx(0.040 * (FSDP_GATHER_SHARE + FSDP_REDUCE_SHARE))
+    assert kept.step_seconds == pytest.approx(0.040 * (1 + 2 / 3))
+    resharded = made(DataMode.FSDP2, reshard=True, m=2)
+    assert resharded.data_seconds == pytest.approx(0.040 * 2 * (2 * FSDP_GATHER_SHARE + FSDP_REDUCE_SHARE))
+    shared = made(DataMode.FSDP2, machine=Machine(4, 1e12, FREE_LINKS, compute_slots=2))
+    assert shared.step_seconds == pytest.approx(2 * kept.step_seconds)
+    assert made(DataMode.ZERO1).step_seconds == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_dtensor_step_overhead_is_measured_on_one_process() -> None:
+    """A stand-in optimizer whose step sleeps 2 ms for every DTensor it steps (and nothing for a
+    plain tensor): the overhead per tensor is those 2 ms, measured without a process group; the
+    layers' parameter tensors are counted."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from lightning_pipe.planning.measure import measure_model, sharded_step_overhead
+
+    class PerDTensor(torch.optim.SGD):
+        def step(self, closure: object = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if isinstance(p.data, DTensor) or isinstance(p, DTensor):
+                        time.sleep(0.002)
+
+    overhead = sharded_step_overhead(lambda ps: PerDTensor(ps, lr=0.1), torch.device("cpu"), tensors=8)
+    assert 0.002 <= overhead < 0.01
+    assert not dist.is_initialized()
+    real = sharded_step_overhead(lambda ps: torch.optim.AdamW(ps), torch.device("cpu"), tensors=8)
+    assert 0.0 <= real < 0.05  # AdamW over DTensors costs more, not an unbounded amount
+    costs = measure_model([nn.Linear(4, 4), nn.ReLU()], lambda r: torch.randn(r, 4), 2, torch.device("cpu"),
+                          repeats=1, optimizer=lambda ps: PerDTensor(ps, lr=0.1))  # fmt: skip
+    assert [layer.parameter_tensors for layer in costs.layers] == [2, 0]
+    assert costs.sharded_step_seconds >= 0.002
 
 
 def test_compute_slots_are_the_cores_over_the_threads_on_cpu() -> None:
@@ -315,6 +371,64 @@ def test_between_equal_times_less_traffic_wins_before_less_memory() -> None:
     assert resharded.data_traffic_seconds > by_mode[(DataMode.ZERO1, False)].data_traffic_seconds
     assert plan.chosen().candidate.data_mode is DataMode.ZERO1
     assert "as fast as pp=1, dp=4 replicated" in why(plan) and "lower peak memory" in why(plan)
+
+
+def test_when_the_cores_are_the_bottleneck_the_shorter_schedule_wins_the_tie() -> None:
+    """4 processes on 2 cores, a 4-stage 1F1B pipeline of 1 + 2 s per sample and stage, a batch of
+    8: all ranks' work, 4 x 8 x 3 = 96 s, over 2 cores is 48 s whatever the micro-batches, longer
+    than either schedule (m=4: 7 x 6 = 42 s; m=8: 11 x 3 = 33 s), so both are predicted at 48 s.
+    m=8 wins: its schedule on devices of its own is shorter, so it needs fewer cores lent by ranks
+    waiting in the bubble (on a host with more cores, it is the faster). Before the tie-break on
+    the schedule, the simpler m=4 won."""
+    fixed = Constraints(pipeline_parallel_size=4, schedule="1f1b", recompute="never")
+    machine = Machine(4, 1e12, FREE_LINKS, compute_slots=2)
+    costs = ModelCosts(
+        (LayerCost(1.0, 2.0, parameter_bytes=1000),) * 4, rows=1
+    )  # no activations: equal peaks
+    plan = plan_layout(costs, machine, ModelShape(4), 8, fixed)
+    by_m = {p.candidate.num_microbatches: p for p in plan.predictions}
+    assert by_m[4].step_seconds == pytest.approx(48.0) and by_m[8].step_seconds == pytest.approx(48.0)
+    assert by_m[4].peak_bytes == by_m[8].peak_bytes
+    assert plan.chosen().candidate.num_microbatches == 8
+    assert by_m[4].schedule_seconds == pytest.approx(42.0) and by_m[8].schedule_seconds == pytest.approx(33.0)
+    # Reported for that reason, against the best other layout (here: other micro-batches only).
+    free = plan_layout(costs, machine, ModelShape(4), 8, Constraints(recompute="never"))
+    best = free.chosen()
+    assert best.schedule_seconds == min(
+        p.schedule_seconds for p in free.fitting if p.step_seconds <= best.step_seconds * (1 + 1e-6)
+    )
+
+
+def test_ties_go_to_the_shorter_schedule_then_less_memory_then_fewer_processes_communicating() -> None:
+    """Equal predicted steps, nothing moved between replicas: the shorter schedule on devices of
+    their own wins (the wait for shared cores aside), then the lower peak, then the layout whose
+    collectives span fewer processes (tp x dp); the line under the table says which decided."""
+    from lightning_pipe.planning.cost_model import MemoryUse
+    from lightning_pipe.planning.planner import ranked
+
+    def made(tp: int, dp: int, peak: float, shared: float = 0.0) -> Prediction:
+        c = Candidate(4 // (tp * dp), tp, dp, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 4,
+                      RecomputeMode.NEVER)  # fmt: skip
+        use = MemoryUse(peak, 0.0, 0.0, 0.0)
+        return Prediction(
+            c, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, use, (use,), True, shared_compute_seconds=shared
+        )
+
+    plan = ranked([made(1, 2, 1.0, shared=0.2), made(1, 4, 2.0, shared=0.5)], 10.0, 4)
+    assert plan.chosen().candidate.data_parallel_size == 4
+    assert "shorter schedule on devices of their own (0.5 s against 0.8 s" in why(plan)
+    plan = ranked([made(1, 4, 2.0), made(1, 2, 1.0)], 10.0, 4)
+    assert plan.chosen().candidate.data_parallel_size == 2 and "lower peak memory" in why(plan)
+    plan = ranked([made(2, 2, 1.0), made(1, 4, 1.0), made(1, 2, 1.0)], 10.0, 4)
+    assert [p.communicating_processes for p in plan.predictions] == [2, 4, 4]
+    assert "collectives over fewer processes (2 against 4)" in why(plan)
+    # Within half a percent is a tie too (closer than any measurement here): the slightly slower
+    # prediction with the shorter schedule wins; one 1% slower does not.
+    near = replace(made(1, 4, 1.0, shared=0.5), step_seconds=1.004)
+    plan = ranked([made(1, 2, 1.0, shared=0.2), near], 10.0, 4)
+    assert plan.chosen() is near and "as fast as" in why(plan)
+    far = replace(near, step_seconds=1.01)
+    assert ranked([made(1, 2, 1.0, shared=0.2), far], 10.0, 4).chosen() is not far
 
 
 def test_when_nothing_fits_one_sentence_gives_the_need_and_the_limit() -> None:
@@ -413,6 +527,64 @@ def test_the_fixed_part_of_a_time() -> None:
     assert _fixed(1.0, 1.5) == pytest.approx(0.5)  # doubling the rows added 0.5 s: 0.5 s is fixed
     assert _fixed(1.0, 3.0) == 0.0  # noise: more than doubled
     assert _fixed(1.0, 0.5) == 1.0  # noise: faster on more rows
+
+
+def test_a_micro_batch_is_timed_from_the_sizes_measured_nearest_it() -> None:
+    """A layer measured at 2 samples (1 + 2 s, no fixed part), 4 (2 + 4 s) and 16 (32 + 64 s: its
+    time per sample quadruples once the micro-batch is large). One device, one 16-sample
+    micro-batch: the measured 96 s, where the line through 2 and 4 samples says 24 s; 8 samples lie
+    on the line between 4 and 16 (6 s, and 4/12 of the 90 s between); 1 sample on the line from
+    the fixed part through 2 samples; 32, the largest measured's time per sample."""
+    layer = LayerCost(1.0, 2.0, parameter_bytes=1000, timings=((16, 32.0, 64.0), (4, 2.0, 4.0)))
+    assert layer.timings == ((4, 2.0, 4.0), (16, 32.0, 64.0))  # sorted
+    costs = ModelCosts((layer,), rows=2)
+    one = Machine(1, 1e12, FREE_LINKS)
+
+    def step(batch: int) -> float:
+        c = Candidate(1, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+        return predict(c, costs, one, batch).step_seconds
+
+    assert step(16) == pytest.approx(96.0)
+    assert step(8) == pytest.approx(6.0 + 90.0 * 4 / 12)
+    assert step(1) == pytest.approx(1.5)
+    assert step(32) == pytest.approx(192.0)
+    # A tensor rank doing half the work of a layer whose parameters are all split: half the time
+    # past the fixed part.
+    fixed = replace(layer, forward_fixed_seconds=0.5, backward_fixed_seconds=0.5)
+    assert fixed.seconds_at(16, 2, share=0.5) == pytest.approx((0.5 + 31.5 / 2, 0.5 + 63.5 / 2))
+    with pytest.raises(ValueError, match="timings must be"):
+        LayerCost(1.0, 2.0, timings=((0, 1.0, 1.0),))
+
+
+def test_the_layers_are_timed_at_the_candidates_micro_batch_sizes() -> None:
+    """The sizes a batch of 16 on 4 processes runs are 1, 2, 4, 8 and 16 samples: measured at 2
+    (and 4, for the fixed part), the layers are also timed at 1, 8 and 16 (at most five sizes, the
+    largest always), and a layer whose time grows faster than its rows (a stand-in profiler) is
+    predicted at 16 samples as measured there."""
+    from lightning_pipe.partition.profile import LayerTime
+    from lightning_pipe.planning.candidates import microbatch_rows
+    from lightning_pipe.planning.measure import measure_model, measurement_sizes
+
+    candidates = enumerate_candidates(4, ModelShape(4), 16, Constraints())
+    needed = microbatch_rows(candidates, 16)
+    assert needed == [1, 2, 4, 8, 16]
+    assert measurement_sizes(needed, 2) == [1, 8, 16]
+    assert measurement_sizes([1, 2, 4, 8, 16, 32, 64, 128], 2) == [1, 16, 128]  # spread, largest kept
+    assert measurement_sizes([1, 2, 4, 8, 16, 32, 64, 128], 2, limit=3) == [128]
+
+    timed: list[int] = []
+
+    def profile(layers: list[nn.Module], sample: torch.Tensor, device: torch.device, repeats: int) -> list:
+        rows = sample.shape[0]
+        timed.append(rows)
+        return [LayerTime(rows * rows * 1e-3, 2 * rows * rows * 1e-3) for _ in layers]
+
+    with mock.patch("lightning_pipe.planning.measure.profile_layers", profile):
+        costs = measure_model([nn.Linear(4, 4)], lambda r: torch.randn(r, 4), 2, torch.device("cpu"),
+                              sizes=measurement_sizes(needed, 2))  # fmt: skip
+    assert sorted(timed) == [1, 2, 4, 8, 16]
+    c = Candidate(1, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+    assert predict(c, costs, Machine(1, 1e12, FREE_LINKS), 16).step_seconds == pytest.approx(3 * 16 * 16e-3)
 
 
 def test_parameter_bytes_and_the_plans_splits_on_the_meta_device() -> None:

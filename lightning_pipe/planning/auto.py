@@ -30,11 +30,23 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.execution.layers import bind_layers
-from lightning_pipe.planning.candidates import Constraints, ModelShape, divisors, enumerate_candidates
+from lightning_pipe.planning.candidates import (
+    Constraints,
+    ModelShape,
+    divisors,
+    enumerate_candidates,
+    microbatch_rows,
+)
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import GB, Links, Machine, ModelCosts, format_bytes
 from lightning_pipe.planning.links import probe_compute_slots, probe_links
-from lightning_pipe.planning.measure import LayerSplit, OptimizerFactory, adamw, measure_model
+from lightning_pipe.planning.measure import (
+    LayerSplit,
+    OptimizerFactory,
+    adamw,
+    measure_model,
+    measurement_sizes,
+)
 from lightning_pipe.planning.planner import Plan, plan_layout, ranked
 from lightning_pipe.planning.report import render
 from lightning_pipe.skip.plan import SkipLayers
@@ -115,6 +127,21 @@ def _data_sizes(world: int, constraints: Constraints) -> list[int]:
     return [fixed] if fixed is not None else divisors(world)
 
 
+def needed_rows(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> list[int]:
+    """The micro-batch sizes the candidates of :func:`plan_replica_batch` run."""
+    rows: set[int] = set()
+    for dp in _data_sizes(world, constraints):
+        batch = replica_batch * dp
+        try:
+            found = enumerate_candidates(
+                world, shape, batch, dataclasses.replace(constraints, data_parallel_size=dp)
+            )
+        except ValueError:
+            continue
+        rows.update(microbatch_rows(found, batch))
+    return sorted(rows)
+
+
 def check_constraints(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> None:
     """Raise ``ValueError`` naming the constraints when no layout of ``world`` processes meets them
     (the same on every rank: no collective)."""
@@ -168,9 +195,10 @@ def decide_layout(
     if rank == 0:
         try:
             rows = max(1, replica_batch // 2)  # measured at rows and 2 x rows: within the batch
+            sizes = measurement_sizes(needed_rows(world, shape, replica_batch, constraints), rows)
             costs = measure_model(
                 layers, sample_at, rows, device, splits, repeats, optimizer_state_factor,
-                optimizer if optimizer is not None else adamw,
+                optimizer if optimizer is not None else adamw, sizes,
             )  # fmt: skip
             machine = Machine(world, memory_bytes, links, compute_slots=slots)
             payload = [plan_replica_batch(costs, machine, shape, replica_batch, constraints)]

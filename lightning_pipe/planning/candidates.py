@@ -17,7 +17,7 @@ constraint no layout can meet is an error naming it, before any measurement is m
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 
 from lightning_pipe.execution.recompute import RecomputeMode
@@ -169,6 +169,12 @@ class Candidate:
             ),
             "partition": "time",
         }
+
+
+def microbatch_rows(candidates: Iterable[Candidate], batch: int) -> list[int]:
+    """The micro-batch sizes (samples) ``candidates`` run for a global batch of ``batch``: what the
+    layers are best timed at (:func:`~.measure.measurement_sizes`)."""
+    return sorted({batch // (c.data_parallel_size * c.num_microbatches) for c in candidates})
 
 
 def divisors(n: int) -> list[int]:

@@ -4,7 +4,8 @@ The step time is what the engine would do, played on paper:
 
 * the layers are split into ``pp x v`` stages as ``partition="time"`` splits them
   (:func:`~lightning_pipe.partition.balance.balance_by_time`), each stage's forward and backward
-  per micro-batch being its layers' times at the candidate's micro-batch size, divided by the
+  per micro-batch being its layers' times at the candidate's micro-batch size (measured at that
+  size where the measurement had it: :meth:`~.costs.LayerCost.seconds_at`), divided by the
   tensor size where the plan splits the work, plus the tensor-parallel all-reduces (exposed:
   they sit between a layer's matrix products) and, with recomputation, a second forward in
   backward;
@@ -26,6 +27,11 @@ The step time is what the engine would do, played on paper:
   it outlasts the compute the engine overlaps it with.
 
 The optimizer step (when measured) follows the schedule: each rank steps the parameters it updates.
+Under FSDP2 those are DTensors, and DTensor dispatches each operation of the step tensor by
+tensor: the step costs :attr:`~.costs.ModelCosts.sharded_step_seconds` more per parameter tensor
+the rank holds (measured on one process), and FSDP2's hooks, which wrap and unwrap every tensor of
+a layer around its gathers and reductions, a share of that per tensor and collective
+(:data:`FSDP_GATHER_SHARE`, :data:`FSDP_REDUCE_SHARE`), counted with the data axis' communication.
 
 Peak memory per rank is parameters, gradients and optimizer state as the data mode keeps them, and
 the activations of the most micro-batches the schedule keeps alive at once on each of the rank's
@@ -52,6 +58,20 @@ SPLIT_ACTIVATION_SHARE = 0.7
 al. 2022, arXiv:2205.05198, Table 2: without sequence parallelism a transformer layer saves
 ``sbh (10 + 24/t + 5as/(ht))`` bytes, the 24 and the attention scores split, the 10 of the norms
 and residuals whole: at least 24/34)."""
+
+
+FSDP_GATHER_SHARE = 1 / 3
+"""FSDP2's hooks around one all-gather of a layer, per parameter tensor, as a share of the
+optimizer step's DTensor overhead per tensor (:attr:`~.costs.ModelCosts.sharded_step_seconds`):
+both are per-tensor dispatch on the host, so one measurement scales both to the machine.
+Calibrated on this project's CPU host, one process (a world of one, the example GPT of width 128,
+6 blocks, 78 parameter tensors in 8 units): ``fully_shard`` added 12 ms to a forward and backward
+without resharding (one gather, one reduction) and 17.6 ms resharding (two gathers, one
+reduction), its AdamW step 18 ms to plain AdamW's: 0.154 and 0.226 ms a tensor against 0.23 ms,
+about a third of the step's overhead per tensor and collective."""
+
+FSDP_REDUCE_SHARE = 1 / 3
+"""The same for one reduce-scatter of a layer's gradients (see :data:`FSDP_GATHER_SHARE`)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +103,8 @@ class Prediction:
     """Tensor-parallel all-reduces on the busiest rank."""
     recompute_seconds: float
     data_seconds: float
-    """The data axis' communication left exposed (the worst rank's)."""
+    """The data axis' communication left exposed (the worst rank's), FSDP2's hooks around it
+    included."""
     data_traffic_seconds: float
     """The data axis' communication in all, hidden or not: between layouts predicted equally fast,
     the one moving less is safer (hidden traffic still contends for links and memory)."""
@@ -103,6 +124,20 @@ class Prediction:
     def peak_bytes(self) -> float:
         return self.memory.total
 
+    @property
+    def schedule_seconds(self) -> float:
+        """The step on devices of their own: the step less the wait for shared cores (the
+        schedule's makespan, the exposed communication and the optimizer step). Between layouts
+        predicted equally fast because the cores are the bottleneck, the one with the shorter
+        schedule relies less on ranks idle in the bubble lending their cores."""
+        return self.step_seconds - self.shared_compute_seconds
+
+    @property
+    def communicating_processes(self) -> int:
+        """The processes each step's collectives span (tensor ranks x data ranks; a pipeline's
+        neighbours only exchange point-to-point messages)."""
+        return self.candidate.tensor_parallel_size * self.candidate.data_parallel_size
+
 
 @dataclass(frozen=True)
 class _Stage:
@@ -121,13 +156,8 @@ class _Stage:
     """One optimizer step over the stage's parameters as a tensor rank holds them (whole on the
     data axis)."""
     layers: int
-
-
-def scaled(seconds: float, fixed: float, rows: float, measured_rows: int, share: float = 1.0) -> float:
-    """A time measured on ``measured_rows`` samples, for ``rows`` samples of which this rank does
-    ``share`` of the work: the fixed part (as many launches whatever the split), and the rest in
-    proportion."""
-    return fixed + (seconds - fixed) * rows / measured_rows * share
+    tensors: int
+    """The stage's parameter tensors."""
 
 
 @lru_cache(maxsize=256)
@@ -188,8 +218,9 @@ def _stage(
         shared = min(layer.saved_input_bytes, previous_saved_output)
         previous_saved_output = layer.saved_output_bytes
         keep = 1 - layer.split_share + layer.split_share / tp
-        forward += scaled(layer.forward_seconds, layer.forward_fixed_seconds, rows, costs.rows, keep)
-        backward += scaled(layer.backward_seconds, layer.backward_fixed_seconds, rows, costs.rows, keep)
+        f, b = layer.seconds_at(rows, costs.rows, keep)
+        forward += f
+        backward += b
         one = links.all_reduce(hidden * scale, tp)
         tensor_f += layer.tensor_forward_collectives * one
         tensor_b += layer.tensor_backward_collectives * one
@@ -225,6 +256,7 @@ def _stage(
         largest_layer=largest,
         optimizer=optimizer,
         layers=len(group),
+        tensors=sum(layer.parameter_tensors for layer in group),
     )
 
 
@@ -333,8 +365,23 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
     optimizer = max(sum(stages[s].optimizer for s in held) for held in ranks) / (
         c.data_parallel_size if sharded else 1
     )
+    hooks = 0.0
+    if c.data_mode is DataMode.FSDP2 and c.data_parallel_size > 1:
+        # DTensor's dispatch per tensor: in the step over the rank's sharded parameters, and in
+        # FSDP2's hooks around each gather and reduction (per micro-batch when resharding: a
+        # gather for the forward, another for the backward, a reduction after it).
+        tensors = max(sum(stages[s].tensors for s in held) for held in ranks)
+        per_tensor = costs.sharded_step_seconds * tensors
+        optimizer += per_tensor
+        if c.reshard_after_forward:
+            hooks = per_tensor * m * (2 * FSDP_GATHER_SHARE + FSDP_REDUCE_SHARE)
+        else:
+            hooks = per_tensor * (FSDP_GATHER_SHARE + FSDP_REDUCE_SHARE)
     if machine.compute_slots is not None:
+        # Every process steps (and runs its hooks) at once: on shared cores, at the cores' pace.
         optimizer *= max(1.0, machine.world_size / machine.compute_slots)
+        hooks *= max(1.0, machine.world_size / machine.compute_slots)
+    data += hooks
     return Prediction(
         candidate=c,
         step_seconds=sim.makespan + shared + data + optimizer,

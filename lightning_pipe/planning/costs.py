@@ -9,12 +9,16 @@ knowing about the other.
 Times and bytes are per *micro-batch of* :attr:`ModelCosts.rows` *samples*, as measured; the model
 scales them to a candidate's micro-batch size: linearly, past a fixed part that does not shrink
 with the rows (kernel launches, Python, the weights read once) and that the measurement estimates
-from two sizes. Nothing here is tensor-parallel yet: the model splits a layer's work and memory by
+from two sizes. A layer's time is not linear in the rows on every device (caches, a kernel's
+choice of tiles): :attr:`LayerCost.timings` holds it measured at the micro-batch sizes the
+candidates run, and the model reads a size from them (:meth:`LayerCost.seconds_at`). Nothing
+here is tensor-parallel yet: the model splits a layer's work and memory by
 the share of its parameters the plan splits.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 GB = 1e9
@@ -58,6 +62,12 @@ class LayerCost:
     optimizer_seconds: float = 0.0
     """One optimizer step over the layer's parameters, whole (0: not measured). It runs after the
     pipeline's last backward, outside the schedule, on the share of the parameters a rank updates."""
+    parameter_tensors: int = 0
+    """How many parameter tensors the layer has (FSDP2 pays per tensor:
+    :attr:`ModelCosts.sharded_step_seconds`)."""
+    timings: tuple[tuple[int, float, float], ...] = ()
+    """The layer also measured at other micro-batch sizes: ``(rows, forward_seconds,
+    backward_seconds)`` each (the sizes the candidates run, :func:`~.measure.measurement_sizes`)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -74,17 +84,50 @@ class LayerCost:
             or self.backward_fixed_seconds > self.backward_seconds
         ):
             raise ValueError("A fixed part of a layer's time cannot exceed the time it is part of.")
+        for timing in self.timings:
+            rows, forward, backward = timing
+            if not (rows >= 1 and forward >= 0 and backward >= 0):
+                raise ValueError(
+                    "timings must be (rows >= 1, forward seconds >= 0, backward seconds >= 0), "
+                    f"got {timing!r}."
+                )
+        object.__setattr__(self, "timings", tuple(sorted(tuple(t) for t in self.timings)))
         if not 0 <= self.split_parameter_bytes <= self.parameter_bytes:
             raise ValueError(
                 f"split_parameter_bytes ({self.split_parameter_bytes}) must lie between 0 and the layer's "
                 f"parameter_bytes ({self.parameter_bytes})."
             )
 
+    def seconds_at(self, rows: float, measured_rows: int, share: float = 1.0) -> tuple[float, float]:
+        """Forward and backward seconds for a micro-batch of ``rows`` samples of which this rank does
+        ``share`` of the work (``measured_rows``: :attr:`ModelCosts.rows`). Between two measured
+        sizes, the line through them; below the smallest, the line from the fixed part (at no rows)
+        through it; beyond the largest, the fixed part and the rest in proportion to the rows, from
+        the largest. Of that, the fixed part is paid whole (as many launches whatever the split)
+        and the rest in proportion to ``share``."""
+        points = sorted({(measured_rows, self.forward_seconds, self.backward_seconds), *self.timings})
+        out = []
+        for index, fixed in ((1, self.forward_fixed_seconds), (2, self.backward_fixed_seconds)):
+            line = [(0.0, fixed)] + [(float(p[0]), float(p[index])) for p in points]
+            out.append(fixed + (_through(line, rows) - fixed) * share)
+        return out[0], out[1]
+
     @property
     def split_share(self) -> float:
         """The share of the layer's parameters (and, as the model assumes, of its compute) that
         tensor parallelism splits."""
         return self.split_parameter_bytes / self.parameter_bytes if self.parameter_bytes else 0.0
+
+
+def _through(points: list[tuple[float, float]], x: float) -> float:
+    """The piecewise-linear function through ``points`` (sorted by x, the first at x = 0) at ``x``;
+    beyond the last point, the line from the first through the last (a noisy last segment's slope
+    is not extrapolated)."""
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1 and x1 > x0:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True)
@@ -101,6 +144,11 @@ class ModelCosts:
     SGD with momentum: 1)."""
     gradient_factor: float = 1.0
     """Gradient bytes per parameter byte (1: gradients in the parameters' dtype)."""
+    sharded_step_seconds: float = 0.0
+    """Per parameter tensor, what an optimizer step over DTensors (FSDP2's sharded parameters)
+    takes beyond the same step over plain tensors: DTensor dispatches every operation of the step
+    tensor by tensor (0: not measured; :func:`~.measure.sharded_step_overhead`). FSDP2's hooks,
+    which wrap and unwrap each tensor around its gathers and reductions, are counted from it."""
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -6,6 +6,11 @@
   device is still measured. It runs twice, on micro-batches of ``rows`` and ``2 x rows`` samples:
   the difference is the part that grows with the micro-batch, the rest the fixed part (launches,
   Python, reading the weights) that makes many small micro-batches slower than few large ones.
+  A layer's time is not that line everywhere (on CPU the time per sample grows once a layer's
+  activations leave the caches: a 4-stage pipeline of one 16-sample micro-batch ran 1.5x what the
+  line from 2 and 4 samples predicted), so the layers are also timed at the micro-batch sizes the
+  candidates run (:func:`measurement_sizes`: a few, spread over them, the largest always), and the
+  model reads each size from its nearest measurements.
 * Parameter bytes per layer: from the parameters' shapes and dtypes, so a meta-built model
   (:mod:`~lightning_pipe.construction.meta`) costs nothing to count.
 * What tensor parallelism splits: the model's plan, resolved and checked by the same function the
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -109,6 +114,29 @@ def _fixed(small: float, large: float) -> float:
     return min(max(2 * small - large, 0.0), small)
 
 
+MEASURED_SIZES = 5
+"""At most this many micro-batch sizes are timed per layer (the measured rows and twice them
+included): the time to measure grows with the samples timed, and the line between two measured
+sizes is close enough in between."""
+
+
+def measurement_sizes(needed: Iterable[int], rows: int, limit: int = MEASURED_SIZES) -> list[int]:
+    """The micro-batch sizes to time besides ``rows`` and ``2 rows`` (always timed: their
+    difference gives the fixed part) among the sizes the candidates run (``needed``): all of
+    them when they are few, else ``limit - 2`` spread evenly over their logarithms, the largest
+    always (the slowest per sample, and the farthest from a line through small sizes)."""
+    others = sorted({int(r) for r in needed if r >= 1} - {rows, 2 * rows})
+    room = max(0, limit - 2)
+    if len(others) <= room:
+        return others
+    if room == 0:
+        return []
+    if room == 1:
+        return [others[-1]]
+    step = (len(others) - 1) / (room - 1)
+    return sorted({others[round(i * step)] for i in range(room)})
+
+
 def measure_layers(
     layers: Sequence[nn.Module],
     sample_at: Callable[[int], Any],
@@ -116,27 +144,37 @@ def measure_layers(
     device: torch.device,
     splits: Sequence[LayerSplit] | None = None,
     repeats: int = 3,
+    sizes: Iterable[int] = (),
 ) -> list[LayerCost]:
     """Every layer's cost per micro-batch of ``rows`` samples (``sample_at(r)``: the first layer's
-    input for ``r`` samples); ``splits``: what a tensor-parallel plan splits per layer."""
+    input for ``r`` samples), timed also at twice the rows and at ``sizes`` (the micro-batch sizes
+    the candidates run; :func:`measurement_sizes` picks them); ``splits``: what a tensor-parallel
+    plan splits per layer."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}.")
     small = profile_layers(layers, sample_at(rows), device, repeats)
     large = profile_layers(layers, sample_at(2 * rows), device, repeats)
+    extra = {
+        r: profile_layers(layers, sample_at(r), device, repeats)
+        for r in sorted(set(sizes) - {rows, 2 * rows})
+    }
+    extra[2 * rows] = large
     splits = list(splits) if splits is not None else [LayerSplit()] * len(layers)
     costs = []
-    for layer, a, b, split in zip(layers, small, large, splits, strict=True):
+    for index, (layer, a, b, split) in enumerate(zip(layers, small, large, splits, strict=True)):
         costs.append(
             LayerCost(
                 forward_seconds=a.forward,
                 backward_seconds=a.backward,
                 forward_fixed_seconds=_fixed(a.forward, b.forward),
                 backward_fixed_seconds=_fixed(a.backward, b.backward),
+                timings=tuple((r, t[index].forward, t[index].backward) for r, t in sorted(extra.items())),
                 activation_bytes=a.saved_bytes,
                 output_bytes=a.output_bytes,
                 saved_input_bytes=a.saved_input_bytes,
                 saved_output_bytes=a.saved_output_bytes,
                 parameter_bytes=parameter_bytes(layer),
+                parameter_tensors=len({id(p) for p in layer.parameters() if p.requires_grad}),
                 split_parameter_bytes=min(split.parameter_bytes, parameter_bytes(layer)),
                 tensor_forward_collectives=split.forward_collectives,
                 tensor_backward_collectives=split.backward_collectives,
@@ -197,11 +235,13 @@ def measure_model(
     repeats: int = 3,
     optimizer_state_factor: float = 2.0,
     optimizer: OptimizerFactory | None = None,
+    sizes: Iterable[int] = (),
 ) -> ModelCosts:
-    """:func:`measure_layers`, with the first layer's input and the optimizer's bytes: what the
-    cost model needs of a model. With ``optimizer`` (the run's, as a factory), its step is timed
-    per layer too (:func:`optimizer_seconds`)."""
-    costs = measure_layers(layers, sample_at, rows, device, splits, repeats)
+    """:func:`measure_layers` (``sizes``: the further micro-batch sizes timed), with the first
+    layer's input and the optimizer's bytes: what the cost model needs of a model. With
+    ``optimizer`` (the run's, as a factory), its step is timed per layer too
+    (:func:`optimizer_seconds`)."""
+    costs = measure_layers(layers, sample_at, rows, device, splits, repeats, sizes)
     if optimizer is not None:
         costs = [
             replace(cost, optimizer_seconds=optimizer_seconds(layer, optimizer, device, repeats))
@@ -212,7 +252,47 @@ def measure_model(
         rows,
         input_bytes=tensor_bytes(sample_at(rows)),
         optimizer_state_factor=optimizer_state_factor,
+        sharded_step_seconds=sharded_step_overhead(optimizer, device, repeats=repeats) if optimizer else 0.0,
     )
+
+
+def sharded_step_overhead(
+    optimizer: OptimizerFactory, device: torch.device, tensors: int = 32, numel: int = 256, repeats: int = 3
+) -> float:
+    """Per parameter tensor, what a step of ``optimizer`` over DTensors takes beyond the same step
+    over plain tensors (FSDP2 steps its sharded parameters as DTensors, and DTensor dispatches
+    every operation of the step for each tensor: on CPU about 0.3 ms a tensor, several times
+    AdamW's own time on a small layer). Timed on this process alone: ``tensors`` small tensors
+    (``numel`` elements: the dispatch, not the arithmetic, is timed), wrapped as DTensors sharded
+    over a one-process mesh that needs no process group (its elementwise operations communicate
+    nothing), the median of ``repeats`` steps each way after a first that creates the state."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    # No process group: the planner measures on one rank (or none is started); a one-process mesh
+    # is only the DTensors' frame, never used to communicate.
+    mesh = DeviceMesh(device.type, [0], _init_backend=False, _rank=0)
+
+    def step_seconds(wrap: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        params = [nn.Parameter(wrap(torch.zeros(numel, device=device))) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        step = optimizer(list(params))
+        times = []
+        for run in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            step.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if run:  # the first creates the state
+                times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    plain = step_seconds(lambda t: t)
+    sharded = step_seconds(lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False))
+    return max(0.0, sharded - plain) / tensors
 
 
 def compute_slots(device: torch.device, world: int, threads: int | None = None) -> float | None:

@@ -1,12 +1,26 @@
 """Choose a layout: every candidate predicted, the fastest that fits memory first.
 
-Ties (equal predicted times within a part in a million) go to the candidate moving less data
-between replicas (communication hidden behind compute on paper still contends for the links and
-the memory bus), then to the one holding less memory, then to the simpler one (fewer pipeline
-stages, fewer tensor ranks, fewer micro-batches, no recomputation): a difference the cost model
-cannot see is not worth a more complex run. When nothing fits, :attr:`Plan.refusal` is one
-sentence with the least any candidate needs, that candidate, and the limit, so that the user
-knows how far off the model is and what came closest.
+Ties are predictions within :data:`TIE` (half a percent) of the fastest still unranked: closer
+than any measurement here resolves (on a shared CPU, runs of one layout differ by more). They are
+common where the processes share a host's cores: the step is then all their work over the cores,
+nearly the same for many layouts. Within such a group the order is, by
+
+1. the shorter schedule on devices of their own (:attr:`~.cost_model.Prediction.schedule_seconds`:
+   the makespan with its bubble and message waits, the exposed communication and the optimizer
+   step; the wait for shared cores left out): the layout that needs fewer cores lent by ranks idle
+   in the bubble, and the faster one where the cores turn out more than probed;
+2. less data moved between replicas (communication hidden behind compute on paper still contends
+   for the links and the memory bus);
+3. less peak memory per rank (more room for the allocator's slack, which the model does not count);
+4. fewer processes in each collective (tensor x data ranks: fewer to wait for, fewer to straggle);
+5. the simpler layout (fewer pipeline stages, fewer tensor ranks, fewer micro-batches, no
+   recomputation): a difference the cost model cannot see is not worth a more complex run.
+
+then the step itself. Every key is a number of the prediction or the candidate, so the order is
+total and the same on every rank and every run with the same measurements.
+
+When nothing fits, :attr:`Plan.refusal` is one sentence with the least any candidate needs, that
+candidate, and the limit, so that the user knows how far off the model is and what came closest.
 """
 
 from __future__ import annotations
@@ -24,17 +38,41 @@ class NothingFitsError(ValueError):
     """No candidate fits the memory each process has; the message is :attr:`Plan.refusal`."""
 
 
-def _rank_key(p: Prediction) -> tuple[float, float, float, int, int, int, int]:
+TIE = 0.005
+"""Predicted steps closer than this share of the faster are a tie, decided by the other keys."""
+
+
+def _rounded(seconds: float) -> float:
+    """A part in a million: beyond what any measurement resolves (sums in another order tie)."""
+    return float(f"{seconds:.6g}")
+
+
+def _tie_key(p: Prediction) -> tuple[float, float, float, int, int, int, int, int, float]:
+    """The order within a tie (the module docstring's)."""
     c = p.candidate
     return (
-        float(f"{p.step_seconds:.6g}"),  # a part in a million: beyond what any measurement resolves
-        float(f"{p.data_traffic_seconds:.6g}"),
+        _rounded(p.schedule_seconds),
+        _rounded(p.data_traffic_seconds),
         p.peak_bytes,
+        p.communicating_processes,
         c.pipeline_parallel_size * c.virtual_stages,
         c.tensor_parallel_size,
         c.num_microbatches,
         int(c.recompute is not RecomputeMode.NEVER),
+        p.step_seconds,
     )
+
+
+def _in_order(predictions: Iterable[Prediction]) -> list[Prediction]:
+    """Fastest first, each group of ties (within :data:`TIE` of the fastest left) by :func:`_tie_key`."""
+    rest = sorted(predictions, key=lambda p: (_rounded(p.step_seconds), _tie_key(p)))
+    out: list[Prediction] = []
+    while rest:
+        bound = rest[0].step_seconds * (1 + TIE)
+        tied = [p for p in rest if p.step_seconds <= bound]
+        out += sorted(tied, key=_tie_key)
+        rest = rest[len(tied) :]
+    return out
 
 
 @dataclass(frozen=True)
@@ -100,6 +138,9 @@ def ranked(predictions: Iterable[Prediction], memory_bytes: float, batch: int) -
     """A :class:`Plan` of ``predictions``: those that fit fastest first (ties broken as the module
     docstring says), then the others, smallest peak first."""
     predictions = list(predictions)
-    fitting = sorted((p for p in predictions if p.fits), key=_rank_key)
-    others = sorted((p for p in predictions if not p.fits), key=lambda p: (p.peak_bytes, _rank_key(p)))
+    fitting = _in_order(p for p in predictions if p.fits)
+    others = sorted(
+        (p for p in predictions if not p.fits),
+        key=lambda p: (p.peak_bytes, _rounded(p.step_seconds), _tie_key(p)),
+    )
     return Plan(tuple(fitting + others), memory_bytes, batch)

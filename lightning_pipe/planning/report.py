@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import format_bytes
-from lightning_pipe.planning.planner import Plan
+from lightning_pipe.planning.planner import TIE, Plan
 
 NOT_COUNTED = (
     "Predicted from one device's measurements; memory counts parameters, gradients, optimizer state "
     "and activations (not the allocator's slack or framework buffers); time {optimizer}."
 )
 
-TIE = 0.005
-"""Predictions closer than this (a half percent) are called equally fast: no measurement here is
-finer."""
 
 _PARTS = {
     "compute_seconds": "compute",
@@ -130,6 +127,12 @@ def why(plan: Plan) -> str:
 
 
 def _tie_reason(best: Prediction, other: Prediction) -> str:
+    """The first of the planner's tie-breaks (:mod:`.planner`) that tells the two apart."""
+    if best.schedule_seconds < other.schedule_seconds * (1 - 1e-6):
+        return (
+            f"its shorter schedule on devices of their own ({best.schedule_seconds:.3g} s against "
+            f"{other.schedule_seconds:.3g} s: it relies less on idle ranks lending their cores)"
+        )
     if best.data_traffic_seconds < other.data_traffic_seconds:
         return (
             f"less data-parallel traffic ({best.data_traffic_seconds:.3g} s against "
@@ -138,6 +141,11 @@ def _tie_reason(best: Prediction, other: Prediction) -> str:
     if best.peak_bytes < other.peak_bytes:
         mine, theirs = format_bytes(best.peak_bytes), format_bytes(other.peak_bytes)
         return f"its lower peak memory ({mine} against {theirs} per rank)"
+    if best.communicating_processes < other.communicating_processes:
+        return (
+            f"collectives over fewer processes ({best.communicating_processes} against "
+            f"{other.communicating_processes})"
+        )
     return "being the simpler layout"
 
 

@@ -11,17 +11,18 @@ may use (``max_memory``, or CUDA's free memory, the least over the ranks).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_pipe.batches.microbatch import batch_size, map_tensors
 from lightning_pipe.planning import Constraints, DataMode, ModelShape, Plan
-from lightning_pipe.planning.auto import decide_layout, measured_layers
+from lightning_pipe.planning.auto import decide_layout, measured_layers, record
 from lightning_pipe.planning.measure import accepted_tensor_sizes, device_memory
 from lightning_pipe.strategy.pipeline_model import read_module
 
@@ -156,6 +157,16 @@ def plan_module(
         )  # fmt: skip
     except ValueError as err:  # constraints no layout meets: the same sentence on every rank
         raise MisconfigurationException(f"pipe_tp layout='auto': {err}") from None
+
+
+def log_choice(loggers: Sequence[Logger], plan: Plan) -> dict[str, Any]:
+    """Record what ``layout="auto"`` chose in every logger's hyperparameters (flat
+    ``pipe_tp_auto_layout/<name>`` keys: the layout, its options, the prediction, the memory limit;
+    loggers write on global rank 0 only), and return them."""
+    values = {f"{AUTO_LAYOUT_KEY}/{name}": value for name, value in record(plan).items()}
+    for logger in loggers:
+        logger.log_hyperparams(values)
+    return values
 
 
 def batch_differs(plan: Plan, batch: Any) -> str | None:

@@ -42,7 +42,7 @@ from lightning_pipe.runtime import (
     preparation_of,
 )
 from lightning_pipe.schedule.builders import ScheduleKind
-from lightning_pipe.strategy.auto_layout import memory_limit, plan_module
+from lightning_pipe.strategy.auto_layout import log_choice, memory_limit, plan_module
 from lightning_pipe.strategy.compat import optimizers_to_device, skip_closure_backward, use_pipeline_summary
 from lightning_pipe.strategy.options import StrategyOptions
 from lightning_pipe.strategy.pipeline_model import (
@@ -157,7 +157,7 @@ class PipeTPSetup(PipeTPProcesses):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(module)
         if self.layout_pending:
-            self._choose_layout(module)
+            self._choose_layout(module, trainer)
         self._build_runtime(module, trains=trainer.state.fn == TrainerFn.FITTING)
         runtime = self.runtime
         use_pipeline_summary(
@@ -177,10 +177,10 @@ class PipeTPSetup(PipeTPProcesses):
             optimizers_to_device(self.optimizers, self.root_device)
         self._install_global_clipping(trainer)
 
-    def _choose_layout(self, module: LightningModule) -> None:
+    def _choose_layout(self, module: LightningModule, trainer: Trainer) -> None:
         """``layout="auto"``: measure, agree on a plan, print it, refuse when nothing fits (on every
-        rank, before the model is materialised), then take the chosen sizes and options and build
-        their mesh."""
+        rank, before the model is materialised), then take the chosen sizes and options, record them
+        in the loggers' hyperparameters and build their mesh."""
         assert self.auto_constraints is not None
         memory = memory_limit(self.max_memory, self.root_device)
         with self.faults.naming("choosing the layout (layout='auto': global rank 0 measures, then sends)"):
@@ -204,6 +204,7 @@ class PipeTPSetup(PipeTPProcesses):
             del engine["partition"]  # a method the user chose is kept (the default gives way to "time")
         self.options = dataclasses.replace(self.options, **engine)
         self.auto_plan = plan
+        log_choice(trainer.loggers, plan)  # the choice in the run's logs, with the rest
         self.start_mesh()
 
     def _build_runtime(self, module: LightningModule, trains: bool = True) -> None:
