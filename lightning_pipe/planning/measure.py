@@ -265,13 +265,18 @@ def sharded_step_overhead(
     AdamW's own time on a small layer). Timed on this process alone: ``tensors`` small tensors
     (``numel`` elements: the dispatch, not the arithmetic, is timed), wrapped as DTensors sharded
     over a one-process mesh that needs no process group (its elementwise operations communicate
-    nothing), the median of ``repeats`` steps each way after a first that creates the state."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
+    nothing), the median of ``repeats`` steps each way after a first that creates the state.
+    0.0 (not measured) where this torch has no public DTensor or cannot build a mesh without a
+    process group (``_init_backend`` and ``_rank`` are private arguments of ``DeviceMesh``)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
 
-    # No process group: the planner measures on one rank (or none is started); a one-process mesh
-    # is only the DTensors' frame, never used to communicate.
-    mesh = DeviceMesh(device.type, [0], _init_backend=False, _rank=0)
+        # No process group: the planner measures on one rank (or none is started); a one-process
+        # mesh is only the DTensors' frame, never used to communicate.
+        mesh = DeviceMesh(device.type, [0], _init_backend=False, _rank=0)
+    except (ImportError, TypeError):
+        return 0.0
 
     def step_seconds(wrap: Callable[[torch.Tensor], torch.Tensor]) -> float:
         params = [nn.Parameter(wrap(torch.zeros(numel, device=device))) for _ in range(tensors)]
