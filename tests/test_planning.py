@@ -429,6 +429,36 @@ def test_ties_go_to_the_shorter_schedule_then_less_memory_then_fewer_processes_c
     assert plan.chosen() is near and "as fast as" in why(plan)
     far = replace(near, step_seconds=1.01)
     assert ranked([made(1, 2, 1.0, shared=0.2), far], 10.0, 4).chosen() is not far
+    # The tie is measured from the fastest, not from the winner: dp=4 with m=2 (1.004) wins the
+    # group of dp=4 with m=4 (1.000) on its schedule; tp=2 x dp=2 at 1.008, 0.8% over the fastest,
+    # was not in the group: slower, not "as fast as" the winner.
+    same = made(1, 4, 1.0, shared=0.5)
+    shorter = replace(
+        made(1, 4, 1.0, shared=0.6), step_seconds=1.004, candidate=replace(same.candidate, num_microbatches=2)
+    )
+    slower = replace(made(2, 2, 1.0), step_seconds=1.008)
+    plan = ranked([same, shorter, slower], 10.0, 4)
+    assert plan.chosen() is shorter and "as fast as" not in why(plan) and "faster than" in why(plan)
+
+
+def test_every_prediction_is_ranked_once_when_rounded_steps_straddle_the_tie() -> None:
+    """Two steps equal to six digits, one each side of the half-percent bound, with the one over
+    it first by the tie-breaks: each prediction still appears once in the plan."""
+    from lightning_pipe.planning.cost_model import MemoryUse
+    from lightning_pipe.planning.planner import ranked
+
+    def made(microbatches: int, step: float, shared: float) -> Prediction:
+        c = Candidate(4, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, microbatches,
+                      RecomputeMode.NEVER)  # fmt: skip
+        use = MemoryUse(1.0, 0.0, 0.0, 0.0)
+        return Prediction(
+            c, step, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, use, (use,), True, shared_compute_seconds=shared
+        )
+
+    first, over, under = made(1, 1.0, 0.0), made(2, 1.0050004, 0.5), made(4, 1.0049996, 0.0)
+    plan = ranked([first, over, under], 10.0, 8)
+    assert sorted(id(p) for p in plan.predictions) == sorted(id(p) for p in (first, over, under))
+    assert plan.predictions[-1] is over
 
 
 def test_when_nothing_fits_one_sentence_gives_the_need_and_the_limit() -> None:
@@ -554,6 +584,24 @@ def test_a_micro_batch_is_timed_from_the_sizes_measured_nearest_it() -> None:
     assert fixed.seconds_at(16, 2, share=0.5) == pytest.approx((0.5 + 31.5 / 2, 0.5 + 63.5 / 2))
     with pytest.raises(ValueError, match="timings must be"):
         LayerCost(1.0, 2.0, timings=((0, 1.0, 1.0),))
+    with pytest.raises(ValueError, match="each micro-batch size once"):
+        LayerCost(1.0, 2.0, timings=((4, 2.0, 4.0), (4, 3.0, 3.0)))
+    # A timing at the measured size is that measurement, not a second point beside it.
+    again = LayerCost(1.0, 2.0, timings=((2, 3.0, 3.0), (4, 2.0, 4.0)))
+    assert again.seconds_at(2.1, 2) == pytest.approx(
+        LayerCost(1.0, 2.0, timings=((4, 2.0, 4.0),)).seconds_at(2.1, 2)
+    )
+
+
+def test_a_larger_micro_batch_never_takes_less_time_past_the_largest_measured() -> None:
+    """Noise on a layer that costs little more per sample than per call: 4 samples measured
+    faster than 2 (the fixed part then is the whole of the 2-sample time). Past 4 samples the time
+    holds, where the line from the fixed part through 4 samples fell below zero."""
+    layer = LayerCost(
+        1.0, 1.0, forward_fixed_seconds=1.0, backward_fixed_seconds=1.0, timings=((4, 0.9, 0.9),)
+    )
+    times = [sum(layer.seconds_at(rows, 2)) for rows in (4, 8, 16, 64)]
+    assert times == pytest.approx([1.8, 1.8, 1.8, 1.8])
 
 
 def test_the_layers_are_timed_at_the_candidates_micro_batch_sizes() -> None:

@@ -91,6 +91,9 @@ class LayerCost:
                     "timings must be (rows >= 1, forward seconds >= 0, backward seconds >= 0), "
                     f"got {timing!r}."
                 )
+        sizes = [timing[0] for timing in self.timings]
+        if len(set(sizes)) != len(sizes):
+            raise ValueError(f"timings must give each micro-batch size once, got sizes {sorted(sizes)}.")
         object.__setattr__(self, "timings", tuple(sorted(tuple(t) for t in self.timings)))
         if not 0 <= self.split_parameter_bytes <= self.parameter_bytes:
             raise ValueError(
@@ -104,8 +107,10 @@ class LayerCost:
         sizes, the line through them; below the smallest, the line from the fixed part (at no rows)
         through it; beyond the largest, the fixed part and the rest in proportion to the rows, from
         the largest. Of that, the fixed part is paid whole (as many launches whatever the split)
-        and the rest in proportion to ``share``."""
-        points = sorted({(measured_rows, self.forward_seconds, self.backward_seconds), *self.timings})
+        and the rest in proportion to ``share``. A timing at ``measured_rows`` itself is the
+        measurement above, not a second point at the same size."""
+        others = [timing for timing in self.timings if timing[0] != measured_rows]
+        points = sorted({(measured_rows, self.forward_seconds, self.backward_seconds), *others})
         out = []
         for index, fixed in ((1, self.forward_fixed_seconds), (2, self.backward_fixed_seconds)):
             line = [(0.0, fixed)] + [(float(p[0]), float(p[index])) for p in points]
@@ -122,12 +127,16 @@ class LayerCost:
 def _through(points: list[tuple[float, float]], x: float) -> float:
     """The piecewise-linear function through ``points`` (sorted by x, the first at x = 0) at ``x``;
     beyond the last point, the line from the first through the last (a noisy last segment's slope
-    is not extrapolated)."""
+    is not extrapolated), never falling: a last point measured under the first (noise on a layer
+    that costs little more per sample than per call) holds the time there, as a larger
+    micro-batch never takes less time."""
     for (x0, y0), (x1, y1) in itertools.pairwise(points):
         if x <= x1 and x1 > x0:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     (x0, y0), (x1, y1) = points[0], points[-1]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    if x1 <= x0:
+        return y1
+    return max(y1, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,10 @@ sizes is close enough in between."""
 def measurement_sizes(needed: Iterable[int], rows: int, limit: int = MEASURED_SIZES) -> list[int]:
     """The micro-batch sizes to time besides ``rows`` and ``2 rows`` (always timed: their
     difference gives the fixed part) among the sizes the candidates run (``needed``): all of
-    them when they are few, else ``limit - 2`` spread evenly over their logarithms, the largest
-    always (the slowest per sample, and the farthest from a line through small sizes)."""
+    them when they are few, else ``limit - 2`` picked at even steps through their sorted list (the
+    candidates' sizes are mostly powers of two, so that is about even in their logarithm), the
+    largest always (the slowest per sample, and the farthest from a line through small sizes),
+    the smallest too when two or more are picked."""
     others = sorted({int(r) for r in needed if r >= 1} - {rows, 2 * rows})
     room = max(0, limit - 2)
     if len(others) <= room:

@@ -16,8 +16,8 @@ nearly the same for many layouts. Within such a group the order is, by
 5. the simpler layout (fewer pipeline stages, fewer tensor ranks, fewer micro-batches, no
    recomputation): a difference the cost model cannot see is not worth a more complex run.
 
-then the step itself. Every key is a number of the prediction or the candidate, so the order is
-total and the same on every rank and every run with the same measurements.
+then the step itself, then the candidate's name (two schedules with the same numbers). So the
+order is total and the same on every rank and every run with the same measurements.
 
 When nothing fits, :attr:`Plan.refusal` is one sentence with the least any candidate needs, that
 candidate, and the limit, so that the user knows how far off the model is and what came closest.
@@ -47,12 +47,18 @@ def _rounded(seconds: float) -> float:
     return float(f"{seconds:.6g}")
 
 
-def _tie_key(p: Prediction) -> tuple[float, float, float, int, int, int, int, int, float]:
+def traffic(p: Prediction) -> float:
+    """The data-parallel traffic as the tie-break compares it: to a tenth of a microsecond (free
+    links' traffic, 1e-27 s against 2e-27 s, is none in both)."""
+    return round(p.data_traffic_seconds, 7)
+
+
+def _tie_key(p: Prediction) -> tuple[float, float, float, int, int, int, int, int, float, str]:
     """The order within a tie (the module docstring's)."""
     c = p.candidate
     return (
         _rounded(p.schedule_seconds),
-        _rounded(p.data_traffic_seconds),
+        traffic(p),
         p.peak_bytes,
         p.communicating_processes,
         c.pipeline_parallel_size * c.virtual_stages,
@@ -60,18 +66,20 @@ def _tie_key(p: Prediction) -> tuple[float, float, float, int, int, int, int, in
         c.num_microbatches,
         int(c.recompute is not RecomputeMode.NEVER),
         p.step_seconds,
+        str(c),
     )
 
 
 def _in_order(predictions: Iterable[Prediction]) -> list[Prediction]:
     """Fastest first, each group of ties (within :data:`TIE` of the fastest left) by :func:`_tie_key`."""
-    rest = sorted(predictions, key=lambda p: (_rounded(p.step_seconds), _tie_key(p)))
+    rest = sorted(predictions, key=lambda p: p.step_seconds)
     out: list[Prediction] = []
     while rest:
         bound = rest[0].step_seconds * (1 + TIE)
-        tied = [p for p in rest if p.step_seconds <= bound]
-        out += sorted(tied, key=_tie_key)
-        rest = rest[len(tied) :]
+        # Sorted by the exact step, the group is a prefix: every prediction lands exactly once.
+        size = sum(1 for p in rest if p.step_seconds <= bound)
+        out += sorted(rest[:size], key=_tie_key)
+        rest = rest[size:]
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import format_bytes
-from lightning_pipe.planning.planner import TIE, Plan
+from lightning_pipe.planning.planner import TIE, Plan, traffic
 
 NOT_COUNTED = (
     "Predicted from one device's measurements; memory counts parameters, gradients, optimizer state "
@@ -111,7 +111,9 @@ def why(plan: Plan) -> str:
             else "every other candidate is this layout"
         )
         return f"{best.candidate} won: {alternatives}{tail}."
-    if other.step_seconds <= best.step_seconds * (1 + TIE):
+    # The planner's group of ties is measured from the fastest prediction that fits, which the
+    # winner (chosen within the group) need not be.
+    if other.step_seconds <= min(p.step_seconds for p in fitting) * (1 + TIE):
         return (
             f"{best.candidate} won: {best.step_seconds:.3g} s per step predicted, as fast as "
             f"{other.candidate} and chosen for {_tie_reason(best, other)}{tail}."
@@ -133,7 +135,7 @@ def _tie_reason(best: Prediction, other: Prediction) -> str:
             f"its shorter schedule on devices of their own ({best.schedule_seconds:.3g} s against "
             f"{other.schedule_seconds:.3g} s: it relies less on idle ranks lending their cores)"
         )
-    if best.data_traffic_seconds < other.data_traffic_seconds:
+    if traffic(best) < traffic(other):
         return (
             f"less data-parallel traffic ({best.data_traffic_seconds:.3g} s against "
             f"{other.data_traffic_seconds:.3g} s, hidden or not)"
