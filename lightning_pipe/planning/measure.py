@@ -205,6 +205,14 @@ def optimizer_seconds(
     if not shapes:
         return 0.0
     params = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for shape, dtype in shapes]
+    return _step_seconds(params, optimizer, device, repeats)
+
+
+def _step_seconds(
+    params: list[torch.Tensor], optimizer: OptimizerFactory, device: torch.device, repeats: int
+) -> float:
+    """The median of ``repeats`` steps of ``optimizer`` over ``params`` (zero gradients given),
+    after a first step that creates the state."""
     for p in params:
         p.grad = torch.zeros_like(p)
     step = optimizer(params)
@@ -282,20 +290,7 @@ def sharded_step_overhead(
 
     def step_seconds(wrap: Callable[[torch.Tensor], torch.Tensor]) -> float:
         params = [nn.Parameter(wrap(torch.zeros(numel, device=device))) for _ in range(tensors)]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        step = optimizer(list(params))
-        times = []
-        for run in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            step.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if run:  # the first creates the state
-                times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+        return _step_seconds(list(params), optimizer, device, repeats)
 
     plain = step_seconds(lambda t: t)
     sharded = step_seconds(lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False))
