@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_pipe.execution.layers import bind_layers
 from lightning_pipe.planning.candidates import (
+    Candidate,
     Constraints,
     ModelShape,
     divisors,
@@ -107,17 +108,11 @@ def plan_replica_batch(
     """Every candidate for ``replica_batch`` samples per data-parallel replica (the global batch of
     a layout is ``replica_batch x dp``), its times per ``replica_batch`` samples, ranked."""
     predictions: list[Prediction] = []
-    for dp in _data_sizes(machine.world_size, constraints):
-        try:
-            plan = plan_layout(
-                costs,
-                machine,
-                shape,
-                replica_batch * dp,
-                dataclasses.replace(constraints, data_parallel_size=dp),
-            )
-        except ValueError:
-            continue  # no layout with this data size meets the constraints
+    for batch, _ in _per_data_size(machine.world_size, shape, replica_batch, constraints):
+        dp = batch // replica_batch
+        plan = plan_layout(
+            costs, machine, shape, batch, dataclasses.replace(constraints, data_parallel_size=dp)
+        )
         predictions += [_per_sample(p, dp) for p in plan.predictions]
     return ranked(predictions, machine.memory_bytes, replica_batch)
 
@@ -127,9 +122,11 @@ def _data_sizes(world: int, constraints: Constraints) -> list[int]:
     return [fixed] if fixed is not None else divisors(world)
 
 
-def needed_rows(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> list[int]:
-    """The micro-batch sizes the candidates of :func:`plan_replica_batch` run."""
-    rows: set[int] = set()
+def _per_data_size(
+    world: int, shape: ModelShape, replica_batch: int, constraints: Constraints
+) -> Iterator[tuple[int, list[Candidate]]]:
+    """For each data-parallel size with a layout meeting ``constraints``: its global batch
+    (``replica_batch x dp``) and its candidates."""
     for dp in _data_sizes(world, constraints):
         batch = replica_batch * dp
         try:
@@ -137,7 +134,14 @@ def needed_rows(world: int, shape: ModelShape, replica_batch: int, constraints: 
                 world, shape, batch, dataclasses.replace(constraints, data_parallel_size=dp)
             )
         except ValueError:
-            continue
+            continue  # no layout with this data size meets the constraints
+        yield batch, found
+
+
+def needed_rows(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> list[int]:
+    """The micro-batch sizes the candidates of :func:`plan_replica_batch` run."""
+    rows: set[int] = set()
+    for batch, found in _per_data_size(world, shape, replica_batch, constraints):
         rows.update(microbatch_rows(found, batch))
     return sorted(rows)
 
@@ -145,14 +149,8 @@ def needed_rows(world: int, shape: ModelShape, replica_batch: int, constraints: 
 def check_constraints(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> None:
     """Raise ``ValueError`` naming the constraints when no layout of ``world`` processes meets them
     (the same on every rank: no collective)."""
-    for dp in _data_sizes(world, constraints):
-        try:
-            enumerate_candidates(
-                world, shape, replica_batch * dp, dataclasses.replace(constraints, data_parallel_size=dp)
-            )
-            return
-        except ValueError:
-            continue
+    if next(_per_data_size(world, shape, replica_batch, constraints), None) is not None:
+        return
     sizes = sorted(t for t in shape.tensor_parallel_sizes if world % t == 0)
     raise ValueError(
         f"No layout of {world} processes meets {constraints.describe()} for this model ({shape.num_layers} "

@@ -379,8 +379,9 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
             hooks = per_tensor * (FSDP_GATHER_SHARE + FSDP_REDUCE_SHARE)
     if machine.compute_slots is not None:
         # Every process steps (and runs its hooks) at once: on shared cores, at the cores' pace.
-        optimizer *= max(1.0, machine.world_size / machine.compute_slots)
-        hooks *= max(1.0, machine.world_size / machine.compute_slots)
+        pace = max(1.0, machine.world_size / machine.compute_slots)
+        optimizer *= pace
+        hooks *= pace
     data += hooks
     return Prediction(
         candidate=c,

@@ -47,6 +47,11 @@ def _rounded(seconds: float) -> float:
     return float(f"{seconds:.6g}")
 
 
+def schedule(p: Prediction) -> float:
+    """The schedule on devices of their own as the tie-break compares it (to a part in a million)."""
+    return _rounded(p.schedule_seconds)
+
+
 def traffic(p: Prediction) -> float:
     """The data-parallel traffic as the tie-break compares it: to a tenth of a microsecond (free
     links' traffic, 1e-27 s against 2e-27 s, is none in both)."""
@@ -57,7 +62,7 @@ def _tie_key(p: Prediction) -> tuple[float, float, float, int, int, int, int, in
     """The order within a tie (the module docstring's)."""
     c = p.candidate
     return (
-        _rounded(p.schedule_seconds),
+        schedule(p),
         traffic(p),
         p.peak_bytes,
         p.communicating_processes,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import format_bytes
-from lightning_pipe.planning.planner import TIE, Plan, traffic
+from lightning_pipe.planning.planner import TIE, Plan, schedule, traffic
 
 NOT_COUNTED = (
     "Predicted from one device's measurements; memory counts parameters, gradients, optimizer state "
@@ -130,7 +130,7 @@ def why(plan: Plan) -> str:
 
 def _tie_reason(best: Prediction, other: Prediction) -> str:
     """The first of the planner's tie-breaks (:mod:`.planner`) that tells the two apart."""
-    if best.schedule_seconds < other.schedule_seconds * (1 - 1e-6):
+    if schedule(best) < schedule(other):
         return (
             f"its shorter schedule on devices of their own ({best.schedule_seconds:.3g} s against "
             f"{other.schedule_seconds:.3g} s: it relies less on idle ranks lending their cores)"
