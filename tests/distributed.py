@@ -149,10 +149,60 @@ def _received_fd(handle: Any) -> int:
     return int(handle.detach())
 
 
-def free_port() -> int:
+PORTS_BELOW_EPHEMERAL = 8192
+"""How many ports under the kernel's ephemeral range :func:`free_port` hands out (split between
+the pytest-xdist workers)."""
+
+_next_port: dict[str, int] = {}
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (Linux), or ``None`` where it can't be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port for a launch's rendezvous store, free now and not about to be taken by another process.
+
+    A port the kernel picks (``bind(("", 0))``) is ephemeral: between this call and the moment the
+    launch's rank 0 binds it (seconds later: its process forks, imports, builds a model), the kernel
+    may give the same number to any new connection, gloo's own among them, of the other pytest-xdist
+    worker's launches (``EADDRINUSE`` from ``TCPStore``; seen once in a whole run). So the port comes
+    from under the ephemeral range, where the kernel never assigns one itself, from a slice of its
+    own for each xdist worker, taken in turn (a port is not reused until the slice wraps) and
+    checked free now.
+    """
+    low = _ephemeral_low()
+    if low is None or low <= 1024 + PORTS_BELOW_EPHEMERAL:  # an unusual range: let the kernel pick
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    size = PORTS_BELOW_EPHEMERAL // workers
+    first = low - PORTS_BELOW_EPHEMERAL + (index % workers) * size
+    # Start where this process's pid puts it: the worker's subprocesses (a script launching ranks
+    # itself) pick ports too, and should not all begin at the same one.
+    offset = _next_port.get(worker, os.getpid() % size)
+    for step in range(size):
+        port = first + (offset + step) % size
+        if _bindable(port):
+            _next_port[worker] = (offset + step + 1) % size
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + size - 1} (pytest-xdist worker {worker})")
 
 
 def _child(

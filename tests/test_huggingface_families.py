@@ -7,14 +7,16 @@ Each rank builds the same tiny random model, derives its pipeline (``CausalLMPip
 plan's modules in order, masks and rotary tables rebuilt per stage, the family's prologue and
 epilogue) and its tensor-parallel plan from the model's public ``tp_plan``, and trains three SGD
 steps with the engine (``ParallelRuntime.train_batch``), micro-batch losses weighted by their
-tokens. Rank 0 trains the same model on the whole batches in one process and compares every
-loss, every gradient of the first step and every weight after the last: 1e-9 in float64 (the
+tokens. The test process trains the same model on the whole batches (once per family and kind,
+for all the layouts), and rank 0 compares every loss, every gradient of the first step and every
+weight after the last with it: 1e-9 in float64 (the
 families whose own forward runs in float64), 1e-5 in float32.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +37,7 @@ from tests.hf_families import FAMILIES, SEQ, batches, build, train_reference
 pytestmark = pytest.mark.distributed
 
 STEPS, BATCH, LR = 3, 8, 0.5
+KINDS = ("padded", "packed")
 LR_FLOAT32 = 0.1
 """The step of the float32 families. Every tensor-parallel layout sums partial products in its own
 order, so its float32 gradients differ from one device's in the last bits (5.7e-7 at the first
@@ -73,11 +76,17 @@ def _head(output: torch.Tensor, microbatch: Microbatch) -> torch.Tensor:
 
 
 def _train(
-    family: str, kind: str, layout: ParallelLayout, mesh: Any, shard: bool = False, sequence: bool = False
+    family: str,
+    kind: str,
+    layout: ParallelLayout,
+    mesh: Any,
+    references: dict[str, Any],
+    shard: bool = False,
+    sequence: bool = False,
 ) -> dict[str, Any]:
     family, _, variant = family.partition("+")
-    float64 = FAMILIES[family].float64
-    dtype = torch.float64 if float64 else torch.float32
+    dtype, lr = _float(family)
+    float64 = dtype is torch.float64
     model = build(family, dtype)
     model._tp_plan = VARIANTS[variant](dict(model.tp_plan)) if variant else model.tp_plan
     pipeline = CausalLMPipeline(model)
@@ -108,7 +117,6 @@ def _train(
     runtime = ParallelRuntime(
         model, pipeline.layers(), mesh, torch.device("cpu"), options, seed=0, hooks=pipeline.hooks()
     )
-    lr = LR if float64 else LR_FLOAT32
     optimizer = runtime.keep_own(torch.optim.SGD(model.parameters(), lr=lr))
     dp_rank, dp = mesh.coordinates.dp_rank, layout.data_parallel_size
     losses, grads = [], {}
@@ -131,7 +139,7 @@ def _train(
     runtime.close()
     if mesh.rank != 0:
         return {}
-    expected = train_reference(build(family, dtype), batches(kind, STEPS, BATCH), lr)
+    expected = references[f"{family}/{kind}"]
     tol = 1e-9 if float64 else 1e-5
     gaps = {
         "losses": max(abs(a - b) for a, b in zip(losses, expected["losses"], strict=True)),
@@ -145,16 +153,54 @@ def _train(
 
 
 def family_worker(
-    sizes: tuple[int, int, int], families: list[str], shard: bool = False, sequence: bool = False
+    sizes: tuple[int, int, int],
+    families: list[str],
+    references: str,
+    shard: bool = False,
+    sequence: bool = False,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     layout = ParallelLayout(*sizes)
     mesh = init_mesh(layout, "cpu")
+    expected = torch.load(references, weights_only=True) if mesh.rank == 0 else {}
     return {
-        f"{family}/{kind}": _train(family, kind, layout, mesh, shard, sequence)
+        f"{family}/{kind}": _train(family, kind, layout, mesh, expected, shard, sequence)
         for family in families
-        for kind in ("padded", "packed")
+        for kind in KINDS
     }
+
+
+_references: dict[str, dict[str, Any]] = {}
+"""Each family's one-device training on each kind of batch, computed once for every layout."""
+
+
+def _float(family: str) -> tuple[torch.dtype, float]:
+    float64 = FAMILIES[family].float64
+    return (torch.float64, LR) if float64 else (torch.float32, LR_FLOAT32)
+
+
+def references_for(families: list[str], folder: Path) -> str:
+    """A file with the one-device training of ``families`` (a variant's is its family's: the
+    ``tp_plan`` changes nothing on one device) on both kinds of batches, for rank 0 to compare with.
+
+    Trained here, in the test process, once per family and kind for the module's six launches,
+    instead of by rank 0 of each launch while its peers wait; with one intra-op thread, as the
+    ranks compute.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for family in {f.partition("+")[0] for f in families}:
+            dtype, lr = _float(family)
+            for kind in KINDS:
+                key = f"{family}/{kind}"
+                if key not in _references:
+                    _references[key] = train_reference(build(family, dtype), batches(kind, STEPS, BATCH), lr)
+    finally:
+        torch.set_num_threads(threads)
+    path = folder / "references.pt"
+    torch.save(_references, path)
+    return str(path)
 
 
 LAYOUTS = {
@@ -202,16 +248,17 @@ mixture of experts kept whole on each rank's part, which the model's plan vouche
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_families_train_like_their_own_forward(layout: str) -> None:
+def test_families_train_like_their_own_forward(layout: str, tmp_path: Path) -> None:
     sizes = LAYOUTS[layout]
     world = sizes[0] * sizes[1] * sizes[2]
     shard = layout.endswith("_fsdp")
     sequence = layout.endswith("_sp")
     families = SHARDED_FAMILIES if shard else SEQUENCE_FAMILIES if sequence else list(FAMILIES)
+    references = references_for(families, tmp_path)
     got = run_distributed(
-        family_worker, world, sizes, families, shard, sequence, timeout=600, pg_timeout=120
+        family_worker, world, sizes, families, references, shard, sequence, timeout=600, pg_timeout=120
     )[0]
-    assert sorted(got) == sorted(f"{f}/{k}" for f in families for k in ("padded", "packed"))
+    assert sorted(got) == sorted(f"{f}/{k}" for f in families for k in KINDS)
     failures = [
         f"{case} ({result['dtype']}): {what} differ by {gap:.2e} > {result['tol']:.0e}"
         for case, result in got.items()

@@ -12,6 +12,7 @@ with ``strategy="auto"`` on one process within 1e-5.
 
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -83,9 +84,11 @@ def worker(
     }
 
 
+@functools.cache
 def reference(name: str, dp: int = 1) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process; with ``dp`` replicas of batches of ``BATCH / dp`` accumulating ``dp`` batches,
-    the reference takes whole batches and accumulates as many (the same samples per step)."""
+    the reference takes whole batches and accumulates as many (the same samples per step). Trained
+    once per model and ``dp`` (the models are seeded): the cases compare with it, never change it."""
     model, data = _model(name)
     losses = Losses()
     fit(
