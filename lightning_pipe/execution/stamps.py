@@ -40,6 +40,12 @@ class Clock(Protocol):
         """Line the clock up with the host's again (may wait for the device: between steps)."""
         ...
 
+    @property
+    def origin_error(self) -> float:
+        """How far, at most, the last :meth:`rebase` put the clock's times from the host's, in
+        seconds (0 for the host's own clock)."""
+        ...
+
 
 class HostClock:
     """``time.perf_counter()``: the span of a call is the span of its work (CPU, gloo)."""
@@ -53,6 +59,10 @@ class HostClock:
     def rebase(self) -> None:
         """Nothing to line up: it is the host's clock."""
 
+    @property
+    def origin_error(self) -> float:
+        return 0.0
+
 
 class DeviceEventClock:
     """Events recorded on the current stream of ``device``, read as host seconds after the step.
@@ -65,10 +75,16 @@ class DeviceEventClock:
         synchronize: waits until ``device`` has done all queued work (default
             ``torch.cuda.synchronize``).
 
-    The origin is set when the clock is made (and by :meth:`rebase`): the device is drained, the
-    host's clock read, and an event recorded on the idle stream, which completes at once, so that
-    event's time is that host time (to within the launch latency, microseconds).
+    The origin is set when the clock is made (and by :meth:`rebase`): the device is drained and an
+    event recorded on the idle stream, which completes at once, between two reads of the host's
+    clock, so that event's time is their midpoint (to within half the time between them, and the
+    launch latency: microseconds).
     """
+
+    REBASE_TRIES = 5
+    """Origins taken at each rebase, the one between the closest host readings kept: a process
+    descheduled between the readings (a loaded machine) would put every time of the recording off
+    by as long as it waited, milliseconds, which the closest of a few readings leaves out."""
 
     def __init__(
         self,
@@ -81,6 +97,7 @@ class DeviceEventClock:
         self._synchronize = synchronize if synchronize is not None else torch.cuda.synchronize
         self._origin_event: Any = None
         self._origin_seconds = 0.0
+        self._origin_error = 0.0
         self.rebase()
 
     def _stream(self) -> Any:
@@ -89,9 +106,21 @@ class DeviceEventClock:
     def rebase(self) -> None:
         """A new origin (waits for the device: call between steps, e.g. when recording starts)."""
         self._synchronize(self.device)
-        self._origin_seconds = time.perf_counter()
-        self._origin_event = self._event()
-        self._origin_event.record(self._stream())
+        closest = float("inf")
+        for _ in range(self.REBASE_TRIES):
+            event = self._event()
+            before = time.perf_counter()
+            event.record(self._stream())
+            after = time.perf_counter()
+            if after - before < closest:
+                closest = after - before
+                self._origin_event, self._origin_seconds = event, (before + after) / 2
+        self._origin_error = closest / 2
+
+    @property
+    def origin_error(self) -> float:
+        """Half the time between the host readings around the origin's event (launch latency aside)."""
+        return self._origin_error
 
     def stamp(self) -> Any:
         event = self._event()

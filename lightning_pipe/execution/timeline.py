@@ -56,8 +56,9 @@ class TimelineRecorder:
         """What was recorded since :attr:`events` was last read: (action or span name, start stamp,
         end stamp), read into events then (a device clock's stamps wait for the device)."""
         self.origin_error = 0.0
-        """How far this rank's origin may be from the group's first rank's, at most, in seconds
-        (half the shortest round trip of :meth:`start`'s estimate; 0 on that rank)."""
+        """How far this rank's times may be from the group's first rank's clock, at most, in
+        seconds: half the shortest round trip of :meth:`start`'s estimate (0 on that rank), plus
+        how far the clock's own origin may be from the host's (a device clock's)."""
 
     @property
     def events(self) -> list[TimelineEvent]:
@@ -95,9 +96,10 @@ class TimelineRecorder:
         self._pending.clear()
         self.clock.rebase()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-            self.t0, self.origin_error = time.perf_counter(), 0.0
+            self.t0, self.origin_error = time.perf_counter(), self.clock.origin_error
             return
-        self.t0, self.origin_error = common_origin(group)
+        self.t0, error = common_origin(group)
+        self.origin_error = error + self.clock.origin_error
 
     def add_span(self, name: str, start: Any, end: Any) -> None:
         """Record a named span that is not a schedule action, between two stamps of
