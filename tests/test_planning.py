@@ -294,6 +294,34 @@ def test_the_dtensor_step_overhead_is_measured_on_one_process() -> None:
     assert costs.sharded_step_seconds >= 0.002
 
 
+def test_the_dtensor_probe_runs_only_where_a_candidate_shards_parameters() -> None:
+    """The DTensor step probe (about a second) is skipped where no FSDP2 candidate can be planned
+    (one process, dp fixed to 1, another data mode fixed), and still run where one can: through
+    ``layout='auto'``'s own measurement (one process: no FSDP2) and the helper it asks."""
+    from lightning_pipe.planning import auto as planning_auto
+    from lightning_pipe.planning import measure
+
+    shape = ModelShape(num_layers=2)
+    assert planning_auto.needs_sharded_step(4, shape, 4, Constraints())
+    assert planning_auto.needs_sharded_step(4, shape, 4, Constraints(data_mode=DataMode.FSDP2))
+    assert not planning_auto.needs_sharded_step(1, shape, 4, Constraints())
+    assert not planning_auto.needs_sharded_step(4, shape, 4, Constraints(data_parallel_size=1))
+    assert not planning_auto.needs_sharded_step(4, shape, 4, Constraints(data_mode=DataMode.ZERO1))
+    assert not planning_auto.needs_sharded_step(4, shape, 4, Constraints(data_mode=DataMode.REPLICATED))
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    with mock.patch.object(measure, "sharded_step_overhead", return_value=0.001) as probe:
+        plan = planning_auto.decide_layout(
+            layers, lambda r: torch.randn(r, 4), 4, torch.device("cpu"), 1e9, shape, Constraints(), repeats=1
+        )
+        assert plan.best is not None and probe.call_count == 0
+        measure.measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=1,
+                              optimizer=measure.adamw, sharded=False)  # fmt: skip
+        assert probe.call_count == 0
+        costs = measure.measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=1,
+                                      optimizer=measure.adamw)  # fmt: skip
+        assert probe.call_count == 1 and costs.sharded_step_seconds == 0.001
+
+
 def test_compute_slots_are_the_cores_over_the_threads_on_cpu() -> None:
     from lightning_pipe.planning.measure import compute_slots
 
