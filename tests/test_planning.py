@@ -209,6 +209,28 @@ def test_reduce_scatter_and_all_gather_measured_apart_are_used_where_given() -> 
         Links(all_gather_bandwidth=0.0)
 
 
+def test_each_step_pays_the_runtimes_own_collectives_at_the_links_latency() -> None:
+    """The runtime's batch agreement (2 all-reduces over the pp x tp replica) and, with a pipeline,
+    the results sent from the last stage (3 broadcasts over the pipeline ranks), latency alone.
+    Links of 1 s a ring step, free bytes and messages, free compute: pp=4 pays 2 x 6 + 3 x 3 =
+    21 s; pp=2 x tp=2 2 x 6 + 3 x 1 = 15 s; tp=4 2 x 6 = 12 s; pp=1 x dp=4 nothing (no replica
+    of several ranks, no pipeline: its data axis' latency is the data part's)."""
+    costs = ModelCosts((LayerCost(0.0, 0.0, parameter_bytes=1000),) * 4, rows=1)
+    links = Links(p2p_bandwidth=1e30, p2p_latency=0.0, collective_bandwidth=1e30, collective_latency=1.0,
+                  overlap_data_parallel=False)  # fmt: skip
+
+    def made(pp: int, tp: int, dp: int) -> Prediction:
+        c = Candidate(pp, tp, dp, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+        return predict(c, costs, Machine(4, 1e12, links), 4)
+
+    assert made(4, 1, 1).step_collectives_seconds == pytest.approx(21.0)
+    assert made(4, 1, 1).step_seconds == pytest.approx(21.0)
+    assert made(2, 2, 1).step_collectives_seconds == pytest.approx(15.0)
+    assert made(1, 4, 1).step_collectives_seconds == pytest.approx(12.0)
+    dp4 = made(1, 1, 4)
+    assert dp4.step_collectives_seconds == 0.0 and dp4.step_seconds == pytest.approx(dp4.data_seconds)
+
+
 def test_the_optimizer_step_follows_the_schedule_on_the_parameters_a_rank_updates() -> None:
     """4 layers whose optimizer step takes 1 s each over their whole parameters, free compute:
     a replica steps all 4 (4 s), ZeRO-1 and FSDP2 over 4 data ranks a quarter each (1 s), a
