@@ -167,13 +167,14 @@ def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
 def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> tuple[Any, Any, Any]:
     """What ``layout="auto"`` would measure and decide, on this rank: (plan, costs, machine)."""
     from lightning_pipe.planning import Constraints, Machine, ModelShape, enumerate_candidates, plan_layout
-    from lightning_pipe.planning.candidates import microbatch_rows
+    from lightning_pipe.planning.candidates import microbatch_rows, shards_parameters
     from lightning_pipe.planning.measure import accepted_tensor_sizes, measure_model, measurement_sizes
 
     tensor_sizes, splits = accepted_tensor_sizes(loaded.root, loaded.layers, loaded.plan_for, WORLD)
     split = splits[min(splits)] if splits else None
     shape = ModelShape(len(loaded.layers), tensor_sizes)
-    needed = microbatch_rows(enumerate_candidates(WORLD, shape, sizes.batch, Constraints()), sizes.batch)
+    candidates = enumerate_candidates(WORLD, shape, sizes.batch, Constraints())
+    needed = microbatch_rows(candidates, sizes.batch)
     costs = measure_model(
         loaded.layers,
         loaded.sample_at,
@@ -183,6 +184,7 @@ def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> 
         repeats,
         optimizer=_optimizer,
         sizes=measurement_sizes(needed, _rows(sizes)) if sizes.measure_sizes else (),
+        sharded=shards_parameters(candidates),
     )
     machine = Machine(WORLD, MEMORY, links, compute_slots=slots)
     plan = plan_layout(costs, machine, shape, sizes.batch)

@@ -35,6 +35,7 @@ from lightning_pipe.planning.candidates import (
     ModelShape,
     enumerate_candidates,
     microbatch_rows,
+    shards_parameters,
 )
 from lightning_pipe.planning.costs import GB, Links, Machine, format_bytes
 from lightning_pipe.planning.measure import (
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         args.optimizer_state_factor,
         optimizer=adamw,  # the step's time as AdamW's, whose state the memory's factor 2 assumes
         sizes=measurement_sizes(microbatch_rows(candidates, args.batch), rows),
+        sharded=shards_parameters(candidates),
     )
     layers = costs.layers
     links = Links(

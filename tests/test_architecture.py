@@ -177,7 +177,7 @@ ALLOWED: dict[str, set[str]] = {
     "tensor_parallel": {"data_parallel", "collectives", "arguments"},
     "checkpoint": {"partition", "tensor_parallel", "data_parallel", "mesh", "experts"},
     "construction": {"checkpoint", "tensor_parallel", "experts"},
-    "planning": {"schedule", "partition", "execution", "tensor_parallel", "skip"},
+    "planning": {"schedule", "partition", "execution", "tensor_parallel", "skip", "collectives"},
 }
 _ENGINE = set(ALLOWED)
 ALLOWED["runtime"] = _ENGINE

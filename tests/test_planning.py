@@ -185,6 +185,52 @@ def test_fsdp2_pays_a_collectives_latency_per_layer() -> None:
     assert data(DataMode.FSDP2, reshard=True, m=2) == pytest.approx(72.0)
 
 
+def test_reduce_scatter_and_all_gather_measured_apart_are_used_where_given() -> None:
+    """A backend need not run a reduce-scatter or an all-gather as half a ring all-reduce (gloo on
+    CPU: a reduce-scatter as long as an all-reduce): rates measured apart replace the all-reduce's.
+    Links of 1 s a ring step for the all-reduce and none for the bytes, 4 data ranks (3 steps),
+    one layer, nothing overlapped: ZeRO-1 is 3 + 3 = 6 s read from the all-reduce; a reduce-scatter
+    of 4 s a step and an all-gather of 2 s a step make it 12 + 6 = 18 s; FSDP2 (one unit) too.
+    A measured bandwidth is used for the bytes: 3/4 of 1000 bytes at 250 B/s is 3 s more."""
+    costs = ModelCosts((LayerCost(0.0, 0.0, parameter_bytes=1000),), rows=1)
+    ring = Links(collective_bandwidth=1e30, collective_latency=1.0, overlap_data_parallel=False)
+    apart = replace(ring, reduce_scatter_latency=4.0, all_gather_latency=2.0)
+
+    def data(links: Links, mode: DataMode = DataMode.ZERO1) -> float:
+        c = Candidate(1, 1, 4, mode, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+        return predict(c, costs, Machine(4, 1e12, links), 8).data_seconds
+
+    assert data(ring) == pytest.approx(6.0)
+    assert data(apart) == pytest.approx(18.0)
+    assert data(apart, DataMode.FSDP2) == pytest.approx(18.0)
+    assert data(replace(apart, reduce_scatter_bandwidth=250.0)) == pytest.approx(21.0)
+    assert apart.all_reduce(1000, 4) == ring.all_reduce(1000, 4)  # the all-reduce keeps its own
+    with pytest.raises(ValueError, match="all_gather_bandwidth must be a positive"):
+        Links(all_gather_bandwidth=0.0)
+
+
+def test_each_step_pays_the_runtimes_own_collectives_at_the_links_latency() -> None:
+    """The runtime's batch agreement (2 all-reduces over the pp x tp replica) and, with a pipeline,
+    the results sent from the last stage (3 broadcasts over the pipeline ranks), latency alone.
+    Links of 1 s a ring step, free bytes and messages, free compute: pp=4 pays 2 x 6 + 3 x 3 =
+    21 s; pp=2 x tp=2 2 x 6 + 3 x 1 = 15 s; tp=4 2 x 6 = 12 s; pp=1 x dp=4 nothing (no replica
+    of several ranks, no pipeline: its data axis' latency is the data part's)."""
+    costs = ModelCosts((LayerCost(0.0, 0.0, parameter_bytes=1000),) * 4, rows=1)
+    links = Links(p2p_bandwidth=1e30, p2p_latency=0.0, collective_bandwidth=1e30, collective_latency=1.0,
+                  overlap_data_parallel=False)  # fmt: skip
+
+    def made(pp: int, tp: int, dp: int) -> Prediction:
+        c = Candidate(pp, tp, dp, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+        return predict(c, costs, Machine(4, 1e12, links), 4)
+
+    assert made(4, 1, 1).step_collectives_seconds == pytest.approx(21.0)
+    assert made(4, 1, 1).step_seconds == pytest.approx(21.0)
+    assert made(2, 2, 1).step_collectives_seconds == pytest.approx(15.0)
+    assert made(1, 4, 1).step_collectives_seconds == pytest.approx(12.0)
+    dp4 = made(1, 1, 4)
+    assert dp4.step_collectives_seconds == 0.0 and dp4.step_seconds == pytest.approx(dp4.data_seconds)
+
+
 def test_the_optimizer_step_follows_the_schedule_on_the_parameters_a_rank_updates() -> None:
     """4 layers whose optimizer step takes 1 s each over their whole parameters, free compute:
     a replica steps all 4 (4 s), ZeRO-1 and FSDP2 over 4 data ranks a quarter each (1 s), a
@@ -292,6 +338,34 @@ def test_the_dtensor_step_overhead_is_measured_on_one_process() -> None:
                           repeats=1, optimizer=lambda ps: PerDTensor(ps, lr=0.1))  # fmt: skip
     assert [layer.parameter_tensors for layer in costs.layers] == [2, 0]
     assert costs.sharded_step_seconds >= 0.002
+
+
+def test_the_dtensor_probe_runs_only_where_a_candidate_shards_parameters() -> None:
+    """The DTensor step probe (about a second) is skipped where no FSDP2 candidate can be planned
+    (one process, dp fixed to 1, another data mode fixed), and still run where one can: through
+    ``layout='auto'``'s own measurement (one process: no FSDP2) and the helper it asks."""
+    from lightning_pipe.planning import auto as planning_auto
+    from lightning_pipe.planning import measure
+
+    shape = ModelShape(num_layers=2)
+    assert planning_auto.needs_sharded_step(4, shape, 4, Constraints())
+    assert planning_auto.needs_sharded_step(4, shape, 4, Constraints(data_mode=DataMode.FSDP2))
+    assert not planning_auto.needs_sharded_step(1, shape, 4, Constraints())
+    assert not planning_auto.needs_sharded_step(4, shape, 4, Constraints(data_parallel_size=1))
+    assert not planning_auto.needs_sharded_step(4, shape, 4, Constraints(data_mode=DataMode.ZERO1))
+    assert not planning_auto.needs_sharded_step(4, shape, 4, Constraints(data_mode=DataMode.REPLICATED))
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    with mock.patch.object(measure, "sharded_step_overhead", return_value=0.001) as probe:
+        plan = planning_auto.decide_layout(
+            layers, lambda r: torch.randn(r, 4), 4, torch.device("cpu"), 1e9, shape, Constraints(), repeats=1
+        )
+        assert plan.best is not None and probe.call_count == 0
+        measure.measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=1,
+                              optimizer=measure.adamw, sharded=False)  # fmt: skip
+        assert probe.call_count == 0
+        costs = measure.measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=1,
+                                      optimizer=measure.adamw)  # fmt: skip
+        assert probe.call_count == 1 and costs.sharded_step_seconds == 0.001
 
 
 def test_compute_slots_are_the_cores_over_the_threads_on_cpu() -> None:
@@ -808,7 +882,8 @@ def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], int]:
     links = probe_links(torch.device("cpu"), repeats=2)
     slots = probe_compute_slots(torch.device("cpu"), repeats=1, products=4)
     probed = (links.p2p_bandwidth, links.p2p_latency, links.collective_bandwidth, links.collective_latency,
-              float(links.overlap_data_parallel), slots)  # fmt: skip
+              float(links.overlap_data_parallel), slots, links.reduce_scatter_bandwidth,
+              links.reduce_scatter_latency, links.all_gather_bandwidth, links.all_gather_latency)  # fmt: skip
     rank, p = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
     executor = PipelineExecutor({rank: _pipeline_stage()}, p, list(range(p)), torch.device("cpu"))
@@ -835,8 +910,11 @@ def test_the_links_probe_and_a_pipelines_activations_on_three_ranks() -> None:
     results = run_distributed(_probe_and_pipeline_worker, 3, timeout=120)
     probes = [probe for probe, _ in results]
     assert probes[0] == probes[1] == probes[2]
-    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap, slots = probes[0]
+    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap, slots, *halves = probes[0]
     assert p2p_bandwidth > 0 and bandwidth > 0 and p2p_latency >= 0 and latency >= 0
+    # Reduce-scatter and all-gather measured apart (bandwidth, latency each), not left to the ring.
+    rs_bandwidth, rs_latency, ag_bandwidth, ag_latency = halves
+    assert rs_bandwidth > 0 and ag_bandwidth > 0 and rs_latency >= 0 and ag_latency >= 0
     assert overlap == 0.0  # gloo on CPU: the data axis' traffic is not hidden
     assert 0.0 < slots <= 3.0  # the same on every rank (above), a share of the 3 processes
 

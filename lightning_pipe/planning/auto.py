@@ -37,6 +37,7 @@ from lightning_pipe.planning.candidates import (
     divisors,
     enumerate_candidates,
     microbatch_rows,
+    shards_parameters,
 )
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import GB, Links, Machine, ModelCosts, format_bytes
@@ -146,6 +147,14 @@ def needed_rows(world: int, shape: ModelShape, replica_batch: int, constraints: 
     return sorted(rows)
 
 
+def needs_sharded_step(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> bool:
+    """Whether a candidate of :func:`plan_replica_batch` shards its parameters (FSDP2): not with
+    one process, a data-parallel size fixed to 1 or another data mode fixed."""
+    return any(
+        shards_parameters(found) for _, found in _per_data_size(world, shape, replica_batch, constraints)
+    )
+
+
 def check_constraints(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> None:
     """Raise ``ValueError`` naming the constraints when no layout of ``world`` processes meets them
     (the same on every rank: no collective)."""
@@ -197,6 +206,7 @@ def decide_layout(
             costs = measure_model(
                 layers, sample_at, rows, device, splits, repeats, optimizer_state_factor,
                 optimizer if optimizer is not None else adamw, sizes,
+                sharded=needs_sharded_step(world, shape, replica_batch, constraints),
             )  # fmt: skip
             machine = Machine(world, memory_bytes, links, compute_slots=slots)
             payload = [plan_replica_batch(costs, machine, shape, replica_batch, constraints)]

@@ -177,6 +177,12 @@ def microbatch_rows(candidates: Iterable[Candidate], batch: int) -> list[int]:
     return sorted({batch // (c.data_parallel_size * c.num_microbatches) for c in candidates})
 
 
+def shards_parameters(candidates: Iterable[Candidate]) -> bool:
+    """Whether any of ``candidates`` shards its parameters (FSDP2 over more than one replica):
+    only then does the plan need the DTensor step's overhead measured."""
+    return any(c.data_mode is DataMode.FSDP2 and c.data_parallel_size > 1 for c in candidates)
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -33,6 +33,10 @@ the rank holds (measured on one process), and FSDP2's hooks, which wrap and unwr
 a layer around its gathers and reductions, a share of that per tensor and collective
 (:data:`FSDP_GATHER_SHARE`, :data:`FSDP_REDUCE_SHARE`), counted with the data axis' communication.
 
+Each step also pays the runtime's own small collectives, latency alone (:func:`step_collectives`,
+at the probed links' latency: on gloo with 4 processes on 2 cores a few-byte all-reduce takes
+5-8 ms, a step's several of them a few percent of the step).
+
 Peak memory per rank is parameters, gradients and optimizer state as the data mode keeps them, and
 the activations of the most micro-batches the schedule keeps alive at once on each of the rank's
 stages. Not counted: the allocator's slack, framework buffers and what the optimizer step
@@ -119,6 +123,8 @@ class Prediction:
     """The step beyond the schedule's makespan because the processes share fewer compute slots
     than there are processes (:attr:`~.costs.Machine.compute_slots`): their work, all of it, over
     the slots."""
+    step_collectives_seconds: float = 0.0
+    """The runtime's own small collectives of each step (:func:`step_collectives`)."""
 
     @property
     def peak_bytes(self) -> float:
@@ -324,6 +330,23 @@ def _data_seconds(
     return _exposed(gather, first.forward, links) + _exposed(reduce, first.backward, links)
 
 
+def step_collectives(c: Candidate, links: Links) -> float:
+    """The collectives the runtime makes each training step besides the model's
+    (:mod:`lightning_pipe.runtime.step_checks`), each a few bytes, so their latency: the batch
+    agreement over the model replica (``pp x tp`` ranks: an all-reduce on the device group and one
+    on the host group) and, with a pipeline, the last stage's results sent to every pipeline rank
+    (three broadcasts: the payload's size, its bytes, the loss; a broadcast read as an
+    all-gather's ``n - 1`` steps). Counted on this project's gloo runs (4 processes, each step's
+    ``torch.distributed`` calls): pp=2 x dp=2 made 3 all-reduces and 3 broadcasts over its 2
+    pipeline ranks, pp=4 2 all-reduces and 3 broadcasts over 4. A model counting loss items adds
+    an all-reduce over the data axis, not counted (the planner does not know the hooks)."""
+    replica = c.pipeline_parallel_size * c.tensor_parallel_size
+    seconds = 2 * links.all_reduce(0, replica) if replica > 1 else 0.0
+    if c.pipeline_parallel_size > 1:
+        seconds += 3 * links.all_gather(0, c.pipeline_parallel_size)
+    return seconds
+
+
 def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: int) -> Prediction:
     """``candidate``'s step time and peak memory per rank for a global batch of ``batch`` samples."""
     c, links = candidate, machine.links
@@ -383,9 +406,10 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
         optimizer *= pace
         hooks *= pace
     data += hooks
+    collectives = step_collectives(c, links)
     return Prediction(
         candidate=c,
-        step_seconds=sim.makespan + shared + data + optimizer,
+        step_seconds=sim.makespan + shared + data + optimizer + collectives,
         compute_seconds=m * sum(stages[s].compute for s in mine),
         bubble_seconds=sim.makespan - sim.busy[busiest],
         tensor_seconds=m * sum(stages[s].tensor for s in mine),
@@ -397,4 +421,5 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
         fits=worst.total <= machine.memory_bytes,
         optimizer_seconds=optimizer,
         shared_compute_seconds=shared,
+        step_collectives_seconds=collectives,
     )

@@ -8,7 +8,12 @@ fraction of a second:
 * point-to-point between the group's first two ranks, as pipeline neighbours talk: a ping-pong of
   a small and a large message, each one-way time half a round trip;
 * all-reduce over the whole group, of the same two sizes, read as a ring: ``2 (n - 1)`` steps of
-  latency and ``2 (n - 1) / n`` of the bytes through each link.
+  latency and ``2 (n - 1) / n`` of the bytes through each link;
+* reduce-scatter and all-gather (ZeRO-1's and FSDP2's collectives), the same way with ``n - 1``
+  steps, each measured apart: a backend need not run them as half a ring all-reduce (gloo on CPU
+  took as long for a reduce-scatter as for an all-reduce of the same bytes, and 3x half an
+  all-reduce's time for small messages, on this project's 4 processes), so the cost model would
+  otherwise predict ZeRO-1 and FSDP2 rows short.
 
 From two sizes, the small one's time is (nearly) the latency and the difference gives the
 bandwidth. Every rank times its own part, then takes global rank 0's numbers (broadcast), so that
@@ -31,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from lightning_pipe.collectives import all_gather_flat, reduce_scatter_flat
 from lightning_pipe.planning.costs import Links
 
 SMALL_BYTES = 4 * 1024
@@ -128,7 +134,7 @@ def probe_links(device: torch.device, group: dist.ProcessGroup | None = None, re
     streams) and not on CPU (gloo works on the cores that compute)."""
     ranks = dist.get_world_size(group)
     me = dist.get_rank(group)
-    numbers = torch.zeros(4, dtype=torch.float64)
+    numbers = torch.zeros(8, dtype=torch.float64)
     times: dict[tuple[str, int], float] = {}
     for nbytes in (SMALL_BYTES, LARGE_BYTES):
         buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
@@ -149,13 +155,33 @@ def probe_links(device: torch.device, group: dist.ProcessGroup | None = None, re
             dist.all_reduce(buffer, group=group)
 
         times[("all_reduce", nbytes)] = _median_seconds(reduce, device, repeats)
+        if ranks > 1:
+            shard = torch.zeros(nbytes // 4 // ranks, dtype=torch.float32, device=device)
+            whole = buffer[: shard.numel() * ranks]  # equal shards: the bytes rounded down to them
+
+            def scatter(whole: torch.Tensor = whole, shard: torch.Tensor = shard) -> None:
+                reduce_scatter_flat(shard, whole, group=group)
+
+            def gather(whole: torch.Tensor = whole, shard: torch.Tensor = shard) -> None:
+                all_gather_flat(whole, shard, group=group)
+
+            times[("reduce_scatter", nbytes)] = _median_seconds(scatter, device, repeats)
+            times[("all_gather", nbytes)] = _median_seconds(gather, device, repeats)
     if me == 0 and ranks > 1:
         p2p_latency, p2p_bandwidth = _fit(times[("p2p", SMALL_BYTES)], times[("p2p", LARGE_BYTES)], 1.0)
         steps = 2 * (ranks - 1)
         latency, bandwidth = _fit(
             times[("all_reduce", SMALL_BYTES)], times[("all_reduce", LARGE_BYTES)], steps / ranks
         )
-        numbers = torch.tensor([p2p_bandwidth, p2p_latency, bandwidth, latency / steps], dtype=torch.float64)
+        halves = []
+        for op in ("reduce_scatter", "all_gather"):
+            op_latency, op_bandwidth = _fit(
+                times[(op, SMALL_BYTES)], times[(op, LARGE_BYTES)], (ranks - 1) / ranks
+            )
+            halves += [op_bandwidth, op_latency / (ranks - 1)]
+        numbers = torch.tensor(
+            [p2p_bandwidth, p2p_latency, bandwidth, latency / steps, *halves], dtype=torch.float64
+        )
     if ranks > 1:
         source = dist.get_global_rank(group, 0) if group is not None else 0
         # Sent on the CPU: gloo groups take it, and NCCL's can too when given a CUDA copy.
@@ -164,11 +190,17 @@ def probe_links(device: torch.device, group: dist.ProcessGroup | None = None, re
         numbers = carrier.cpu()
     else:
         return Links(overlap_data_parallel=device.type == "cuda")  # one process: nothing to measure
-    p2p_bandwidth, p2p_latency, bandwidth, latency = (float(v) for v in numbers)
+    p2p_bandwidth, p2p_latency, bandwidth, latency, rs_bandwidth, rs_latency, ag_bandwidth, ag_latency = (
+        float(v) for v in numbers
+    )
     return Links(
         p2p_bandwidth=p2p_bandwidth,
         p2p_latency=p2p_latency,
         collective_bandwidth=bandwidth,
         collective_latency=latency,
         overlap_data_parallel=device.type == "cuda",
+        reduce_scatter_bandwidth=rs_bandwidth,
+        reduce_scatter_latency=rs_latency,
+        all_gather_bandwidth=ag_bandwidth,
+        all_gather_latency=ag_latency,
     )

@@ -246,11 +246,14 @@ def measure_model(
     optimizer_state_factor: float = 2.0,
     optimizer: OptimizerFactory | None = None,
     sizes: Iterable[int] = (),
+    sharded: bool = True,
 ) -> ModelCosts:
     """:func:`measure_layers` (``sizes``: the further micro-batch sizes timed), with the first
     layer's input and the optimizer's bytes: what the cost model needs of a model. With
     ``optimizer`` (the run's, as a factory), its step is timed per layer too
-    (:func:`optimizer_seconds`)."""
+    (:func:`optimizer_seconds`), and, where ``sharded`` (some candidate shards its parameters with
+    FSDP2: :func:`~.candidates.shards_parameters`), its DTensor overhead
+    (:func:`sharded_step_overhead`, about a second: not paid where no candidate can use it)."""
     costs = measure_layers(layers, sample_at, rows, device, splits, repeats, sizes)
     if optimizer is not None:
         costs = [
@@ -262,7 +265,9 @@ def measure_model(
         rows,
         input_bytes=tensor_bytes(sample_at(rows)),
         optimizer_state_factor=optimizer_state_factor,
-        sharded_step_seconds=sharded_step_overhead(optimizer, device, repeats=repeats) if optimizer else 0.0,
+        sharded_step_seconds=(
+            sharded_step_overhead(optimizer, device, repeats=repeats) if optimizer and sharded else 0.0
+        ),
     )
 
 

@@ -28,6 +28,7 @@ _PARTS = {
     "recompute_seconds": "recomputation",
     "optimizer_seconds": "the optimizer step",
     "shared_compute_seconds": "waiting for the shared cores",
+    "step_collectives_seconds": "the runtime's per-step collectives",
 }
 
 
