@@ -153,7 +153,8 @@ PORTS_BELOW_EPHEMERAL = 8192
 """How many ports under the kernel's ephemeral range :func:`free_port` hands out (split between
 the pytest-xdist workers)."""
 
-_next_port: dict[str, int] = {}
+_next_offset: int | None = None
+"""Where in this process's slice :func:`free_port` looks next (``None``: not called yet)."""
 
 
 def _ephemeral_low() -> int | None:
@@ -196,11 +197,12 @@ def free_port() -> int:
     first = low - PORTS_BELOW_EPHEMERAL + (index % workers) * size
     # Start where this process's pid puts it: the worker's subprocesses (a script launching ranks
     # itself) pick ports too, and should not all begin at the same one.
-    offset = _next_port.get(worker, os.getpid() % size)
+    global _next_offset
+    offset = _next_offset if _next_offset is not None else os.getpid() % size
     for step in range(size):
         port = first + (offset + step) % size
         if _bindable(port):
-            _next_port[worker] = (offset + step + 1) % size
+            _next_offset = (offset + step + 1) % size
             return port
     raise RuntimeError(f"no free port in {first}-{first + size - 1} (pytest-xdist worker {worker})")
 

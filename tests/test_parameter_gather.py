@@ -445,12 +445,12 @@ def _launches_that_end(launches: int) -> None:
     import sys
     import traceback
 
+    # A rank's first optimizer imports Dynamo (``torch.optim.Optimizer.__init__``: 2.6 s of CPU),
+    # which would be paid by each of the 12 forked ranks: imported here once, before the forks.
     import torch._dynamo  # noqa: F401
 
     from tests.distributed import free_port
 
-    # A rank's first optimizer imports Dynamo (``torch.optim.Optimizer.__init__``: 2.6 s of CPU),
-    # which would be paid by each of the 12 forked ranks: imported here once, before the forks.
     codes = []
     for _ in range(launches):
         port = free_port()
