@@ -161,7 +161,7 @@ def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
         times = profile_layers(loaded.layers, loaded.sample_at(_rows(sizes)), torch.device("cpu"), 1)
         return sum(t.forward + t.backward for t in times)
 
-    return probe_compute_slots(torch.device("cpu"), repeats=2, work=layers if probe == "layers" else None)
+    return probe_compute_slots(torch.device("cpu"), repeats=5, work=layers if probe == "layers" else None)
 
 
 def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> tuple[Any, Any, Any]:

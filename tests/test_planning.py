@@ -39,6 +39,7 @@ from lightning_pipe.planning import (
 from lightning_pipe.planning.costs import GB
 from lightning_pipe.planning.measure import _fixed, accepted_tensor_sizes, parameter_bytes, plan_splits
 from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
+from lightning_pipe.schedule.shared_cores import simulate_shared
 
 FREE_LINKS = Links(p2p_bandwidth=1e30, p2p_latency=0.0, collective_bandwidth=1e30, collective_latency=0.0)
 
@@ -132,10 +133,13 @@ def test_the_schedule_bubble_comes_from_the_simulator() -> None:
 def test_processes_sharing_cores_lend_the_bubble_to_each_other() -> None:
     """4 processes on 2 cores (``compute_slots=2``), 4 layers of 1 + 2 s per sample, a batch of 4.
     dp=4 (one sample each) keeps all four busy for 12 s of their own work: on 2 cores, 24 s.
-    pp=4 with 4 micro-batches is 7 x 3 = 21 s on devices of its own (9 s of it bubble), but its
-    48 s of work in all cannot run faster than 24 s on 2 cores, and while a rank waits in the
-    bubble the others use its core: 24 s as well. On devices of their own the pipeline loses
-    (21 s against 12 s); sharing the cores, the two are even."""
+    pp=4 with 4 micro-batches is 7 x 3 = 21 s on devices of its own (9 s of it bubble), and its
+    48 s of work in all cannot run faster than 24 s on 2 cores. While a rank waits in the bubble
+    the others use its core, but only while two or more others compute: the warm-up's first
+    forward and the cool-down's last backward run alone, a core idle, while the steady state runs
+    four at once at half speed. The schedule played that way (``simulate_shared``) lies above
+    both bounds and below every computation at half speed (42 s). On devices of their own the
+    pipeline loses by 21 s against 12 s; sharing the cores, by much less."""
     dp4 = Candidate(1, 1, 4, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
     pp4 = Candidate(4, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 4, RecomputeMode.NEVER)
     costs = _costs(layers=4)
@@ -145,8 +149,10 @@ def test_processes_sharing_cores_lend_the_bubble_to_each_other() -> None:
     assert predict(pp4, costs, own, 4).step_seconds == pytest.approx(21.0)
     assert predict(dp4, costs, shared, 4).step_seconds == pytest.approx(24.0)
     pipeline = predict(pp4, costs, shared, 4)
-    assert pipeline.step_seconds == pytest.approx(24.0)
-    assert pipeline.shared_compute_seconds == pytest.approx(3.0)
+    played = simulate_shared(build_schedule("1f1b", 4, 4), 1.0, 2.0, 0.0, slots=2.0)
+    assert 24.0 < played.makespan < 42.0
+    assert pipeline.step_seconds == pytest.approx(played.makespan)
+    assert pipeline.shared_compute_seconds == pytest.approx(played.makespan - 21.0)
     # As many slots as processes: nothing shared, the devices' prediction.
     assert predict(pp4, costs, replace(shared, compute_slots=4), 4).step_seconds == pytest.approx(21.0)
     # Processes sharing cores are gloo's on CPU, whose all-reduces copy and sum on the cores: tensor
@@ -450,10 +456,12 @@ def test_between_equal_times_less_traffic_wins_before_less_memory() -> None:
 def test_when_the_cores_are_the_bottleneck_the_shorter_schedule_wins_the_tie() -> None:
     """4 processes on 2 cores, a 4-stage 1F1B pipeline of 1 + 2 s per sample and stage, a batch of
     8: all ranks' work, 4 x 8 x 3 = 96 s, over 2 cores is 48 s whatever the micro-batches, longer
-    than either schedule (m=4: 7 x 6 = 42 s; m=8: 11 x 3 = 33 s), so both are predicted at 48 s.
-    m=8 wins: its schedule on devices of its own is shorter, so it needs fewer cores lent by ranks
-    waiting in the bubble (on a host with more cores, it is the faster). Before the tie-break on
-    the schedule, the simpler m=4 won."""
+    than either schedule (m=4: 7 x 6 = 42 s; m=8: 11 x 3 = 33 s). Both take longer than 48 s: in
+    the warm-up and cool-down fewer than 2 ranks compute and a core idles. m=8 wins: its
+    schedule on devices of its own is shorter, so fewer of its computations run with a core idle
+    (on a host with more cores, it is the faster too). When only the work over the cores
+    counted, the two tied at 48 s and the tie-break on the schedule chose m=8; before that
+    tie-break, the simpler m=4 won."""
     fixed = Constraints(pipeline_parallel_size=4, schedule="1f1b", recompute="never")
     machine = Machine(4, 1e12, FREE_LINKS, compute_slots=2)
     costs = ModelCosts(
@@ -461,7 +469,7 @@ def test_when_the_cores_are_the_bottleneck_the_shorter_schedule_wins_the_tie() -
     )  # no activations: equal peaks
     plan = plan_layout(costs, machine, ModelShape(4), 8, fixed)
     by_m = {p.candidate.num_microbatches: p for p in plan.predictions}
-    assert by_m[4].step_seconds == pytest.approx(48.0) and by_m[8].step_seconds == pytest.approx(48.0)
+    assert 48.0 < by_m[8].step_seconds < by_m[4].step_seconds
     assert by_m[4].peak_bytes == by_m[8].peak_bytes
     assert plan.chosen().candidate.num_microbatches == 8
     assert by_m[4].schedule_seconds == pytest.approx(42.0) and by_m[8].schedule_seconds == pytest.approx(33.0)
@@ -861,6 +869,35 @@ def test_compute_slots_from_the_probes_times() -> None:
     assert slots_from_times(0.01, 0.005, 4) == 4.0  # noise: never more than the processes
     # Together slower than one alone (caches thrashed, other jobs): less than one process' worth.
     assert slots_from_times(0.01, 0.1, 4) == pytest.approx(0.4)
+
+
+def _uneven_slots_worker() -> float:
+    """The compute-slot probe over work that takes rank 0 50 ms and rank 1 200 ms (sleeps: the
+    probe's arithmetic, not the cores, is under test)."""
+    import torch.distributed as dist
+
+    from lightning_pipe.planning.links import probe_compute_slots
+
+    seconds = 0.05 if dist.get_rank() == 0 else 0.2
+
+    def work() -> float:  # returns its seconds, as a layer profiler's sum would
+        start = time.perf_counter()
+        time.sleep(seconds)
+        return time.perf_counter() - start
+
+    return probe_compute_slots(torch.device("cpu"), repeats=3, work=work)
+
+
+@pytest.mark.distributed
+def test_the_compute_slot_probe_waits_for_the_last_rank_as_a_step_does() -> None:
+    """Together lasts until the slowest rank is done: 50 ms alone on rank 0, 200 ms for the group
+    together, so 2 x 50 / 200 = 0.5 slots. (The mean of each rank's own time, 125 ms, read 0.8:
+    on shared cores the ranks the scheduler served first pulled it down, to more slots than cores.)"""
+    from tests.distributed import run_distributed
+
+    slots = run_distributed(_uneven_slots_worker, 2, timeout=60)
+    assert slots[0] == slots[1]
+    assert slots[0] == pytest.approx(0.5, abs=0.1)
 
 
 WIDTH, ROWS = 64, 32

@@ -17,8 +17,11 @@ The step time is what the engine would do, played on paper:
   cores) cannot together compute faster than the slots allow: the step lasts at least all the
   processes' work divided by the slots. A pipeline's idle ranks lend their cores to the busy ones,
   so its bubble costs less there than on devices of its own (measured on this project's 2-core
-  machine: pp=4 at 0.90-0.96 of DDP's throughput where the bubble alone predicts 0.71); the
-  simulated makespan remains the other bound (dependencies between stages). Tensor-parallel
+  machine: pp=4 at 0.90-0.96 of DDP's throughput where the bubble alone predicts 0.71), but only
+  in the warm-up and cool-down: in the steady state every rank computes. The schedule is played
+  again with each computation slowed by the processes computing during it
+  (:func:`~lightning_pipe.schedule.shared_cores.simulate_shared`), which lies between the two
+  bounds (the plain makespan, all the work over the slots) and above both. Tensor-parallel
   all-reduces count as work there: gloo's collectives copy and sum on the same cores (with them,
   ``benchmarks/end_to_end.py``'s pp=2 x tp=2 is predicted at 0.59 of DDP's throughput, measured
   0.58-0.62; pp=4 at 1.03, measured 0.90-0.96);
@@ -55,6 +58,7 @@ from lightning_pipe.planning.candidates import Candidate, DataMode
 from lightning_pipe.planning.costs import LayerCost, Links, Machine, ModelCosts
 from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
+from lightning_pipe.schedule.shared_cores import simulate_shared
 from lightning_pipe.schedule.simulate import SimulationResult, simulate
 
 SPLIT_ACTIVATION_SHARE = 0.7
@@ -121,8 +125,9 @@ class Prediction:
     """The optimizer step on the slowest rank (after the schedule: nothing overlaps it)."""
     shared_compute_seconds: float = 0.0
     """The step beyond the schedule's makespan because the processes share fewer compute slots
-    than there are processes (:attr:`~.costs.Machine.compute_slots`): their work, all of it, over
-    the slots."""
+    than there are processes (:attr:`~.costs.Machine.compute_slots`): the schedule played with each
+    computation slowed by the processes computing during it, and at least their work, all of it,
+    over the slots."""
     step_collectives_seconds: float = 0.0
     """The runtime's own small collectives of each step (:func:`step_collectives`)."""
 
@@ -181,6 +186,21 @@ def _schedule_sim(
     kind: ScheduleKind, stages: int, m: int, v: int, tf: tuple[float, ...], tb: tuple[float, ...], comm: float
 ) -> SimulationResult:
     return simulate(_schedule(kind, stages, m, v), tf, tb, comm)
+
+
+@lru_cache(maxsize=512)
+def _shared_sim(
+    kind: ScheduleKind,
+    stages: int,
+    m: int,
+    v: int,
+    tf: tuple[float, ...],
+    tb: tuple[float, ...],
+    comm: float,
+    slots: float,
+    replicas: int,
+) -> SimulationResult:
+    return simulate_shared(_schedule(kind, stages, m, v), tf, tb, comm, slots, replicas)
 
 
 def stage_balance(costs: ModelCosts, candidate: Candidate) -> list[int]:
@@ -356,15 +376,8 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
     message = 0.0
     if pp > 1:
         message = links.p2p(max(s.output for s in stages[:-1]))
-    sim = _schedule_sim(
-        c.schedule,
-        c.num_stages,
-        c.num_microbatches,
-        c.virtual_stages,
-        tuple(s.forward for s in stages),
-        tuple(s.backward for s in stages),
-        message,
-    )
+    sim_inputs = (tuple(s.forward for s in stages), tuple(s.backward for s in stages))
+    sim = _schedule_sim(c.schedule, c.num_stages, c.num_microbatches, c.virtual_stages, *sim_inputs, message)
     ranks = [[s for s in range(c.num_stages) if s % pp == r] for r in range(pp)]
     busiest = max(range(pp), key=lambda r: sim.busy[r])
     m = c.num_microbatches
@@ -379,9 +392,24 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
         # Every tensor and data rank of a pipeline rank computes its stages (recomputation
         # included), and its tensor all-reduces: processes sharing cores are gloo's on CPU, whose
         # collectives copy and sum on those cores (the probe timed them with every rank taking
-        # part). Only the waits for a pipeline neighbour's message, outside busy, free a core.
-        work = c.tensor_parallel_size * c.data_parallel_size * sum(sim.busy)
-        shared = max(0.0, work / min(machine.compute_slots, machine.world_size) - sim.makespan)
+        # part). Only the waits for a pipeline neighbour's message, outside busy, free a core. Each
+        # computation is slowed by the processes computing during it (schedule.shared_cores), and
+        # the step is never shorter than all of their work over the slots.
+        slots = min(machine.compute_slots, machine.world_size)
+        replicas = c.tensor_parallel_size * c.data_parallel_size
+        contended = _shared_sim(
+            c.schedule,
+            c.num_stages,
+            m,
+            c.virtual_stages,
+            sim_inputs[0],
+            sim_inputs[1],
+            message,
+            slots,
+            replicas,
+        )
+        work = replicas * sum(sim.busy)
+        shared = max(0.0, contended.makespan - sim.makespan, work / slots - sim.makespan)
     # The optimizer steps the parameters a rank updates (a data rank's shard under ZeRO-1 and
     # FSDP2), every process at once: on shared cores, at the cores' pace.
     sharded = c.data_mode is not DataMode.REPLICATED

@@ -20,11 +20,11 @@ bandwidth. Every rank times its own part, then takes global rank 0's numbers (br
 every rank goes on to the same decision.
 
 :func:`probe_compute_slots` measures the other thing processes of one host share: compute. The
-same fixed piece of work is timed on one rank alone and then on all at once; if ``n`` processes
-together take ``k`` times as long, only ``n / k`` of them compute at full speed at once (4 gloo
-processes on 2 idle cores: 2 for a matrix product; fewer when other jobs share the cores, or for
-work that competes for caches and memory as a model's layers do, which is why ``layout="auto"``
-should time the model's own layers; on GPUs: ``n``). The cost model reads it as
+same fixed piece of work is timed on one rank alone and then on all at once, until the last is
+done; if ``n`` processes together take ``k`` times as long, only ``n / k`` of them compute at full
+speed at once (4 gloo processes on 2 idle cores: 2 for a matrix product; fewer when other jobs
+share the cores, or for work that competes for caches and memory as a model's layers do, which is
+why ``layout="auto"`` should time the model's own layers; on GPUs: ``n``). The cost model reads it as
 :attr:`~lightning_pipe.planning.costs.Machine.compute_slots`.
 """
 
@@ -58,7 +58,7 @@ def _median_seconds(run: Callable[[], None], device: torch.device, repeats: int)
         run()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return _median(times)
 
 
 def _fit(small: float, large: float, units: float) -> tuple[float, float]:
@@ -70,9 +70,12 @@ def _fit(small: float, large: float, units: float) -> tuple[float, float]:
     return max(small - SMALL_BYTES * units / bandwidth, 0.0), bandwidth
 
 
-COMPUTE_PROBE_SIZE = 192
-"""The side of the square matrices multiplied by :func:`probe_compute_slots` (a few ms a product
-on one CPU thread)."""
+COMPUTE_PROBE_SIZE = 384
+"""The side of the square matrices multiplied by :func:`probe_compute_slots`: about 2 ms a product
+on one CPU thread, so that its default 48 of them take a tenth of a second, long against the
+barrier that closes the timing and against the scheduler's time slices. 4 processes on 2 cores,
+four probes in a row: 16 products of side 192 (20 ms) read 1.42 - 2.37 slots, 48 of side 384
+1.80 - 2.09, the example GPT's own layers 1.83 - 1.97."""
 
 
 def slots_from_times(alone: float, together: float, ranks: int) -> float:
@@ -90,27 +93,31 @@ def probe_compute_slots(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
     repeats: int = 3,
-    products: int = 16,
-    work: Callable[[], float] | None = None,
+    products: int = 48,
+    work: Callable[[], object] | None = None,
 ) -> float:
     """How many of ``group``'s processes can compute at once at the speed one has alone (the same
     on every rank; collective). The group's first rank runs ``work`` alone while the others wait,
     then every rank runs it at once; the medians of ``repeats`` give :func:`slots_from_times`.
-    ``work`` returns the seconds it computed (e.g. the model's own layers, timed by the layer
-    profiler: the truest sample of the run's work); by default ``products`` products of square
-    matrices. On CUDA (a device per process) it is the group's size, unmeasured."""
+    ``work`` is a piece of the run's own work (e.g. the model's layers through the layer profiler:
+    the truest sample); by default ``products`` products of square matrices. On CUDA (a device per
+    process) it is the group's size, unmeasured.
+
+    Both are wall times, and "together" lasts until the last rank is done (barrier to barrier), as
+    a training step does: every rank timing only its own run would let the ranks the scheduler
+    served first (done early, their cores then lent to the rest) pull the mean down. 4 processes
+    on 2 cores read 2.2 - 2.5 slots that way, more than the cores, and the plans came out short by
+    as much."""
     ranks = dist.get_world_size(group)
     if device.type == "cuda" or ranks == 1:
         return float(ranks)
     me = dist.get_rank(group)
     a = torch.randn(COMPUTE_PROBE_SIZE, COMPUTE_PROBE_SIZE)
 
-    def products_of_matrices() -> float:
-        start = time.perf_counter()
+    def products_of_matrices() -> None:
         b = a
         for _ in range(products):
             b = torch.tanh(b @ a)  # tanh: keeps the values bounded
-        return time.perf_counter() - start
 
     run = work or products_of_matrices
     run()  # warm-up
@@ -118,14 +125,25 @@ def probe_compute_slots(
     for _ in range(repeats):
         dist.barrier(group=group)
         if me == 0:
-            alone.append(run())
+            start = time.perf_counter()
+            run()
+            alone.append(time.perf_counter() - start)
         dist.barrier(group=group)
-        together.append(run())
-    mine = torch.tensor([sorted(together)[len(together) // 2]], dtype=torch.float64)
-    dist.all_reduce(mine, group=group)  # the mean over the ranks: every rank's share of the cores
-    numbers = torch.tensor([sorted(alone)[len(alone) // 2] if me == 0 else 0.0], dtype=torch.float64)
+        start = time.perf_counter()
+        run()
+        # The closing barrier's own round counts in (a millisecond or two against the work's
+        # tenths of a second): taking off a separately timed empty barrier, whose time varies as
+        # much on shared cores, made the estimate noisier, not truer.
+        dist.barrier(group=group)
+        together.append(time.perf_counter() - start)
+    numbers = torch.tensor([_median(alone) if me == 0 else 0.0, _median(together)], dtype=torch.float64)
+    # Rank 0's numbers for every rank (each measured nearly the same "together"): one decision.
     dist.broadcast(numbers, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return slots_from_times(float(numbers[0]), float(mine[0]) / ranks, ranks)
+    return slots_from_times(float(numbers[0]), float(numbers[1]), ranks)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def probe_links(device: torch.device, group: dist.ProcessGroup | None = None, repeats: int = 5) -> Links:

@@ -14,7 +14,7 @@ the k-th send on a channel ``src -> dst`` must be the message the k-th receive o
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_pipe.schedule.actions import (
@@ -129,11 +129,13 @@ def simulate(
     forward_time: float | Sequence[float] = 1.0,
     backward_time: float | Sequence[float] = 2.0,
     comm_time: float = 0.0,
+    pace: Mapping[Action, float] | None = None,
 ) -> SimulationResult:
     """Time ``schedule`` with per-stage compute costs; raise :class:`ScheduleError` on deadlock.
 
     A split backward (``BACKWARD_INPUT`` then ``BACKWARD_WEIGHT``) costs half of ``backward_time``
-    for each half.
+    for each half. ``pace`` stretches single computations (a factor per action, 1 where absent):
+    :mod:`lightning_pipe.schedule.shared_cores` uses it for processes that share cores.
     """
     tf = _per_stage(forward_time, schedule.num_stages, "forward_time")
     tb = _per_stage(backward_time, schedule.num_stages, "backward_time")
@@ -164,11 +166,12 @@ def simulate(
 
     def duration(action: Action) -> float:
         s = action.stage_index
+        factor = 1.0 if pace is None else pace.get(action, 1.0)
         if action.kind is ActionType.FORWARD:
-            return tf[s]
+            return tf[s] * factor
         if action.kind is ActionType.BACKWARD:
-            return tb[s]
-        return tb[s] / 2
+            return tb[s] * factor
+        return tb[s] / 2 * factor
 
     progressed = True
     while progressed:
