@@ -40,6 +40,7 @@ from lightning_pipe.planning.costs import GB
 from lightning_pipe.planning.measure import _fixed, accepted_tensor_sizes, parameter_bytes, plan_splits
 from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
 from lightning_pipe.schedule.shared_cores import simulate_shared
+from lightning_pipe.schedule.simulate import simulate
 
 FREE_LINKS = Links(p2p_bandwidth=1e30, p2p_latency=0.0, collective_bandwidth=1e30, collective_latency=0.0)
 
@@ -607,6 +608,52 @@ def test_the_profiler_counts_saved_activations_and_outputs() -> None:
     assert [(t.saved_input_bytes, t.saved_output_bytes) for t in times] == [(4 * 16 * 4, 0), (0, 4 * 32 * 4)]
 
 
+def test_the_profiler_times_the_split_backward_against_an_ordinary_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The split backward (I, then W) as zero-bubble schedules run it, timed against an ordinary
+    backward of its own forward: here an I pass that also sleeps 20 ms, against a small Linear's
+    backward of well under a millisecond. The model's own layers get no gradient; without
+    ``split_backward`` the ratio is 1 (not measured); ``measure_layers`` passes it on."""
+    import lightning_pipe.partition.profile as profile_module
+    from lightning_pipe.planning.measure import measure_layers
+
+    real = profile_module.backward_input
+
+    def slow_input_pass(*args: object, **kwargs: object) -> object:
+        time.sleep(0.02)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(profile_module, "backward_input", slow_input_pass)
+    layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)]
+    timed = profile_layers(layers, torch.randn(2, 8), torch.device("cpu"), repeats=2, split_backward=True)
+    assert all(t.split_backward_ratio > 10 for t in timed), timed
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+    plain = profile_layers(layers, torch.randn(2, 8), torch.device("cpu"), repeats=1)
+    assert [t.split_backward_ratio for t in plain] == [1.0, 1.0, 1.0]
+    costs = measure_layers(layers, lambda r: torch.randn(r, 8), 2, torch.device("cpu"), repeats=1)
+    assert all(c.split_backward_ratio > 10 for c in costs), costs
+
+
+def test_zero_bubble_schedules_pay_the_measured_split_backward() -> None:
+    """Layers whose split backward costs 1.5x an ordinary one: ZB-H1's backward per stage is 1.5x
+    (its input and weight passes each half of that), 1F1B's is not; with a large bubble ZB-H1
+    still fills it, so the prediction is the simulator's with those times."""
+    layer = LayerCost(1.0, 2.0, parameter_bytes=100, output_bytes=1, split_backward_ratio=1.5)
+    costs = ModelCosts((layer,) * 4, rows=1)
+    machine = Machine(4, 1e12, FREE_LINKS)
+    one_f = Candidate(4, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 4, RecomputeMode.NEVER)
+    zero = replace(one_f, schedule=ScheduleKind.ZB_H1)
+    assert predict(one_f, costs, machine, 4).step_seconds == pytest.approx(
+        simulate(build_schedule("1f1b", 4, 4), 1.0, 2.0).makespan
+    )
+    assert predict(zero, costs, machine, 4).step_seconds == pytest.approx(
+        simulate(build_schedule("zb_h1", 4, 4), 1.0, 3.0).makespan
+    )
+    with pytest.raises(ValueError, match="split_backward_ratio must be > 0"):
+        LayerCost(1.0, 2.0, split_backward_ratio=0.0)
+
+
 @pytest.mark.parametrize("kind, alive", [("gpipe", 4), ("1f1b", 1)])
 def test_predicted_activations_are_the_executors_own_count(kind: str, alive: int) -> None:
     """One stage run by the engine's executor, its activation meter on: the bytes it counts for
@@ -704,7 +751,13 @@ def test_the_layers_are_timed_at_the_candidates_micro_batch_sizes() -> None:
 
     timed: list[int] = []
 
-    def profile(layers: list[nn.Module], sample: torch.Tensor, device: torch.device, repeats: int) -> list:
+    def profile(
+        layers: list[nn.Module],
+        sample: torch.Tensor,
+        device: torch.device,
+        repeats: int,
+        split_backward: bool = False,
+    ) -> list:
         rows = sample.shape[0]
         timed.append(rows)
         return [LayerTime(rows * rows * 1e-3, 2 * rows * rows * 1e-3) for _ in layers]

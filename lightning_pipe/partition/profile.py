@@ -36,6 +36,7 @@ from torch import nn
 
 from lightning_pipe.execution.layers import apply_layers
 from lightning_pipe.execution.memory import Counted, counting_saved
+from lightning_pipe.execution.split_backward import backward_input
 from lightning_pipe.skip.scope import SkipScope
 
 
@@ -54,6 +55,11 @@ class LayerTime:
     saved_output_bytes: int = 0
     """Of ``saved_bytes``, the layer's own output (an activation function saves its result): with
     ``saved_input_bytes``, what lets a stage's total count a tensor two layers save only once."""
+    split_backward_ratio: float = 1.0
+    """The backward split into input and weight gradients, as zero-bubble schedules run it
+    (:mod:`lightning_pipe.execution.split_backward`: I, then W), over one ordinary backward of the
+    same forward (1: not timed). On CPU the split costs more than it saves on small layers:
+    ``benchmarks/split_backward.py`` measured 1.09 - 1.57."""
 
     @property
     def total(self) -> float:
@@ -122,10 +128,16 @@ def _median(values: list[float]) -> float:
 
 
 def profile_layers(
-    layers: Sequence[nn.Module], sample: Any, device: torch.device, repeats: int = 3
+    layers: Sequence[nn.Module],
+    sample: Any,
+    device: torch.device,
+    repeats: int = 3,
+    split_backward: bool = False,
 ) -> list[LayerTime]:
     """Time every layer's forward and backward on ``sample`` (one micro-batch's pipeline input):
-    the median of ``repeats`` runs after one warm-up run, per layer."""
+    the median of ``repeats`` runs after one warm-up run, per layer. ``split_backward``: also time
+    the backward split into input and weight gradients against an ordinary one
+    (:attr:`LayerTime.split_backward_ratio`; two more forwards and backwards per run)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     times: list[LayerTime] = []
@@ -173,6 +185,7 @@ def profile_layers(
                 if run:  # the first run warms caches and allocators up
                     forward.append(middle - start)
                     backward.append(time.perf_counter() - middle)
+            ratio = _split_ratio(twin, params, x, position, skips, device, repeats) if split_backward else 1.0
             times.append(
                 LayerTime(
                     _median(forward),
@@ -181,9 +194,46 @@ def profile_layers(
                     output_bytes=_tensor_bytes(out),
                     saved_input_bytes=_saved_among(saved, counted_input),
                     saved_output_bytes=_saved_among(saved, counted_output),
+                    split_backward_ratio=ratio,
                 )
             )
             x = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
             skips.popped.update({name: t.detach() for name, t in skips.stashed.items()})
             del twin, params, counted_input, counted_output
     return times
+
+
+def _split_ratio(
+    twin: nn.Module,
+    params: Sequence[torch.Tensor],
+    x: Any,
+    position: int,
+    skips: SkipScope,
+    device: torch.device,
+    repeats: int,
+) -> float:
+    """The split backward (I then W) over an ordinary one, each after a forward of its own, in
+    turns (the medians of ``repeats`` after one warm-up of each). Both accumulate into ``.grad``
+    as training does (the private copy's and the detached input's: nothing of the model's)."""
+    ordinary: list[float] = []
+    split: list[float] = []
+    for run in range(2 * (repeats + 1)):
+        inputs = _leaves(x)
+        with torch.enable_grad(), skips.active():
+            out = apply_layers([twin], inputs, position)
+        roots = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+        wrt = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if t.requires_grad]
+        if not roots or not (wrt or params):
+            return 1.0
+        grads = [torch.ones_like(t) for t in roots]
+        _sync(device)
+        start = time.perf_counter()
+        if run % 2:
+            backward_input(roots, grads, wrt).run()
+        else:
+            torch.autograd.backward(roots, grads)
+        _sync(device)
+        if run >= 2:  # the first of each warms up
+            (split if run % 2 else ordinary).append(time.perf_counter() - start)
+    base = _median(ordinary)
+    return _median(split) / base if base > 0 else 1.0

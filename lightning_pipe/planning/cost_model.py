@@ -246,7 +246,8 @@ def _stage(
         keep = 1 - layer.split_share + layer.split_share / tp
         f, b = layer.seconds_at(rows, costs.rows, keep)
         forward += f
-        backward += b
+        # Zero-bubble schedules run the backward as an input pass and a weight pass: measured.
+        backward += b * (layer.split_backward_ratio if c.schedule.splits_backward else 1.0)
         one = links.all_reduce(hidden * scale, tp)
         tensor_f += layer.tensor_forward_collectives * one
         tensor_b += layer.tensor_backward_collectives * one

@@ -68,6 +68,10 @@ class LayerCost:
     timings: tuple[tuple[int, float, float], ...] = ()
     """The layer also measured at other micro-batch sizes: ``(rows, forward_seconds,
     backward_seconds)`` each (the sizes the candidates run, :func:`~.measure.measurement_sizes`)."""
+    split_backward_ratio: float = 1.0
+    """The backward split into input and weight gradients (zero-bubble schedules) over an ordinary
+    one, at the measured rows (1: not measured; the layer profiler's
+    :attr:`~lightning_pipe.partition.profile.LayerTime.split_backward_ratio`)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -79,6 +83,8 @@ class LayerCost:
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)!r}.")
+        if not self.split_backward_ratio > 0:
+            raise ValueError(f"split_backward_ratio must be > 0, got {self.split_backward_ratio!r}.")
         if (
             self.forward_fixed_seconds > self.forward_seconds
             or self.backward_fixed_seconds > self.backward_seconds

@@ -154,7 +154,8 @@ def measure_layers(
     plan splits per layer."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}.")
-    small = profile_layers(layers, sample_at(rows), device, repeats)
+    # The split backward's ratio at the measured rows only: zero-bubble candidates pay it.
+    small = profile_layers(layers, sample_at(rows), device, repeats, split_backward=True)
     large = profile_layers(layers, sample_at(2 * rows), device, repeats)
     extra = {
         r: profile_layers(layers, sample_at(r), device, repeats)
@@ -180,6 +181,7 @@ def measure_layers(
                 split_parameter_bytes=min(split.parameter_bytes, parameter_bytes(layer)),
                 tensor_forward_collectives=split.forward_collectives,
                 tensor_backward_collectives=split.backward_collectives,
+                split_backward_ratio=a.split_backward_ratio,
             )
         )
     return costs
