@@ -152,14 +152,14 @@ def _rows(sizes: Sizes) -> int:
 
 
 def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
-    """The compute slots, probed in the group with the model's own layers (forward and backward
-    of one measured micro-batch, timed by the layer profiler) or ``"matrix"`` products."""
+    """The compute slots, probed in the group with the model's own layers (the layer profiler over
+    one measured micro-batch, its warm-up run included: the probe times the whole call, alone and
+    on all ranks at once) or ``"matrix"`` products."""
     from lightning_pipe.partition.profile import profile_layers
     from lightning_pipe.planning.links import probe_compute_slots
 
-    def layers() -> float:
-        times = profile_layers(loaded.layers, loaded.sample_at(_rows(sizes)), torch.device("cpu"), 1)
-        return sum(t.forward + t.backward for t in times)
+    def layers() -> None:
+        profile_layers(loaded.layers, loaded.sample_at(_rows(sizes)), torch.device("cpu"), 1)
 
     return probe_compute_slots(torch.device("cpu"), repeats=5, work=layers if probe == "layers" else None)
 

@@ -131,7 +131,7 @@ def test_the_schedule_bubble_comes_from_the_simulator() -> None:
     assert again.recompute_seconds == pytest.approx(8.0)
 
 
-def test_processes_sharing_cores_lend_the_bubble_to_each_other() -> None:
+def test_processes_sharing_cores_lend_the_bubble_only_while_others_compute() -> None:
     """4 processes on 2 cores (``compute_slots=2``), 4 layers of 1 + 2 s per sample, a batch of 4.
     dp=4 (one sample each) keeps all four busy for 12 s of their own work: on 2 cores, 24 s.
     pp=4 with 4 micro-batches is 7 x 3 = 21 s on devices of its own (9 s of it bubble), and its
@@ -454,7 +454,7 @@ def test_between_equal_times_less_traffic_wins_before_less_memory() -> None:
     assert "as fast as pp=1, dp=4 replicated" in why(plan) and "lower peak memory" in why(plan)
 
 
-def test_when_the_cores_are_the_bottleneck_the_shorter_schedule_wins_the_tie() -> None:
+def test_when_the_cores_are_the_bottleneck_the_shorter_schedule_is_faster() -> None:
     """4 processes on 2 cores, a 4-stage 1F1B pipeline of 1 + 2 s per sample and stage, a batch of
     8: all ranks' work, 4 x 8 x 3 = 96 s, over 2 cores is 48 s whatever the micro-batches, longer
     than either schedule (m=4: 7 x 6 = 42 s; m=8: 11 x 3 = 33 s). Both take longer than 48 s: in
@@ -933,7 +933,7 @@ def _uneven_slots_worker() -> float:
 
     seconds = 0.05 if dist.get_rank() == 0 else 0.2
 
-    def work() -> float:  # returns its seconds, as a layer profiler's sum would
+    def work() -> float:  # returns its seconds, as the probe's work once had to
         start = time.perf_counter()
         time.sleep(seconds)
         return time.perf_counter() - start

@@ -552,8 +552,8 @@ def test_processes_sharing_one_core_slow_only_the_computations_that_overlap() ->
     (slots=1). By hand, sharing the core: F0.0 alone (0 - 1); F0.1 on rank 0 and F1.0 on rank 1
     together, each at half speed (1 - 3); F1.1 alone (3 - 4), B1.1 alone (4 - 5); B1.0 and B0.1
     together (5 - 7); B0.0 alone (7 - 8): 8 s, the work on one core, where each rank on a core of
-    its own takes 6 s. The fixed point settles within a percent of it; with a core each, or one
-    rank, nothing changes."""
+    its own takes 6 s. The fixed point settles within a percent of it; with a core each nothing
+    changes; more processes per pipeline rank (tensor or data ranks) slow it in proportion."""
     from lightning_pipe.schedule.shared_cores import simulate_shared
 
     schedule = build_schedule("gpipe", 2, 2)
@@ -568,6 +568,15 @@ def test_processes_sharing_one_core_slow_only_the_computations_that_overlap() ->
     # Two processes per pipeline rank (tp or dp = 2) on 2 slots: the same as one each on one.
     assert simulate_shared(schedule, 1.0, 1.0, 0.0, 2.0, processes_per_rank=2).makespan == pytest.approx(
         shared.makespan
+    )
+    # 8 per rank on 2 slots: alone 8 processes at a quarter speed (4 s), two together 16 at an
+    # eighth (8 s), so 4 + 8 + 4 + 4 + 8 + 4 = 32 s: the 64 process-seconds of work over 2 slots.
+    eight = simulate_shared(schedule, 1.0, 1.0, 0.0, 2.0, processes_per_rank=8)
+    assert eight.makespan == pytest.approx(32.0, rel=0.01)
+    # One pipeline rank of 4 processes on 2 slots: every computation at half speed.
+    alone = build_schedule("gpipe", 1, 2)
+    assert simulate_shared(alone, 1.0, 2.0, 0.0, 2.0, processes_per_rank=4).makespan == pytest.approx(
+        2 * simulate(alone, 1.0, 2.0).makespan
     )
     with pytest.raises(ValueError, match="slots must be positive"):
         simulate_shared(schedule, 1.0, 1.0, 0.0, slots=0.0)

@@ -15,15 +15,17 @@ The step time is what the engine would do, played on paper:
   activation memory;
 * processes sharing compute (:attr:`~.costs.Machine.compute_slots`: 4 gloo processes on 2 CPU
   cores) cannot together compute faster than the slots allow: the step lasts at least all the
-  processes' work divided by the slots. A pipeline's idle ranks lend their cores to the busy ones,
-  so its bubble costs less there than on devices of its own (measured on this project's 2-core
-  machine: pp=4 at 0.90-0.96 of DDP's throughput where the bubble alone predicts 0.71), but only
-  in the warm-up and cool-down: in the steady state every rank computes. The schedule is played
-  again with each computation slowed by the processes computing during it
-  (:func:`~lightning_pipe.schedule.shared_cores.simulate_shared`), which lies between the two
-  bounds (the plain makespan, all the work over the slots) and above both. Tensor-parallel
-  all-reduces count as work there: gloo's collectives copy and sum on the same cores (with them,
-  ``benchmarks/end_to_end.py``'s pp=2 x tp=2 is predicted at 0.59 of DDP's throughput, measured
+  processes' work divided by the slots. A pipeline rank idle in the bubble lends its core to the
+  busy ones, so the bubble costs less there than on devices of its own (measured on this
+  project's 2-core machine: pp=4 at 0.90-0.96 of DDP's throughput where the bubble alone predicts
+  0.71); but its ranks are idle in the warm-up and cool-down, when few others compute and a core
+  may go unused, and all compute at once in the steady state. So the schedule is played again
+  with each computation slowed by the processes computing during it
+  (:func:`~lightning_pipe.schedule.shared_cores.simulate_shared`): never shorter than the plain
+  makespan, usually longer than all the work over the slots; the step takes the larger of the
+  two. Tensor-parallel all-reduces count as work there: gloo's collectives copy and sum on the
+  same cores (with them and the work over the slots alone, before the played schedule,
+  ``benchmarks/end_to_end.py``'s pp=2 x tp=2 was predicted at 0.59 of DDP's throughput, measured
   0.58-0.62; pp=4 at 1.03, measured 0.90-0.96);
 * the data axis' communication for the mode (replicated: all-reduce; ZeRO-1: reduce-scatter and
   all-gather; FSDP2: all-gather and reduce-scatter, per micro-batch when resharding) is added where
@@ -188,7 +190,7 @@ def _schedule_sim(
     return simulate(_schedule(kind, stages, m, v), tf, tb, comm)
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=1024)
 def _shared_sim(
     kind: ScheduleKind,
     stages: int,
@@ -200,7 +202,8 @@ def _shared_sim(
     slots: float,
     replicas: int,
 ) -> SimulationResult:
-    return simulate_shared(_schedule(kind, stages, m, v), tf, tb, comm, slots, replicas)
+    plain = _schedule_sim(kind, stages, m, v, tf, tb, comm)
+    return simulate_shared(_schedule(kind, stages, m, v), tf, tb, comm, slots, replicas, plain=plain)
 
 
 def stage_balance(costs: ModelCosts, candidate: Candidate) -> list[int]:

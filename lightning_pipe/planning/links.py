@@ -106,7 +106,7 @@ def probe_compute_slots(
     Both are wall times, and "together" lasts until the last rank is done (barrier to barrier), as
     a training step does: every rank timing only its own run would let the ranks the scheduler
     served first (done early, their cores then lent to the rest) pull the mean down. 4 processes
-    on 2 cores read 2.2 - 2.5 slots that way, more than the cores, and the plans came out short by
+    on 2 cores read up to 2.5 slots that way, more than the cores, and the plans came out short by
     as much."""
     ranks = dist.get_world_size(group)
     if device.type == "cuda" or ranks == 1:

@@ -2,8 +2,8 @@
 
 Ties are predictions within :data:`TIE` (half a percent) of the fastest still unranked: closer
 than any measurement here resolves (on a shared CPU, runs of one layout differ by more). They are
-common where the processes share a host's cores: the step is then all their work over the cores,
-nearly the same for many layouts. Within such a group the order is, by
+common where the processes share a host's cores: the step is then near all their work over the
+cores, nearly the same for many layouts. Within such a group the order is, by
 
 1. the shorter schedule on devices of their own (:attr:`~.cost_model.Prediction.schedule_seconds`:
    the makespan with its bubble and message waits, the exposed communication and the optimizer
