@@ -167,7 +167,7 @@ def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
 def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> tuple[Any, Any, Any]:
     """What ``layout="auto"`` would measure and decide, on this rank: (plan, costs, machine)."""
     from lightning_pipe.planning import Constraints, Machine, ModelShape, enumerate_candidates, plan_layout
-    from lightning_pipe.planning.candidates import microbatch_rows, shards_parameters
+    from lightning_pipe.planning.candidates import microbatch_rows, shards_parameters, splits_backward
     from lightning_pipe.planning.measure import accepted_tensor_sizes, measure_model, measurement_sizes
 
     tensor_sizes, splits = accepted_tensor_sizes(loaded.root, loaded.layers, loaded.plan_for, WORLD)
@@ -185,6 +185,7 @@ def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> 
         optimizer=_optimizer,
         sizes=measurement_sizes(needed, _rows(sizes)) if sizes.measure_sizes else (),
         sharded=shards_parameters(candidates),
+        split_backward=splits_backward(candidates),
     )
     machine = Machine(WORLD, MEMORY, links, compute_slots=slots)
     plan = plan_layout(costs, machine, shape, sizes.batch)

@@ -36,6 +36,7 @@ from lightning_pipe.planning.candidates import (
     enumerate_candidates,
     microbatch_rows,
     shards_parameters,
+    splits_backward,
 )
 from lightning_pipe.planning.costs import GB, Links, Machine, format_bytes
 from lightning_pipe.planning.measure import (
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer=adamw,  # the step's time as AdamW's, whose state the memory's factor 2 assumes
         sizes=measurement_sizes(microbatch_rows(candidates, args.batch), rows),
         sharded=shards_parameters(candidates),
+        split_backward=splits_backward(candidates),
     )
     layers = costs.layers
     links = Links(

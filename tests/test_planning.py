@@ -375,6 +375,34 @@ def test_the_dtensor_probe_runs_only_where_a_candidate_shards_parameters() -> No
         assert probe.call_count == 1 and costs.sharded_step_seconds == 0.001
 
 
+def test_the_split_backward_is_timed_only_where_a_candidate_is_zero_bubble() -> None:
+    """The split backward's timing (two more forwards and backwards a layer) is skipped where no
+    ZB-H1 candidate can be planned (one process, pp fixed to 1, another schedule fixed), and run
+    where one can: through ``layout='auto'``'s own measurement (one process: no pipeline) and the
+    profiler's flag."""
+    from lightning_pipe.partition import profile as profile_module
+    from lightning_pipe.planning import auto as planning_auto
+    from lightning_pipe.planning import measure
+
+    shape = ModelShape(num_layers=2)
+    assert planning_auto.needs_split_backward(4, shape, 4, Constraints())
+    assert planning_auto.needs_split_backward(4, shape, 4, Constraints(schedule="zb_h1"))
+    assert not planning_auto.needs_split_backward(1, shape, 4, Constraints())
+    assert not planning_auto.needs_split_backward(4, shape, 4, Constraints(pipeline_parallel_size=1))
+    assert not planning_auto.needs_split_backward(4, shape, 4, Constraints(schedule="1f1b"))
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    with mock.patch.object(profile_module, "_split_ratio", return_value=1.25) as timing:
+        plan = planning_auto.decide_layout(
+            layers, lambda r: torch.randn(r, 4), 4, torch.device("cpu"), 1e9, shape, Constraints(), repeats=1
+        )
+        assert plan.best is not None and timing.call_count == 0
+        costs = measure.measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=1,
+                                      split_backward=False)  # fmt: skip
+        assert timing.call_count == 0 and {c.split_backward_ratio for c in costs.layers} == {1.0}
+        costs = measure.measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=1)
+        assert timing.call_count == 2 and {c.split_backward_ratio for c in costs.layers} == {1.25}
+
+
 def test_compute_slots_are_the_cores_over_the_threads_on_cpu() -> None:
     from lightning_pipe.planning.measure import compute_slots
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from statistics import median_high
 from typing import Any
 
 import torch
@@ -84,6 +85,12 @@ def _leaves(value: Any) -> Any:
     return value.detach().requires_grad_(value.is_floating_point() or value.is_complex())
 
 
+def _needing_grad(value: Any) -> list[torch.Tensor]:
+    """The tensors of a layer's output (backward's roots) or input (what it differentiates) that
+    take part in autograd."""
+    return [t for t in (value if isinstance(value, tuple) else (value,)) if t.requires_grad]
+
+
 def _private_copy(layer: nn.Module, device: torch.device) -> nn.Module:
     tensors = itertools.chain(layer.parameters(), layer.buffers())
     twin = copy.deepcopy(layer)
@@ -122,11 +129,6 @@ def _saved_among(saved: Counted, value: Any) -> int:
     return sum(size for (pointer, _), size in saved.items() if pointer in pointers)
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def profile_layers(
     layers: Sequence[nn.Module],
     sample: Any,
@@ -148,7 +150,7 @@ def profile_layers(
     with torch.random.fork_rng(devices=devices):
         for position, layer in enumerate(layers):
             twin = _private_copy(layer, device)
-            params = [p for p in twin.parameters() if p.requires_grad]
+            params: list[torch.Tensor] = [p for p in twin.parameters() if p.requires_grad]
             forward, backward = [], []
             out: Any = None
             saved: Counted = {}
@@ -175,8 +177,7 @@ def profile_layers(
                     raise
                 _sync(device)
                 middle = time.perf_counter()
-                roots = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
-                wrt = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if t.requires_grad]
+                roots, wrt = _needing_grad(out), _needing_grad(inputs)
                 if roots and wrt + params:
                     torch.autograd.grad(
                         roots, wrt + params, [torch.ones_like(t) for t in roots], allow_unused=True
@@ -188,8 +189,8 @@ def profile_layers(
             ratio = _split_ratio(twin, params, x, position, skips, device, repeats) if split_backward else 1.0
             times.append(
                 LayerTime(
-                    _median(forward),
-                    _median(backward),
+                    median_high(forward),
+                    median_high(backward),
                     saved_bytes=_activation_bytes(saved, list(twin.parameters())),
                     output_bytes=_tensor_bytes(out),
                     saved_input_bytes=_saved_among(saved, counted_input),
@@ -221,8 +222,7 @@ def _split_ratio(
         inputs = _leaves(x)
         with torch.enable_grad(), skips.active():
             out = apply_layers([twin], inputs, position)
-        roots = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
-        wrt = [t for t in (inputs if isinstance(inputs, tuple) else (inputs,)) if t.requires_grad]
+        roots, wrt = _needing_grad(out), _needing_grad(inputs)
         if not roots or not (wrt or params):
             return 1.0
         grads = [torch.ones_like(t) for t in roots]
@@ -235,5 +235,5 @@ def _split_ratio(
         _sync(device)
         if run >= 2:  # the first of each warms up
             (split if run % 2 else ordinary).append(time.perf_counter() - start)
-    base = _median(ordinary)
-    return _median(split) / base if base > 0 else 1.0
+    base = median_high(ordinary)
+    return median_high(split) / base if base > 0 else 1.0

@@ -38,6 +38,7 @@ from lightning_pipe.planning.candidates import (
     enumerate_candidates,
     microbatch_rows,
     shards_parameters,
+    splits_backward,
 )
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import GB, Links, Machine, ModelCosts, format_bytes
@@ -147,12 +148,26 @@ def needed_rows(world: int, shape: ModelShape, replica_batch: int, constraints: 
     return sorted(rows)
 
 
+def _any_candidate(
+    which: Callable[[list[Candidate]], bool],
+    world: int,
+    shape: ModelShape,
+    replica_batch: int,
+    constraints: Constraints,
+) -> bool:
+    return any(which(found) for _, found in _per_data_size(world, shape, replica_batch, constraints))
+
+
 def needs_sharded_step(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> bool:
     """Whether a candidate of :func:`plan_replica_batch` shards its parameters (FSDP2): not with
     one process, a data-parallel size fixed to 1 or another data mode fixed."""
-    return any(
-        shards_parameters(found) for _, found in _per_data_size(world, shape, replica_batch, constraints)
-    )
+    return _any_candidate(shards_parameters, world, shape, replica_batch, constraints)
+
+
+def needs_split_backward(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> bool:
+    """Whether a candidate of :func:`plan_replica_batch` runs a zero-bubble schedule: not with one
+    process, a pipeline size fixed to 1 or another schedule fixed."""
+    return _any_candidate(splits_backward, world, shape, replica_batch, constraints)
 
 
 def check_constraints(world: int, shape: ModelShape, replica_batch: int, constraints: Constraints) -> None:
@@ -207,6 +222,7 @@ def decide_layout(
                 layers, sample_at, rows, device, splits, repeats, optimizer_state_factor,
                 optimizer if optimizer is not None else adamw, sizes,
                 sharded=needs_sharded_step(world, shape, replica_batch, constraints),
+                split_backward=needs_split_backward(world, shape, replica_batch, constraints),
             )  # fmt: skip
             machine = Machine(world, memory_bytes, links, compute_slots=slots)
             payload = [plan_replica_batch(costs, machine, shape, replica_batch, constraints)]

@@ -183,6 +183,12 @@ def shards_parameters(candidates: Iterable[Candidate]) -> bool:
     return any(c.data_mode is DataMode.FSDP2 and c.data_parallel_size > 1 for c in candidates)
 
 
+def splits_backward(candidates: Iterable[Candidate]) -> bool:
+    """Whether any of ``candidates`` runs a zero-bubble schedule (its backward split into input and
+    weight passes): only then does the plan need the split timed per layer."""
+    return any(c.schedule.splits_backward for c in candidates)
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from statistics import median_high
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ def _median_seconds(run: Callable[[], None], device: torch.device, repeats: int)
         run()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return _median(times)
+    return median_high(times)
 
 
 def _fit(small: float, large: float, units: float) -> tuple[float, float]:
@@ -136,14 +137,12 @@ def probe_compute_slots(
         # much on shared cores, made the estimate noisier, not truer.
         dist.barrier(group=group)
         together.append(time.perf_counter() - start)
-    numbers = torch.tensor([_median(alone) if me == 0 else 0.0, _median(together)], dtype=torch.float64)
+    numbers = torch.tensor(
+        [median_high(alone) if me == 0 else 0.0, median_high(together)], dtype=torch.float64
+    )
     # Rank 0's numbers for every rank (each measured nearly the same "together"): one decision.
     dist.broadcast(numbers, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return slots_from_times(float(numbers[0]), float(numbers[1]), ranks)
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def probe_links(device: torch.device, group: dist.ProcessGroup | None = None, repeats: int = 5) -> Links:

@@ -147,15 +147,17 @@ def measure_layers(
     splits: Sequence[LayerSplit] | None = None,
     repeats: int = 3,
     sizes: Iterable[int] = (),
+    split_backward: bool = True,
 ) -> list[LayerCost]:
     """Every layer's cost per micro-batch of ``rows`` samples (``sample_at(r)``: the first layer's
     input for ``r`` samples), timed also at twice the rows and at ``sizes`` (the micro-batch sizes
     the candidates run; :func:`measurement_sizes` picks them); ``splits``: what a tensor-parallel
-    plan splits per layer."""
+    plan splits per layer; ``split_backward``: time the split backward's ratio too, at ``rows``
+    (where some candidate is zero-bubble: :func:`~.candidates.splits_backward`)."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}.")
     # The split backward's ratio at the measured rows only: zero-bubble candidates pay it.
-    small = profile_layers(layers, sample_at(rows), device, repeats, split_backward=True)
+    small = profile_layers(layers, sample_at(rows), device, repeats, split_backward=split_backward)
     large = profile_layers(layers, sample_at(2 * rows), device, repeats)
     extra = {
         r: profile_layers(layers, sample_at(r), device, repeats)
@@ -249,14 +251,16 @@ def measure_model(
     optimizer: OptimizerFactory | None = None,
     sizes: Iterable[int] = (),
     sharded: bool = True,
+    split_backward: bool = True,
 ) -> ModelCosts:
     """:func:`measure_layers` (``sizes``: the further micro-batch sizes timed), with the first
     layer's input and the optimizer's bytes: what the cost model needs of a model. With
     ``optimizer`` (the run's, as a factory), its step is timed per layer too
     (:func:`optimizer_seconds`), and, where ``sharded`` (some candidate shards its parameters with
     FSDP2: :func:`~.candidates.shards_parameters`), its DTensor overhead
-    (:func:`sharded_step_overhead`, about a second: not paid where no candidate can use it)."""
-    costs = measure_layers(layers, sample_at, rows, device, splits, repeats, sizes)
+    (:func:`sharded_step_overhead`, about a second: not paid where no candidate can use it);
+    ``split_backward``: as :func:`measure_layers` takes it."""
+    costs = measure_layers(layers, sample_at, rows, device, splits, repeats, sizes, split_backward)
     if optimizer is not None:
         costs = [
             replace(cost, optimizer_seconds=optimizer_seconds(layer, optimizer, device, repeats))
