@@ -640,27 +640,37 @@ def test_the_profiler_times_the_split_backward_against_an_ordinary_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The split backward (I, then W) as zero-bubble schedules run it, timed against an ordinary
-    backward of its own forward: here an I pass that also sleeps 20 ms, against a small Linear's
-    backward of well under a millisecond. The model's own layers get no gradient; without
+    backward of its own forward, on a clock the test drives (so that the machine's load cannot
+    move it): each reading advances 1 ms, and the I pass 20 ms more. An ordinary backward reads
+    1 ms, a split one 21 ms: 21x. The model's own layers get no gradient; without
     ``split_backward`` the ratio is 1 (not measured); ``measure_layers`` passes it on."""
     import lightning_pipe.partition.profile as profile_module
     from lightning_pipe.planning.measure import measure_layers
 
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            self.now += 1e-3
+            return self.now
+
+    clock = Clock()
     real = profile_module.backward_input
 
     def slow_input_pass(*args: object, **kwargs: object) -> object:
-        time.sleep(0.02)
+        clock.now += 20e-3
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
+    monkeypatch.setattr(profile_module, "time", clock)
     monkeypatch.setattr(profile_module, "backward_input", slow_input_pass)
     layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)]
     timed = profile_layers(layers, torch.randn(2, 8), torch.device("cpu"), repeats=2, split_backward=True)
-    assert all(t.split_backward_ratio > 10 for t in timed), timed
+    assert [t.split_backward_ratio for t in timed] == pytest.approx([21.0, 21.0, 21.0]), timed
     assert all(p.grad is None for layer in layers for p in layer.parameters())
     plain = profile_layers(layers, torch.randn(2, 8), torch.device("cpu"), repeats=1)
     assert [t.split_backward_ratio for t in plain] == [1.0, 1.0, 1.0]
     costs = measure_layers(layers, lambda r: torch.randn(r, 8), 2, torch.device("cpu"), repeats=1)
-    assert all(c.split_backward_ratio > 10 for c in costs), costs
+    assert [c.split_backward_ratio for c in costs] == pytest.approx([21.0, 21.0, 21.0]), costs
 
 
 def test_zero_bubble_schedules_pay_the_measured_split_backward() -> None:
