@@ -5,8 +5,10 @@ see :mod:`lightning_pipe.huggingface`), so this module is what a user would writ
 model built in ``configure_model()`` (on the meta device under ``pipe_tp``: each rank then holds
 only its stage, and ``PipeTPStrategy(pretrained=DIR)`` loads each stage's weights), the loss the
 Hugging Face way (``self.model(**batch).loss``), AdamW with a linear warm-up and a cosine decay.
-Batches are what Hugging Face's collators give: dicts with ``input_ids`` and optionally
-``attention_mask``, ``position_ids`` and ``labels`` (``-100`` where a token is not a target).
+``trainer.validate`` and ``trainer.test`` log ``val_loss`` and ``test_loss``; ``trainer.predict``
+returns the logits. Batches are what Hugging Face's collators give: dicts with ``input_ids`` and
+optionally ``attention_mask``, ``position_ids`` and ``labels`` (``-100`` where a token is not a
+target).
 
 From LightningCLI: ``--model lightning_pipe.CausalLMModule --model.model=DIR`` (or a config given
 as a dict, e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``, for a model from scratch).
@@ -95,7 +97,10 @@ class CausalLMModule(L.LightningModule):
         config = _config(source, self.hparams["attn_implementation"])
         if not pipe_tp:
             if hub or safetensors or pickled:
-                self.model = AutoModelForCausalLM.from_pretrained(os.fspath(source), config=config)
+                # from_pretrained returns the model in eval mode, and Lightning keeps the mode a
+                # module starts fit in: dropout would be off on one device and on under pipe_tp
+                # (from_config gives train mode there). Train mode, as Hugging Face's Trainer does.
+                self.model = AutoModelForCausalLM.from_pretrained(os.fspath(source), config=config).train()
             else:
                 self.model = AutoModelForCausalLM.from_config(config)
             return
@@ -132,6 +137,17 @@ class CausalLMModule(L.LightningModule):
         # Perplexity is exp of the epoch's val_loss (a mean of per-batch exp(loss) is another number).
         self.log("val_loss", output.loss, prog_bar=True, sync_dist=True)
         self._log_balancing("val", output, sync_dist=True)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        output = self(**batch)
+        self.log("test_loss", output.loss, prog_bar=True, sync_dist=True)
+        self._log_balancing("test", output, sync_dist=True)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The logits, ``(batch, sequence, vocabulary)``: what generation and scoring start from.
+        Lightning's default step would call ``self(batch)``, which ``forward(**batch)`` cannot
+        take; labels, when the batch has them, are dropped (no loss is wanted here)."""
+        return self(**{k: v for k, v in batch.items() if k != "labels"}).logits
 
     def _log_balancing(self, stage: str, output: Any, **options: Any) -> None:
         """A mixture of experts with ``output_router_logits=True`` adds ``router_aux_loss_coef``
