@@ -79,6 +79,27 @@ def test_candidates_divide_the_world_and_respect_the_model() -> None:
     assert len(found) == len(set(found))
 
 
+def test_a_schedule_running_the_actions_of_another_is_listed_once() -> None:
+    """With one micro-batch GPipe and 1F1B run the same actions on every rank: one candidate, named
+    1F1B (two would rank one layout twice). With two micro-batches they differ and both stay; a
+    schedule the user named is kept."""
+    shape = ModelShape(num_layers=4, tensor_parallel_sizes=frozenset({1}))
+    found = enumerate_candidates(2, shape, batch=2, constraints=Constraints(recompute="never"))
+    kinds = {
+        m: {c.schedule for c in found if c.num_microbatches == m and c.virtual_stages == 1} for m in (1, 2)
+    }
+    kinds = {m: {k for k in ks if k is not ScheduleKind.ZB_H1} for m, ks in kinds.items()}
+    assert kinds == {1: {ScheduleKind.ONE_F_ONE_B}, 2: {ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE}}
+    assert any(c.schedule is ScheduleKind.ZB_H1 and c.num_microbatches == 1 for c in found)  # splits B
+    named = enumerate_candidates(
+        2, shape, batch=2, constraints=Constraints(schedule="gpipe", num_microbatches=1)
+    )
+    assert {(c.pipeline_parallel_size, c.schedule) for c in named} == {
+        (1, ScheduleKind.GPIPE),
+        (2, ScheduleKind.GPIPE),
+    }
+
+
 def test_the_sizes_a_user_set_are_kept() -> None:
     shape = ModelShape(num_layers=8, tensor_parallel_sizes=frozenset({1, 2, 4}))
     fixed = Constraints(
