@@ -9,18 +9,23 @@ For two models, the example GPT (``examples/gpt``'s ``CharGPT``) and a small Hug
    at a time by rank 0 with one thread (:func:`~lightning_pipe.planning.measure.measure_model`,
    the meta-built model materialised a layer at a time) while the other ranks wait, and the
    machine told how many of the processes can compute at once (``compute_slots``, probed in the
-   group just before: the model's own layers timed on one rank alone and on all four at once,
-   :func:`~lightning_pipe.planning.links.probe_compute_slots`; ``--slots-probe matrix``: a
-   matrix product instead; at most 2 on a 2-core host, fewer when other jobs share it), and the
+   group just before, as ``layout="auto"`` probes it: matrix products timed on one rank alone and
+   on all four at once, :func:`~lightning_pipe.planning.links.probe_compute_slots`;
+   ``--slots-probe layers``: the model's own layers instead; at most 2 on a 2-core host, fewer
+   when other jobs share it), and the
    optimizer's step (AdamW) timed per layer;
 2. the plan ranks every candidate; the benchmark runs the top ``--top`` (default 6) and, for a
    spread, the best-ranked candidate of every other layout (pipeline x tensor x data sizes and
    data mode) the planner considered: the table says which rows are which;
-3. each is built in the same 4 processes (a fresh mesh and runtime per candidate, its stages split
-   as the planner split them) and trained for ``--warmup`` + ``--steps`` steps (AdamW); the
-   measured step time is the median of the slowest rank's (barrier to barrier: forward, backward,
-   the data axis' reduction and the optimizer step; the ``optimizer ms`` column is the measured
-   step's part).
+3. each is built in the same 4 processes (a set of processes per model: a run leaves its process
+   groups behind; a fresh mesh and runtime per candidate, its stages split as the planner split
+   them) and trained for ``--warmup`` + ``--steps`` steps (AdamW), in
+   ``--passes`` passes over the rows (default 2), every other one in reverse order: the machine
+   drifts over the minutes a pass takes, and one order would put the drift on the last rows. The
+   measured step time is the median over the passes' steps of the slowest rank's (barrier to
+   barrier: forward, backward, the data axis' reduction and the optimizer step; the ``optimizer
+   ms`` column is the measured step's part); ``passes apart`` is how far the passes' medians of
+   one row are from each other, the measurement's own noise beside the prediction's error.
 
 Peak memory per rank is measured as the planner counts it, not as RSS (a peak RSS never goes down,
 and these runs share processes; the allocator's slack is not what the planner predicts): the
@@ -34,7 +39,7 @@ Goals (printed with the verdict): each step time within 25% of its prediction; t
 planner's top three preserved by the measurements; each peak memory within 15%; the planner's pick
 within 10% of the best measured step time.
 
-Run: ``python benchmarks/auto_layout.py`` (table; about 4-6 minutes on 2
+Run: ``python benchmarks/auto_layout.py`` (table; about 6-8 minutes on 2
 cores) or ``--json``; ``--models gpt`` or ``llama`` for one.
 """
 
@@ -161,7 +166,7 @@ def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
     def layers() -> None:
         profile_layers(loaded.layers, loaded.sample_at(_rows(sizes)), torch.device("cpu"), 1)
 
-    return probe_compute_slots(torch.device("cpu"), repeats=5, work=layers if probe == "layers" else None)
+    return probe_compute_slots(torch.device("cpu"), work=layers if probe == "layers" else None)
 
 
 def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> tuple[Any, Any, Any]:
@@ -346,7 +351,14 @@ def _run_one(
 
 
 def worker(
-    names: list[str], sizes: dict[str, Sizes], top: int, warmup: int, steps: int, repeats: int, probe: str
+    names: list[str],
+    sizes: dict[str, Sizes],
+    top: int,
+    warmup: int,
+    steps: int,
+    repeats: int,
+    probe: str,
+    passes: int,
 ) -> Any:
     from lightning_pipe.planning.cost_model import stage_balance
     from lightning_pipe.planning.links import probe_links
@@ -364,12 +376,17 @@ def worker(
         dist.barrier()
         dist.broadcast_object_list(box, 0)
         chosen, balances, machine = box[0]
-        runs = []
+        runs: list[list[dict[str, Any]]] = [[] for _ in chosen]
         # The processes' first run pays for their first allocations (the allocator's arenas, pages
         # touched for the first time) beyond its warm-up steps: run the first candidate once before.
         _run_one(name, sizes[name], chosen[0][0].candidate, balances[0], 1, 1)
-        for (prediction, _why), balance in zip(chosen, balances, strict=True):
-            runs.append(_run_one(name, sizes[name], prediction.candidate, balance, warmup, steps))
+        # The machine drifts over the minutes the rows take (other jobs, the host's clock speed):
+        # passes alternate the order, so a drift falls on the first and the last rows alike.
+        for turn in range(passes):
+            order = range(len(chosen)) if turn % 2 == 0 else reversed(range(len(chosen)))
+            for index in order:
+                candidate = chosen[index][0].candidate
+                runs[index].append(_run_one(name, sizes[name], candidate, balances[index], warmup, steps))
         out[name] = {"chosen": chosen, "balances": balances, "machine": machine, "runs": runs}
     return out
 
@@ -385,9 +402,17 @@ def summarise(name: str, results: list[Any]) -> dict[str, Any]:
     first = results[0][name]
     rows = []
     for index, (prediction, why) in enumerate(first["chosen"]):
-        per_rank = [r[name]["runs"][index] for r in results]
-        steps = [max(values) for values in zip(*(r["step"] for r in per_rank), strict=True)]
-        measured = median(steps)
+        # Per pass, each step's slowest rank; the row's time is the median over all passes' steps.
+        by_pass = [
+            [
+                max(values)
+                for values in zip(*(r[name]["runs"][index][turn]["step"] for r in results), strict=True)
+            ]
+            for turn in range(len(first["runs"][index]))
+        ]
+        measured = median([t for steps in by_pass for t in steps])
+        pass_medians = [median(steps) for steps in by_pass]
+        per_rank = [run for r in results for run in r[name]["runs"][index]]
         memory = max(sum(r["memory"].values()) for r in per_rank)
         rows.append({
             "layout": str(prediction.candidate),
@@ -395,6 +420,7 @@ def summarise(name: str, results: list[Any]) -> dict[str, Any]:
             "predicted_s": prediction.step_seconds,
             "measured_s": measured,
             "time_ratio": measured / prediction.step_seconds,
+            "pass_spread": max(pass_medians) / min(pass_medians) - 1,
             "optimizer_s": max(median(r["optimizer"]) for r in per_rank),
             "predicted_optimizer_s": prediction.optimizer_seconds,
             "predicted_peak_bytes": prediction.peak_bytes,
@@ -421,6 +447,7 @@ def summarise(name: str, results: list[Any]) -> dict[str, Any]:
         "goals": goals,
         "pick_over_best": pick / best,
         "compute_slots": machine.compute_slots,
+        "median_pass_spread": median([r["pass_spread"] for r in rows]),
     }
 
 
@@ -432,7 +459,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--top", type=int, default=6, help="the planner's top candidates run (then a spread)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per pass")
+    parser.add_argument(
+        "--passes", type=int, default=2, help="passes over the rows, alternately in order and reversed"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per layer when measuring")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
@@ -440,8 +470,9 @@ def main() -> None:
     parser.add_argument(
         "--slots-probe",
         choices=["layers", "matrix"],
-        default="layers",
-        help="what the compute-slot probe times alone and on all ranks at once (default: the model's layers)",
+        default="matrix",
+        help="what the compute-slot probe times alone and on all ranks at once (default: matrix products, "
+        "as layout='auto' does)",
     )
     parser.add_argument(
         "--no-measure-sizes",
@@ -465,40 +496,61 @@ def main() -> None:
         for name in MODELS
     }
     start = time.monotonic()
-    results = launch(
-        worker, WORLD, args.models, sizes, args.top, args.warmup, args.steps, args.repeats, args.slots_probe,
-        timeout=900,
-    )  # fmt: skip
-    summaries = {name: summarise(name, results) for name in args.models}
+    # Each model in processes of its own: every candidate's run leaves its process groups behind
+    # (their threads and connections), and the second model measured after the first's 35 runs in
+    # the same processes took about twice its steps measured alone (passes of one row 55 - 346%
+    # apart, against 19% alone).
+    results = {
+        name: launch(
+            worker,
+            WORLD,
+            [name],
+            sizes,
+            args.top,
+            args.warmup,
+            args.steps,
+            args.repeats,
+            args.slots_probe,
+            args.passes,
+            timeout=1800,
+        )
+        for name in args.models
+    }
+    summaries = {name: summarise(name, results[name]) for name in args.models}
+    links = {name: results[name][0]["links"] for name in args.models}
     if args.json:
-        emit_json({"sizes": {k: vars(v) for k, v in sizes.items()}, "links": repr(results[0]["links"]),
+        emit_json({"sizes": {k: vars(v) for k, v in sizes.items()},
+                   "links": {k: repr(v) for k, v in links.items()},
                    "results": summaries, "seconds": time.monotonic() - start})  # fmt: skip
         return
-    print(f"{WORLD} gloo processes, 1 thread each, on {os.cpu_count()} cores; links: {results[0]['links']}")
+    print(f"{WORLD} gloo processes, 1 thread each, on {os.cpu_count()} cores")
     for name in args.models:
         s = summaries[name]
         size = sizes[name]
         print(f"\n{MODELS[name]}: width {size.width}, {size.layers} blocks, batch {size.batch} x {size.seq}")
+        print(f"links: {links[name]}")
         print(f"compute slots probed: {s['compute_slots']:.2f} of {WORLD} processes")
         table = [
             [
                 str(i), r["layout"], r["why"], f"{r['predicted_s'] * 1e3:.0f}",
-                f"{r['measured_s'] * 1e3:.0f}", f"{r['time_ratio']:.2f}", f"{r['optimizer_s'] * 1e3:.0f}",
+                f"{r['measured_s'] * 1e3:.0f}", f"{r['pass_spread']:.0%}", f"{r['time_ratio']:.2f}",
+                f"{r['optimizer_s'] * 1e3:.0f}",
                 f"{r['predicted_peak_bytes'] / 1e6:.1f}", f"{r['measured_peak_bytes'] / 1e6:.1f}",
                 f"{r['memory_ratio']:.2f}",
             ]
             for i, r in enumerate(s["rows"], 1)
         ]  # fmt: skip
         print_table(
-            ["#", "layout", "row", "pred ms", "meas ms", "meas/pred", "optimizer ms", "pred MB", "meas MB",
-             "meas/pred"],
+            ["#", "layout", "row", "pred ms", "meas ms", "passes apart", "meas/pred", "optimizer ms",
+             "pred MB", "meas MB", "meas/pred"],
             table,
         )  # fmt: skip
         g = s["goals"]
         verdict = ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in g.items() if isinstance(v, bool))
         print(
             f"pick / best measured: {s['pick_over_best']:.2f}; rows within 25%: {g['rows_within_25pct']} of "
-            f"{len(s['rows'])}; the top three predicted within {s['top3_predicted_spread']:.1%} of each other"
+            f"{len(s['rows'])}; the top three predicted within {s['top3_predicted_spread']:.1%} of each "
+            f"other; one layout's passes apart by {s['median_pass_spread']:.0%} (median over the rows)"
         )
         print(verdict)
     print(f"\n({time.monotonic() - start:.0f} s)")

@@ -7,8 +7,9 @@ and saves a sharded checkpoint; :func:`export_huggingface` turns that checkpoint
 that ``AutoModelForCausalLM.from_pretrained`` reads, tokenizer files copied along. The exported
 model's logits equal those of the same module trained on one device (loaded by
 ``from_pretrained``), and so do ``val_loss``, ``test_loss`` and the predicted logits of validate,
-test and predict run after the fit on the same Trainer. The same directory without ``pretrained=`` is refused with the fix, and so
-is an export from a checkpoint that records no config without ``config=``.
+test and predict run after the fit on the same Trainer. The same directory without
+``pretrained=`` is refused with the fix, and so is an export from a checkpoint that records no
+config without ``config=``.
 """
 
 from __future__ import annotations

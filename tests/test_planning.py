@@ -983,6 +983,17 @@ def test_compute_slots_from_the_probes_times() -> None:
     assert slots_from_times(0.01, 0.1, 4) == pytest.approx(0.4)
 
 
+def test_compute_slots_take_the_mean_of_the_rounds_together() -> None:
+    """A step pays its slow stretches in proportion: one round in four 1.5x longer (the scheduler
+    putting 3 of 4 processes on one of 2 cores) counts, where a median would read the fast rounds
+    only. Alone is the median, as the layers are timed."""
+    from lightning_pipe.planning.links import slots_from_rounds
+
+    alone, together = [0.09, 0.09, 0.2], [0.2, 0.2, 0.2, 0.3]
+    assert slots_from_rounds(alone, together, 4) == pytest.approx(4 * 0.09 / 0.225)
+    assert slots_from_rounds([0.09], [0.2, 0.2, 0.2], 4) == pytest.approx(1.8)  # even rounds: as before
+
+
 def _uneven_slots_worker() -> float:
     """The compute-slot probe over work that takes rank 0 50 ms and rank 1 200 ms (sleeps: the
     probe's arithmetic, not the cores, is under test)."""
@@ -1042,22 +1053,37 @@ def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], int]:
         build_schedule("1f1b", p, 4), rank, inputs=inputs if rank == 0 else None,
         head=lambda y, i: y.square().mean(), signatures=[signature(x) for x in inputs],
     )  # fmt: skip
-    return probed, result.peak_activation_bytes
+    # Two stages a rank (interleaved 1F1B, v=2): stage s on rank s % p.
+    interleaved = PipelineExecutor(
+        {rank: _pipeline_stage(), rank + p: _pipeline_stage()}, 2 * p, list(range(p)), torch.device("cpu")
+    )
+    interleaved.measure_activation_memory = True
+    six = [torch.randn(ROWS, WIDTH) for _ in range(6)]  # distinct: the meter counts a tensor once
+    two = interleaved.run(
+        build_schedule("interleaved_1f1b", 2 * p, 6, virtual_stages=2), rank,
+        inputs=six if rank == 0 else None, head=lambda y, i: y.square().mean(),
+        signatures=[signature(x) for x in six],
+    )  # fmt: skip
+    return probed, (result.peak_activation_bytes, two.peak_activation_bytes)
 
 
 @pytest.mark.distributed
-def test_the_links_probe_and_a_pipelines_activations_on_three_ranks() -> None:
+def test_the_links_probe_and_pipelines_activations_on_three_ranks() -> None:
     """Every rank gets rank 0's probe of the links and the same probe of the compute slots; and
     each pipeline rank's activation bytes, as the executor's meter counts them over the
     micro-batches 1F1B keeps alive (3, 2, 1), are the
     planner's prediction (from one stage measured by the profiler, the stages given equal times so
     that the planner splits the layers as the run does) plus the weights autograd keeps for the
-    input gradient (one on the first stage, whose input needs none, two on the others)."""
+    input gradient (one on the first stage, whose input needs none, two on the others). The same
+    with two stages a rank (interleaved 1F1B): the rank's peak over its own actions, which the sum
+    of its two stages' own peaks overstates."""
     from lightning_pipe.planning.measure import measure_model
     from tests.distributed import run_distributed
 
     results = run_distributed(_probe_and_pipeline_worker, 3, timeout=120)
     probes = [probe for probe, _ in results]
+    one_stage = [peaks[0] for _, peaks in results]
+    two_stages = [peaks[1] for _, peaks in results]
     assert probes[0] == probes[1] == probes[2]
     p2p_bandwidth, p2p_latency, bandwidth, latency, overlap, slots, *halves = probes[0]
     assert p2p_bandwidth > 0 and bandwidth > 0 and p2p_latency >= 0 and latency >= 0
@@ -1075,8 +1101,21 @@ def test_the_links_probe_and_a_pipelines_activations_on_three_ranks() -> None:
     costs = replace(measured, layers=layers)
     c = Candidate(3, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 4, RecomputeMode.NEVER)
     predicted = predict(c, costs, Machine(3, 1e12), batch=4 * ROWS)
+    micro_batch = predicted.rank_memory[2].activations  # the last stage keeps one alive
     weight = WIDTH * WIDTH * 4
     kept = [weight, 2 * weight, 2 * weight]
     assert [m.activations for m in predicted.rank_memory] == [
-        b - w for (_, b), w in zip(results, kept, strict=True)
+        b - w for b, w in zip(one_stage, kept, strict=True)
     ]
+    # Interleaved, two stages a rank, 6 micro-batches: the rank's peak over its actions in order,
+    # not the sum of its stages' own peaks (those do not coincide), plus the weights kept for its
+    # two stages (stage 0's input needs no gradient).
+    c = Candidate(3, 1, 1, DataMode.REPLICATED, ScheduleKind.INTERLEAVED_1F1B, 2, 6, RecomputeMode.NEVER)
+    predicted = predict(c, replace(costs, layers=layers * 2), Machine(3, 1e12), batch=6 * ROWS)
+    kept = [3 * weight, 4 * weight, 4 * weight]
+    assert [m.activations for m in predicted.rank_memory] == [
+        b - w for b, w in zip(two_stages, kept, strict=True)
+    ]
+    peaks = simulate(build_schedule("interleaved_1f1b", 6, 6, virtual_stages=2)).peak_inflight
+    stages_own_peaks = (peaks[0] + peaks[3]) * micro_batch
+    assert stages_own_peaks > two_stages[0] - kept[0]

@@ -22,16 +22,18 @@ every rank goes on to the same decision.
 :func:`probe_compute_slots` measures the other thing processes of one host share: compute. The
 same fixed piece of work is timed on one rank alone and then on all at once, until the last is
 done; if ``n`` processes together take ``k`` times as long, only ``n / k`` of them compute at full
-speed at once (4 gloo processes on 2 idle cores: 2 for a matrix product; fewer when other jobs
-share the cores, or for work that competes for caches and memory as a model's layers do, which is
-why ``layout="auto"`` should time the model's own layers; on GPUs: ``n``). The cost model reads it as
-:attr:`~lightning_pipe.planning.costs.Machine.compute_slots`.
+speed at once (4 gloo processes on 2 idle cores: 1.5 - 1.8 for matrix products, the scheduler not
+always spreading them evenly; fewer when other jobs share the cores; on GPUs: ``n``). The example
+GPT's own layers, forward and backward, read what matrix products read (1.7 - 2.0 against 1.8 - 1.9
+in one group), so ``layout="auto"`` probes with matrix products, which need no model. The cost
+model reads it as :attr:`~lightning_pipe.planning.costs.Machine.compute_slots`.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from statistics import median_high
 
 import torch
@@ -90,16 +92,30 @@ def slots_from_times(alone: float, together: float, ranks: int) -> float:
     return float(min(ranks, ranks * alone / together))
 
 
+def slots_from_rounds(alone: Sequence[float], together: Sequence[float], ranks: int) -> float:
+    """:func:`slots_from_times` of the probe's rounds: the median of ``alone`` (as the layers are
+    timed) against the mean of ``together``.
+
+    The mean, because a step is many stretches of compute between waits, and it pays the slow
+    stretches in proportion. Where processes outnumber the cores, "together" is bimodal: the
+    scheduler mostly spreads 4 processes 2 and 2 over 2 cores, but in about a round in four puts 3
+    on one core, the round 1.5x longer (a run of 40 rounds: 180 - 230 ms, and 300 - 333 ms in 9 of
+    them; 90 ms alone). The median reads the fast rounds only (1.78 slots there), and the probe read
+    1.1 - 2.0 in windows of 5 rounds, 1.5 - 2.2 in consecutive calls; the mean over 10 rounds read
+    1.51 - 1.62."""
+    return slots_from_times(median_high(alone), statistics.fmean(together), ranks)
+
+
 def probe_compute_slots(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
-    repeats: int = 3,
+    repeats: int = 10,
     products: int = 48,
     work: Callable[[], object] | None = None,
 ) -> float:
     """How many of ``group``'s processes can compute at once at the speed one has alone (the same
     on every rank; collective). The group's first rank runs ``work`` alone while the others wait,
-    then every rank runs it at once; the medians of ``repeats`` give :func:`slots_from_times`.
+    then every rank runs it at once, ``repeats`` rounds of both (:func:`slots_from_rounds`).
     ``work`` is a piece of the run's own work (e.g. the model's layers through the layer profiler:
     the truest sample); by default ``products`` products of square matrices. On CUDA (a device per
     process) it is the group's size, unmeasured.
@@ -138,11 +154,11 @@ def probe_compute_slots(
         dist.barrier(group=group)
         together.append(time.perf_counter() - start)
     numbers = torch.tensor(
-        [median_high(alone) if me == 0 else 0.0, median_high(together)], dtype=torch.float64
+        [slots_from_rounds(alone, together, ranks) if me == 0 else 0.0], dtype=torch.float64
     )
-    # Rank 0's numbers for every rank (each measured nearly the same "together"): one decision.
+    # Rank 0's reading for every rank (each measured nearly the same "together"): one decision.
     dist.broadcast(numbers, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return slots_from_times(float(numbers[0]), float(numbers[1]), ranks)
+    return float(numbers[0])
 
 
 def probe_links(device: torch.device, group: dist.ProcessGroup | None = None, repeats: int = 5) -> Links:
