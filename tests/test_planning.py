@@ -91,6 +91,11 @@ def test_a_schedule_running_the_actions_of_another_is_listed_once() -> None:
     kinds = {m: {k for k in ks if k is not ScheduleKind.ZB_H1} for m, ks in kinds.items()}
     assert kinds == {1: {ScheduleKind.ONE_F_ONE_B}, 2: {ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE}}
     assert any(c.schedule is ScheduleKind.ZB_H1 and c.num_microbatches == 1 for c in found)  # splits B
+    # The rule is the built schedules': equal actions with one micro-batch, not with two.
+    for pp in (2, 3, 4):
+        for m, same in ((1, True), (2, False)):
+            gpipe, one_f_one_b = build_schedule("gpipe", pp, m), build_schedule("1f1b", pp, m)
+            assert (gpipe.actions == one_f_one_b.actions) is same
     named = enumerate_candidates(
         2, shape, batch=2, constraints=Constraints(schedule="gpipe", num_microbatches=1)
     )

@@ -143,11 +143,17 @@ class CausalLMModule(L.LightningModule):
         self.log("test_loss", output.loss, prog_bar=True, sync_dist=True)
         self._log_balancing("test", output, sync_dist=True)
 
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """The logits, ``(batch, sequence, vocabulary)``: what generation and scoring start from.
-        Lightning's default step would call ``self(batch)``, which ``forward(**batch)`` cannot
-        take; labels, when the batch has them, are dropped (no loss is wanted here)."""
-        return self(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    def predict_step(
+        self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> torch.Tensor:
+        """The logits, ``(batch, sequence, vocabulary)``, on the CPU: what scoring starts from
+        (Lightning's default step would call ``self(batch)``, which ``forward(**batch)`` cannot
+        take). Labels, when the batch has them, are dropped: no loss is wanted here. Under
+        context parallelism each rank returns its chunks of the sequence. A batch's logits are
+        ``batch x sequence x vocabulary`` floats, kept for every batch by ``trainer.predict``
+        (``return_predictions``): for a large vocabulary, score in a callback instead."""
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        return self(**inputs).logits
 
     def _log_balancing(self, stage: str, output: Any, **options: Any) -> None:
         """A mixture of experts with ``output_router_logits=True`` adds ``router_aux_loss_coef``

@@ -19,10 +19,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
-from functools import lru_cache
 
 from lightning_pipe.execution.recompute import RecomputeMode
-from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
+from lightning_pipe.schedule.builders import ScheduleKind
 
 
 class DataMode(enum.Enum):
@@ -198,32 +197,13 @@ def _pick(free: list[int], fixed: int | None) -> list[int]:
     return free if fixed is None else [v for v in free if v == fixed]
 
 
-SCHEDULE_PREFERENCE = (
-    ScheduleKind.ONE_F_ONE_B,
-    ScheduleKind.GPIPE,
-    ScheduleKind.INTERLEAVED_1F1B,
-    ScheduleKind.ZB_H1,
-)
-"""The order schedules are enumerated in: where two run the same actions (GPipe and 1F1B with one
-micro-batch), the first names the candidate."""
-
-
-@lru_cache(maxsize=4096)
-def _actions(kind: ScheduleKind, stages: int, m: int, v: int) -> tuple[tuple[object, ...], ...]:
-    """Each rank's actions, in order: what the engine runs for ``kind``."""
-    return tuple(tuple(rank) for rank in build_schedule(kind, stages, m, virtual_stages=v).actions)
-
-
-def _runs_as_another(kind: ScheduleKind, pp: int, v: int, m: int, seen: set[tuple[object, ...]]) -> bool:
-    """Whether ``kind`` at ``pp x v`` stages and ``m`` micro-batches runs the very actions of a
-    schedule enumerated before it (``seen``, which it joins): with one micro-batch GPipe and 1F1B
-    both run each stage's forward then its backward. Listing both would rank one layout twice, the
-    two predictions equal and their measurements apart only by noise."""
-    actions = (v, m, _actions(kind, pp * v, m, v))
-    if actions in seen:
-        return True
-    seen.add(actions)
-    return False
+def _runs_as_one_f_one_b(kind: ScheduleKind, m: int, c: Constraints) -> bool:
+    """Whether ``kind`` at ``m`` micro-batches runs 1F1B's very actions, 1F1B being enumerated too:
+    with one micro-batch GPipe and 1F1B both run each stage's forward then its backward (from two
+    micro-batches on, the last stage orders them apart: F0 B0 F1 B1 against F0 F1 B1 B0). Listing
+    both would rank one layout twice, the two predictions equal and their measurements apart only
+    by noise. The rule is checked against the built schedules in the tests."""
+    return kind is ScheduleKind.GPIPE and m == 1 and c.schedule is None
 
 
 def _schedules(pp: int, num_layers: int, c: Constraints) -> Iterator[tuple[ScheduleKind, int]]:
@@ -235,7 +215,7 @@ def _schedules(pp: int, num_layers: int, c: Constraints) -> Iterator[tuple[Sched
         if kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B) and c.virtual_stages in (None, 1):
             yield kind, 1
         return
-    for kind in SCHEDULE_PREFERENCE:
+    for kind in ScheduleKind:
         if c.schedule is not None and kind is not c.schedule:
             continue
         if kind is ScheduleKind.INTERLEAVED_1F1B:
@@ -278,13 +258,12 @@ def enumerate_candidates(
                 modes = [c.data_mode or DataMode.REPLICATED]
             else:
                 modes = [c.data_mode] if c.data_mode is not None else list(DataMode)
-            seen: set[tuple[object, ...]] = set()
             for kind, v in _schedules(pp, shape.num_layers, c):
                 if pp * v > shape.num_layers:
                     continue
                 counts = [m for m in divisors(batch // dp) if m <= MAX_MICROBATCHES or c.num_microbatches]
                 for m in _pick(counts, c.num_microbatches):
-                    if pp > 1 and _runs_as_another(kind, pp, v, m, seen):
+                    if pp > 1 and _runs_as_one_f_one_b(kind, m, c):
                         continue
                     for mode in modes:
                         for reshard in _reshards(mode, pp, v, kind, c):

@@ -11,8 +11,8 @@ The step time is what the engine would do, played on paper:
   backward;
 * the project's own simulator (:func:`~lightning_pipe.schedule.simulate`) plays the schedule with
   those times and the point-to-point message time between stages: its makespan holds the compute,
-  the bubble and the waits for messages, and its count of micro-batches alive per stage gives the
-  activation memory;
+  the bubble and the waits for messages; each rank's actions, played in order, give its
+  activation memory (:func:`held_peak`);
 * processes sharing compute (:attr:`~.costs.Machine.compute_slots`: 4 gloo processes on 2 CPU
   cores) cannot together compute faster than the slots allow: the step lasts at least all the
   processes' work divided by the slots. A pipeline rank idle in the bubble lends its core to the

@@ -31,10 +31,9 @@ model reads it as :attr:`~lightning_pipe.planning.costs.Machine.compute_slots`.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
-from statistics import median_high
+from statistics import fmean, median_high
 
 import torch
 import torch.distributed as dist
@@ -101,9 +100,9 @@ def slots_from_rounds(alone: Sequence[float], together: Sequence[float], ranks: 
     scheduler mostly spreads 4 processes 2 and 2 over 2 cores, but in about a round in four puts 3
     on one core, the round 1.5x longer (a run of 40 rounds: 180 - 230 ms, and 300 - 333 ms in 9 of
     them; 90 ms alone). The median reads the fast rounds only (1.78 slots there), and the probe read
-    1.1 - 2.0 in windows of 5 rounds, 1.5 - 2.2 in consecutive calls; the mean over 10 rounds read
+    1.13 - 1.81 in windows of 5 rounds, 1.5 - 2.2 in consecutive calls; the mean over 10 rounds read
     1.51 - 1.62."""
-    return slots_from_times(median_high(alone), statistics.fmean(together), ranks)
+    return slots_from_times(median_high(alone), fmean(together), ranks)
 
 
 def probe_compute_slots(
@@ -116,9 +115,9 @@ def probe_compute_slots(
     """How many of ``group``'s processes can compute at once at the speed one has alone (the same
     on every rank; collective). The group's first rank runs ``work`` alone while the others wait,
     then every rank runs it at once, ``repeats`` rounds of both (:func:`slots_from_rounds`).
-    ``work`` is a piece of the run's own work (e.g. the model's layers through the layer profiler:
-    the truest sample); by default ``products`` products of square matrices. On CUDA (a device per
-    process) it is the group's size, unmeasured.
+    ``work`` is a piece of the run's own work (e.g. the model's layers through the layer profiler,
+    which read what matrix products read); by default ``products`` products of square matrices.
+    On CUDA (a device per process) it is the group's size, unmeasured.
 
     Both are wall times, and "together" lasts until the last rank is done (barrier to barrier), as
     a training step does: every rank timing only its own run would let the ranks the scheduler
