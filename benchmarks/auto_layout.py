@@ -351,44 +351,36 @@ def _run_one(
 
 
 def worker(
-    names: list[str],
-    sizes: dict[str, Sizes],
-    top: int,
-    warmup: int,
-    steps: int,
-    repeats: int,
-    probe: str,
-    passes: int,
-) -> Any:
+    name: str, size: Sizes, top: int, warmup: int, steps: int, repeats: int, probe: str, passes: int
+) -> dict[str, Any]:
+    """One model's rows, in processes of its own: the links, the planner's pick and spread, and each
+    row's runs (one per pass)."""
     from lightning_pipe.planning.cost_model import stage_balance
     from lightning_pipe.planning.links import probe_links
 
     links = probe_links(torch.device("cpu"))
-    out: dict[str, Any] = {"links": links}
-    for name in names:
-        box: list[Any] = [None]
-        loaded = _load(name, sizes[name])
-        slots = _slots(loaded, sizes[name], probe)  # just before the plan: the load changes
-        if dist.get_rank() == 0:
-            plan, costs, machine = _plan(loaded, sizes[name], links, slots, repeats)
-            chosen = choose(list(plan.predictions), top)
-            box[0] = (chosen, [stage_balance(costs, p.candidate) for p, _ in chosen], machine)
-        dist.barrier()
-        dist.broadcast_object_list(box, 0)
-        chosen, balances, machine = box[0]
-        runs: list[list[dict[str, Any]]] = [[] for _ in chosen]
-        # The processes' first run pays for their first allocations (the allocator's arenas, pages
-        # touched for the first time) beyond its warm-up steps: run the first candidate once before.
-        _run_one(name, sizes[name], chosen[0][0].candidate, balances[0], 1, 1)
-        # The machine drifts over the minutes the rows take (other jobs, the host's clock speed):
-        # passes alternate the order, so a drift falls on the first and the last rows alike.
-        for turn in range(passes):
-            order = range(len(chosen)) if turn % 2 == 0 else reversed(range(len(chosen)))
-            for index in order:
-                candidate = chosen[index][0].candidate
-                runs[index].append(_run_one(name, sizes[name], candidate, balances[index], warmup, steps))
-        out[name] = {"chosen": chosen, "balances": balances, "machine": machine, "runs": runs}
-    return out
+    box: list[Any] = [None]
+    loaded = _load(name, size)
+    slots = _slots(loaded, size, probe)  # just before the plan: the load changes
+    if dist.get_rank() == 0:
+        plan, costs, machine = _plan(loaded, size, links, slots, repeats)
+        chosen = choose(list(plan.predictions), top)
+        box[0] = (chosen, [stage_balance(costs, p.candidate) for p, _ in chosen], machine)
+    dist.barrier()
+    dist.broadcast_object_list(box, 0)
+    chosen, balances, machine = box[0]
+    runs: list[list[dict[str, Any]]] = [[] for _ in chosen]
+    # The processes' first run pays for their first allocations (the allocator's arenas, pages
+    # touched for the first time) beyond its warm-up steps: run the first candidate once before.
+    _run_one(name, size, chosen[0][0].candidate, balances[0], 1, 1)
+    # The machine drifts over the minutes the rows take (other jobs, the host's clock speed):
+    # passes alternate the order, so a drift falls on the first and the last rows alike.
+    for turn in range(passes):
+        order = range(len(chosen)) if turn % 2 == 0 else reversed(range(len(chosen)))
+        for index in order:
+            candidate = chosen[index][0].candidate
+            runs[index].append(_run_one(name, size, candidate, balances[index], warmup, steps))
+    return {"links": links, "chosen": chosen, "balances": balances, "machine": machine, "runs": runs}
 
 
 # ----------------------------------------------------------------------------- the table
@@ -398,21 +390,18 @@ def _ranks_agree(predicted: list[float], measured: list[float], k: int = 3) -> b
     return [measured[i] for i in order] == sorted(measured[i] for i in order)
 
 
-def summarise(name: str, results: list[Any]) -> dict[str, Any]:
-    first = results[0][name]
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    first = results[0]
     rows = []
     for index, (prediction, why) in enumerate(first["chosen"]):
         # Per pass, each step's slowest rank; the row's time is the median over all passes' steps.
         by_pass = [
-            [
-                max(values)
-                for values in zip(*(r[name]["runs"][index][turn]["step"] for r in results), strict=True)
-            ]
+            [max(values) for values in zip(*(r["runs"][index][turn]["step"] for r in results), strict=True)]
             for turn in range(len(first["runs"][index]))
         ]
         measured = median([t for steps in by_pass for t in steps])
         pass_medians = [median(steps) for steps in by_pass]
-        per_rank = [run for r in results for run in r[name]["runs"][index]]
+        per_rank = [run for r in results for run in r["runs"][index]]
         memory = max(sum(r["memory"].values()) for r in per_rank)
         rows.append({
             "layout": str(prediction.candidate),
@@ -423,7 +412,7 @@ def summarise(name: str, results: list[Any]) -> dict[str, Any]:
             "pass_spread": max(pass_medians) / min(pass_medians) - 1,
             # The slowest rank's median over all passes' steps, as the step time is taken.
             "optimizer_s": max(
-                median([t for run in r[name]["runs"][index] for t in run["optimizer"]]) for r in results
+                median([t for run in r["runs"][index] for t in run["optimizer"]]) for r in results
             ),
             "predicted_optimizer_s": prediction.optimizer_seconds,
             "predicted_peak_bytes": prediction.peak_bytes,
@@ -509,8 +498,8 @@ def main() -> None:
         name: launch(
             worker,
             WORLD,
-            [name],
-            sizes,
+            name,
+            sizes[name],
             args.top,
             args.warmup,
             args.steps,
@@ -521,7 +510,7 @@ def main() -> None:
         )
         for name in args.models
     }
-    summaries = {name: summarise(name, results[name]) for name in args.models}
+    summaries = {name: summarise(results[name]) for name in args.models}
     links = {name: results[name][0]["links"] for name in args.models}
     if args.json:
         emit_json({"sizes": {k: vars(v) for k, v in sizes.items()},

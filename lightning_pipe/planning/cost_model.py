@@ -12,7 +12,7 @@ The step time is what the engine would do, played on paper:
 * the project's own simulator (:func:`~lightning_pipe.schedule.simulate`) plays the schedule with
   those times and the point-to-point message time between stages: its makespan holds the compute,
   the bubble and the waits for messages; each rank's actions, played in order, give its
-  activation memory (:func:`held_peak`);
+  activation memory (:func:`~lightning_pipe.schedule.simulate.held_peak`);
 * processes sharing compute (:attr:`~.costs.Machine.compute_slots`: 4 gloo processes on 2 CPU
   cores) cannot together compute faster than the slots allow: the step lasts at least all the
   processes' work divided by the slots. A pipeline rank idle in the bubble lends its core to the
@@ -44,13 +44,14 @@ at the probed links' latency: on gloo with 4 processes on 2 cores a few-byte all
 
 Peak memory per rank is parameters, gradients and optimizer state as the data mode keeps them, and
 the most activation bytes the rank's stages hold at once as the schedule runs its actions
-(:func:`held_peak`). Not counted: the allocator's slack, framework buffers and what the optimizer step
-allocates while it runs; :mod:`.report` says so next to the numbers.
+(:func:`~lightning_pipe.schedule.simulate.held_peak`). Not counted: the allocator's slack,
+framework buffers and what the optimizer step allocates while it runs; :mod:`.report` says so next
+to the numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -58,10 +59,10 @@ from lightning_pipe.execution.recompute import RecomputeMode
 from lightning_pipe.partition.balance import balance_by_time
 from lightning_pipe.planning.candidates import Candidate, DataMode
 from lightning_pipe.planning.costs import LayerCost, Links, Machine, ModelCosts
-from lightning_pipe.schedule.actions import ActionType, PipelineSchedule
+from lightning_pipe.schedule.actions import PipelineSchedule
 from lightning_pipe.schedule.builders import ScheduleKind, build_schedule
 from lightning_pipe.schedule.shared_cores import simulate_shared
-from lightning_pipe.schedule.simulate import SimulationResult, simulate
+from lightning_pipe.schedule.simulate import SimulationResult, held_peak, simulate
 
 SPLIT_ACTIVATION_SHARE = 0.7
 """Of a tensor-split layer's saved activations, the share the tensor ranks split (Korthikanti et
@@ -288,23 +289,6 @@ def _stage(
         layers=len(group),
         tensors=sum(layer.parameter_tensors for layer in group),
     )
-
-
-def held_peak(schedule: PipelineSchedule, rank: int, saved: Mapping[int, float]) -> float:
-    """The most bytes ``rank`` holds for backward at once under ``schedule``: its actions in their
-    order, each forward of stage ``s`` adding ``saved[s]`` and its backward (a split backward's
-    weight pass) releasing them. Only the rank's own actions move its memory, so no timing is
-    needed. With several stages a rank (interleaved), the stages' own peaks do not coincide: their
-    sum, used before, put the example GPT at pp=4, interleaved v=2, 8 micro-batches at 33.2 MB a
-    rank where the run held 26.5 MB."""
-    held = peak = 0.0
-    for action in schedule.actions[rank]:
-        if action.kind is ActionType.FORWARD:
-            held += saved[action.stage_index]
-            peak = max(peak, held)
-        elif action.kind in (ActionType.BACKWARD, ActionType.BACKWARD_WEIGHT):
-            held -= saved[action.stage_index]
-    return peak
 
 
 def _memory(
