@@ -237,7 +237,10 @@ def _meter_without(pointers: set[int]) -> Iterator[None]:
 
     original = executor_module.counting_saved
 
-    def counting_saved(saved: memory.Counted) -> Any:
+    def counting_saved(saved: memory.Counted, on: bool = True) -> Any:
+        if not on:
+            return contextlib.nullcontext()
+
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.untyped_storage().data_ptr() not in pointers:
                 saved[(tensor.data_ptr(), tensor.nbytes)] = tensor.nbytes

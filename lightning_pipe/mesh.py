@@ -37,7 +37,8 @@ import atexit
 import enum
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch.distributed as dist
@@ -368,6 +369,37 @@ class ParallelMesh:
     context_group: dist.ProcessGroup | None = None
     """With ``context_parallel_size > 1``: the ranks that split this rank's sequences (ring
     attention's group, :meth:`ParallelLayout.context_ranks`); ``None`` otherwise."""
+    _subgroups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def subgroup(self, groups: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
+        """This rank's group among ``groups`` (lists of global ranks), ``None`` when it is in none.
+
+        Collective the first time: every rank creates every group, in the same order, so every
+        rank asks for the same lists in the same order. Later calls with the same lists return the
+        groups made then: a runtime built again over this mesh (validate, test or predict after
+        fit) reuses them instead of adding a set of groups (their threads and connections; on
+        NCCL, their communicators' device buffers) with every Trainer call.
+        """
+        key = tuple(tuple(ranks) for ranks in groups)
+        if key not in self._subgroups:
+            mine = None
+            for ranks in key:
+                group = dist.new_group(list(ranks))
+                if self.rank in ranks:
+                    mine = group
+            self._subgroups[key] = mine
+        return self._subgroups[key]
+
+    def is_live(self) -> bool:
+        """Whether this mesh's groups still exist (``destroy_process_group()`` destroys every
+        group, and a process group initialised afterwards knows none of them)."""
+        try:
+            dist.get_process_group_ranks(self.model_group)
+        except (KeyError, ValueError, RuntimeError):
+            return False
+        return True
 
     @property
     def expert_group(self) -> dist.ProcessGroup | None:

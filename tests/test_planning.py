@@ -1069,7 +1069,17 @@ def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], int]:
         inputs=six if rank == 0 else None, head=lambda y, i: y.square().mean(),
         signatures=[signature(x) for x in six],
     )  # fmt: skip
-    return probed, (result.peak_activation_bytes, two.peak_activation_bytes)
+    # ZB-H1 with recomputation: each input-gradient pass runs the forward again, and that graph
+    # is held until the weight pass, which rank r defers by r micro-batches.
+    zero = PipelineExecutor(
+        {rank: _pipeline_stage()}, p, list(range(p)), torch.device("cpu"), recompute="always"
+    )
+    zero.measure_activation_memory = True
+    held = zero.run(
+        build_schedule("zb_h1", p, 6), rank, inputs=six if rank == 0 else None,
+        head=lambda y, i: y.square().mean(), signatures=[signature(x) for x in six],
+    )  # fmt: skip
+    return probed, (result.peak_activation_bytes, two.peak_activation_bytes, held.peak_held_bytes)
 
 
 @pytest.mark.distributed
@@ -1089,6 +1099,7 @@ def test_the_links_probe_and_pipelines_activations_on_three_ranks() -> None:
     probes = [probe for probe, _ in results]
     one_stage = [peaks[0] for _, peaks in results]
     two_stages = [peaks[1] for _, peaks in results]
+    replayed = [peaks[2] for _, peaks in results]
     assert probes[0] == probes[1] == probes[2]
     p2p_bandwidth, p2p_latency, bandwidth, latency, overlap, slots, *halves = probes[0]
     assert p2p_bandwidth > 0 and bandwidth > 0 and p2p_latency >= 0 and latency >= 0
@@ -1124,3 +1135,11 @@ def test_the_links_probe_and_pipelines_activations_on_three_ranks() -> None:
     peaks = simulate(build_schedule("interleaved_1f1b", 6, 6, virtual_stages=2)).peak_inflight
     stages_own_peaks = (peaks[0] + peaks[3]) * micro_batch
     assert stages_own_peaks > two_stages[0] - kept[0]
+    # ZB-H1, recomputing every micro-batch, 6 micro-batches: the kept inputs plus the forwards
+    # run again at the input-gradient passes and held until their weight passes.
+    c = Candidate(3, 1, 1, DataMode.REPLICATED, ScheduleKind.ZB_H1, 1, 6, RecomputeMode.ALWAYS)
+    predicted = predict(c, costs, Machine(3, 1e12), batch=6 * ROWS)
+    kept = [weight, 2 * weight, 2 * weight]
+    assert [m.activations for m in predicted.rank_memory] == [
+        b - w for b, w in zip(replayed, kept, strict=True)
+    ]

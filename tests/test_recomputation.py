@@ -65,7 +65,10 @@ def test_recomputation_runs_forward_again_and_keeps_less(mode: str, schedule: st
     assert counts[0] == EXPECTED_CALLS[mode]
     assert all(M <= c <= EXPECTED_CALLS[mode] for c in counts)
     # One micro-batch's input is 4 x 8 floats = 128 bytes; its saved activations are far more.
-    if mode == "always":
+    # Zero-bubble's input-gradient pass runs the forward again, and that graph is held until the
+    # weight pass (on one stage, the next action): recomputing spares nothing there, and the meter
+    # says so (it counted the kept input only, 128 bytes, before).
+    if mode == "always" and schedule == "1f1b":
         assert result.peak_activation_bytes == 128
     else:
         assert result.peak_activation_bytes > 20 * 128

@@ -18,7 +18,6 @@ keeps that state for a step. :mod:`.memory` meters the activation memory when as
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,7 +32,7 @@ from lightning_pipe.execution.batchnorm import running_backward
 from lightning_pipe.execution.checks import check_finite, check_grad_paths, check_loss
 from lightning_pipe.execution.exchange import StepMessages, describe, receives_early
 from lightning_pipe.execution.layers import Activation
-from lightning_pipe.execution.memory import ActivationMeter, counting_saved
+from lightning_pipe.execution.memory import ActivationMeter, Counted, counting_saved
 from lightning_pipe.execution.p2p import P2PTransport
 from lightning_pipe.execution.recompute import RecomputeMode, Replay, run_in, run_recomputed
 from lightning_pipe.execution.skip_routing import SkipRouting
@@ -247,6 +246,8 @@ class PipelineExecutor:
                     for action in batch:
                         recorder(action, start, end)
             self.transport.flush()
+            self._result.peak_activation_bytes = self._memory.peak_saved
+            self._result.peak_held_bytes = self._memory.peak_held
             return self._result
         finally:
             self._reset()
@@ -280,10 +281,8 @@ class PipelineExecutor:
             x, leaves = self._messages.take_input(s, i, training)
         layers = self.stages[s]
         scope = self._skips.scope(s, i, training)
-        saved: dict[tuple[int, int], int] = {}
-        memory = (
-            counting_saved(saved) if training and self.measure_activation_memory else contextlib.nullcontext()
-        )
+        saved: Counted = {}
+        memory = counting_saved(saved, training and self.measure_activation_memory)
         recomputed = self._recomputed(i)
         seeds = self._layer_seeds(s, i) if training and self._layer_seeds is not None else None
         if recomputed and self._schedule.splits_backward:
@@ -327,10 +326,7 @@ class PipelineExecutor:
         self._result.peak_stashed = max(self._result.peak_stashed, len(self._stash))
         if training and self.measure_activation_memory:
             kept = [*leaves, *as_tuple(out), *self._skips.popped_leaves(s, i)]
-            saved_bytes, held_bytes = self._memory.measure((s, i), saved, kept, recomputed, x)
-            result = self._result
-            result.peak_activation_bytes = max(result.peak_activation_bytes, saved_bytes)
-            result.peak_held_bytes = max(result.peak_held_bytes, held_bytes)
+            self._memory.measure((s, i), saved, kept, recomputed, x)
 
     def _backward(self, s: int, i: int, split: bool = False) -> None:
         """The backward of micro-batch ``i`` on stage ``s``, or with ``split`` (zero-bubble) its
@@ -380,7 +376,11 @@ class PipelineExecutor:
                         # accumulated by two W passes (the reducer counts each weight once).
                         work.append(backward_input(roots, None, stand_in, defer_weights=False))
                         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in stand_in]
-                    again = as_tuple(replay.run(self.stages[s], s))
+                    replayed: Counted = {}
+                    with counting_saved(replayed, self.measure_activation_memory):
+                        again = as_tuple(replay.run(self.stages[s], s))
+                    if self.measure_activation_memory:  # held with the micro-batch until its W
+                        self._memory.add_replayed((s, i), replayed)
                     roots = [t for t, c in zip(again, carries, strict=True) if c]
                     if skip_roots is not None and replay.scope is not None:
                         # The replayed forward stashed again: its graph is the one to go back through.

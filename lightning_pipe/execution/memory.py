@@ -6,12 +6,17 @@ what autograd saved (counted by a saved-tensor hook that keeps each tensor as it
 step holds besides (its stage input, output and popped skip tensors, which a layer that only
 passes a tensor on never saves). A tensor held by several live micro-batches (a weight kept for
 the input gradient) exists once, so the totals count distinct tensors.
+
+Under recomputation a micro-batch keeps its stage input only; with a split backward (zero-bubble)
+its input-gradient pass runs the forward again, and that replayed graph is held until the weight
+pass, which ZB-H1's pipeline rank ``r`` defers by ``r`` micro-batches: counted from the replay
+(:meth:`ActivationMeter.add_replayed`) to the weight pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -36,8 +41,11 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def counting_saved(saved: Counted) -> AbstractContextManager[None]:
-    """Inside the block, every tensor autograd saves is counted into ``saved`` (and kept as is)."""
+def counting_saved(saved: Counted, on: bool = True) -> AbstractContextManager[None]:
+    """Inside the block, every tensor autograd saves is counted into ``saved`` (and kept as is);
+    nothing happens when not ``on`` (the hook costs time on every saved tensor)."""
+    if not on:
+        return nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(_counting_pack(saved), _identity)
 
 
@@ -55,6 +63,15 @@ class ActivationMeter:
     def reset(self) -> None:
         self._saved: dict[tuple[int, int], Counted] = {}
         self._held: dict[tuple[int, int], Counted] = {}
+        self.peak_saved = 0
+        """The most bytes saved by autograd over the micro-batches alive at once, this step."""
+        self.peak_held = 0
+        """The same with what the step holds besides (stage inputs, outputs, popped skips)."""
+
+    def _totals(self) -> tuple[int, int]:
+        saved, held = _live(self._saved), _live(self._held)
+        self.peak_saved, self.peak_held = max(self.peak_saved, saved), max(self.peak_held, held)
+        return saved, held
 
     def measure(
         self,
@@ -76,7 +93,15 @@ class ActivationMeter:
             }
         self._saved[key] = saved
         self._held[key] = {**saved, **{(t.data_ptr(), t.nbytes): t.nbytes for t in kept}}
-        return _live(self._saved), _live(self._held)
+        return self._totals()
+
+    def add_replayed(self, key: tuple[int, int], saved: Counted) -> tuple[int, int]:
+        """Micro-batch ``key``'s forward ran again for its input gradient (zero-bubble with
+        recomputation): what autograd ``saved`` then is held with it until its weight pass.
+        Returns the bytes saved and held over all the micro-batches alive now."""
+        self._saved[key] = {**self._saved.get(key, {}), **saved}
+        self._held[key] = {**self._held.get(key, {}), **saved}
+        return self._totals()
 
     def release(self, key: tuple[int, int]) -> None:
         """Micro-batch ``key``'s backward freed what it held."""

@@ -162,6 +162,8 @@ class _Stage:
     recompute: float
     activations: float
     kept_when_recomputed: float
+    """The stage input and output per micro-batch, what recomputation keeps until the backward."""
+    stage_input: float
     output: float
     """The stage's output per micro-batch: the message to the next stage."""
     parameters: float
@@ -282,6 +284,7 @@ def _stage(
         recompute=recompute,
         activations=activations,
         kept_when_recomputed=boundary,
+        stage_input=inputs * scale,
         output=group[-1].output_bytes * scale,
         parameters=parameters,
         largest_layer=largest,
@@ -309,9 +312,18 @@ def _memory(
         # Inputs kept per micro-batch alive, and one micro-batch's whole activations while its
         # forward runs again (two under except_last: the last micro-batch keeps its own).
         whole = max(stages[s].activations for s in held)
-        extra = 2 if c.recompute is RecomputeMode.EXCEPT_LAST else 1
+        last = 1 if c.recompute is RecomputeMode.EXCEPT_LAST else 0
         kept = {s: stages[s].kept_when_recomputed for s in held}
-        activations = held_peak(schedule, rank, kept) + extra * whole
+        if schedule.splits_backward:
+            # Zero-bubble: the forward run again at the input-gradient pass is held until the
+            # weight pass, which ZB-H1 defers (the executor's meter counts the same): all of a
+            # micro-batch's activations but its stage input, which it kept already. The last
+            # micro-batch under except_last is not run again; counting its replay too overstates
+            # that micro-batch's window by one replay, on the safe side.
+            replayed = {s: stages[s].activations - stages[s].stage_input for s in held}
+            activations = held_peak(schedule, rank, kept, replayed) + last * whole
+        else:
+            activations = held_peak(schedule, rank, kept) + (1 + last) * whole
     if c.data_mode is DataMode.REPLICATED:
         return MemoryUse(p, g, k * p, activations)
     if c.data_mode is DataMode.ZERO1:

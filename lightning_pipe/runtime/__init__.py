@@ -19,7 +19,7 @@ from lightning_pipe.runtime.gradients import GradientSharding
 from lightning_pipe.runtime.holdings import Holdings
 from lightning_pipe.runtime.hooks import ModelHooks
 from lightning_pipe.runtime.options import ConfigurationError, RuntimeOptions, as_timeout
-from lightning_pipe.runtime.prepare import preparation_of
+from lightning_pipe.runtime.prepare import preparation_of, prepared_mesh
 from lightning_pipe.runtime.runtime import ParallelRuntime
 
 __all__ = [
@@ -40,4 +40,5 @@ __all__ = [
     "as_timeout",
     "gather_timeline",
     "preparation_of",
+    "prepared_mesh",
 ]

@@ -372,16 +372,17 @@ def tied_groups(partition: PipelinePartition, mesh: ParallelMesh, held: Sequence
     copies' ranks, and whether this rank counts it in the gradient norm (the first stage does)."""
     layout = mesh.layout
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    # new_group is collective: every rank creates every group, in the same order.
+    # Collective: every rank asks for every group in the same order (kept by the mesh for later).
     for stages in sorted({stages for _, stages in partition.tied}):
         # The ranks holding those stages (one rank may hold several of them).
         pp_ranks = sorted({partition.rank_of_stage(s, layout.pipeline_parallel_size) for s in stages})
-        for dp in range(layout.data_parallel_size):
-            for tp in range(layout.tensor_parallel_size):
-                ranks = [layout.rank_of(dp, r, tp) for r in pp_ranks]
-                group = dist.new_group(ranks)
-                if mesh.rank in ranks:
-                    groups[stages] = group
+        copies = [
+            [layout.rank_of(dp, r, tp) for r in pp_ranks]
+            for dp in range(layout.data_parallel_size)
+            for tp in range(layout.tensor_parallel_size)
+        ]
+        if (group := mesh.subgroup(copies)) is not None:
+            groups[stages] = group
     return [
         (name, groups[stages], stages[0] in held)
         for name, stages in partition.tied

@@ -83,6 +83,10 @@ class Preparation:
     skips: SkipLayers | None = None
     """The pipeline layers' skip connections (their declarations and :class:`Stash` / :class:`Pop`
     wrappers), read from the layers of the first setup, which later setups are not given."""
+    mesh: ParallelMesh | None = None
+    """The mesh the module was prepared on: its tensor slices, shards and tied copies use that
+    mesh's groups, so a later Trainer call with the same layout runs on it (:func:`prepared_mesh`)
+    rather than on a new set of groups."""
 
 
 def preparation_of(
@@ -104,6 +108,15 @@ def preparation_of(
             "layout (trainer.fit/validate(new_model, ckpt_path=...))."
         )
     return done
+
+
+def prepared_mesh(module: nn.Module, layout: ParallelLayout) -> ParallelMesh | None:
+    """The mesh ``module`` was prepared on, when it was prepared for ``layout`` and that mesh's
+    groups still exist: the one to run a later Trainer call on (its slices and shards use it)."""
+    done: Preparation | None = module.__dict__.get(_PREPARED)
+    if done is None or done.mesh is None or done.mesh.layout != layout or not done.mesh.is_live():
+        return None
+    return done.mesh
 
 
 @dataclass
@@ -138,7 +151,12 @@ class Preparer:
         ``id()`` of every tensor materialised here (equal on every replica by construction)."""
         mesh, module = self.mesh, self.module
         done = Preparation(
-            mesh.layout, self.options.partition, partition, self.options.virtual_stages, seed=self.seed
+            mesh.layout,
+            self.options.partition,
+            partition,
+            self.options.virtual_stages,
+            seed=self.seed,
+            mesh=mesh,
         )
         self._equalise_tied(done)
         on_meta = has_meta_tensors(module)

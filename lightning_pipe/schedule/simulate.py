@@ -134,19 +134,36 @@ def _held_change(kind: ActionType) -> int:
     return 0
 
 
-def held_peak(schedule: PipelineSchedule, rank: int, saved: Mapping[int, float]) -> float:
+def held_peak(
+    schedule: PipelineSchedule,
+    rank: int,
+    saved: Mapping[int, float],
+    replayed: Mapping[int, float] | None = None,
+) -> float:
     """The most bytes ``rank`` holds for backward at once under ``schedule``, a micro-batch of
     stage ``s`` holding ``saved[s]``: its actions played in their order. Only the rank's own actions
     move its memory, so no timing is needed. With several stages a rank (interleaved), the stages'
     own peaks (:attr:`SimulationResult.peak_inflight`) do not coincide, and their sum overstates
     the rank's: the layout planner's, which summed them, put the example GPT at pp=4, interleaved
-    v=2, 8 micro-batches at 33.2 MB a rank where the run held 26.5 MB."""
+    v=2, 8 micro-batches at 33.2 MB a rank where the run held 26.5 MB.
+
+    ``replayed``: with recomputation under a split backward, the bytes of stage ``s``'s forward run
+    again at a micro-batch's input-gradient pass, held with it until its weight pass. ZB-H1's rank
+    ``r`` defers its weight passes by ``r`` micro-batches, so its last rank holds up to ``pp``
+    replayed graphs at once where a plain backward holds one only while it runs (3 ranks, 6
+    micro-batches: 1, 2 and 3 at the ranks' peaks, beside the stage inputs and outputs kept; on the
+    last rank that is more than the same schedule holds without recomputation)."""
     held = peak = 0.0
     for action in schedule.actions[rank]:
+        s = action.stage_index
         change = _held_change(action.kind)
         if change:
-            held += change * saved[action.stage_index]
-            peak = max(peak, held)
+            held += change * saved[s]
+        if replayed is not None and action.kind is ActionType.BACKWARD_INPUT:
+            held += replayed[s]
+        elif replayed is not None and action.kind is ActionType.BACKWARD_WEIGHT:
+            held -= replayed[s]
+        peak = max(peak, held)
     return peak
 
 

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_pipe.batches.uneven import EvenBatches
 from lightning_pipe.mesh import MeshAxis, NodePlacement, ParallelLayout, ParallelMesh, init_mesh
 from lightning_pipe.planning import Constraints, Plan
-from lightning_pipe.runtime import RuntimeOptions
+from lightning_pipe.runtime import RuntimeOptions, prepared_mesh
 from lightning_pipe.strategy.auto_layout import NEEDS_MEMORY
 from lightning_pipe.strategy.compat import (
     default_backend,
@@ -69,6 +69,8 @@ class PipeTPProcesses(ParallelStrategy):
         """The engine's options, checked before any process is launched."""
         self.faults = FaultHandling()
         self._mesh: ParallelMesh | None = None
+        self._built_mesh: ParallelMesh | None = None
+        """The last mesh this strategy built: a later Trainer call with the same layout reuses it."""
         self.max_memory = cast(float | None, own.max_memory)
         self.auto_constraints = auto_constraints
         """Under ``layout="auto"``: the options the user set, kept by the planner (``None``: the
@@ -216,11 +218,32 @@ class PipeTPProcesses(ParallelStrategy):
             self.options.context_parallel_size,
         )
         nodes = self._start_faults(layout)
+        kept = self._reusable_mesh(layout)
+        if kept is not None:
+            # validate / test / predict after fit, or a new Trainer over a prepared model: the
+            # same groups, not another set each call (gloo's threads and connections, NCCL's
+            # communicators and their device buffers), which nothing would free.
+            self._mesh = kept
+            return
         try:
             with self.faults.naming(f"creating the process groups of the {layout} mesh"):
                 self._mesh = init_mesh(layout, "cuda" if self.root_device.type == "cuda" else "cpu", nodes)
         except ValueError as err:  # a tensor-parallel group across nodes: every rank refuses alike
             raise MisconfigurationException(f"pipe_tp cannot lay out {layout} on its nodes: {err}") from None
+        self._built_mesh = self._mesh
+
+    def _reusable_mesh(self, layout: ParallelLayout) -> ParallelMesh | None:
+        """The mesh of an earlier call with ``layout``: the one the module was prepared on (its
+        slices and shards use those groups), else the last one this strategy built. Every rank
+        finds the same (the same module, the same calls), so none waits in a collective."""
+        module = self.lightning_module
+        prepared = prepared_mesh(module, layout) if module is not None else None
+        if prepared is not None:
+            return prepared
+        built = self._built_mesh
+        if built is not None and built.layout == layout and built.is_live():
+            return built
+        return None
 
     def _start_faults(self, layout: ParallelLayout) -> NodePlacement:
         self.faults.start(layout, self.global_rank, self._kill_launched_processes)
