@@ -370,7 +370,7 @@ class ParallelMesh:
     """With ``context_parallel_size > 1``: the ranks that split this rank's sequences (ring
     attention's group, :meth:`ParallelLayout.context_ranks`); ``None`` otherwise."""
     _subgroups: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup | None] = field(
-        default_factory=dict, compare=False, repr=False
+        default_factory=dict, init=False, compare=False, repr=False
     )
 
     def subgroup(self, groups: Sequence[Sequence[int]]) -> dist.ProcessGroup | None:
@@ -380,7 +380,8 @@ class ParallelMesh:
         rank asks for the same lists in the same order. Later calls with the same lists return the
         groups made then: a runtime built again over this mesh (validate, test or predict after
         fit) reuses them instead of adding a set of groups (their threads and connections; on
-        NCCL, their communicators' device buffers) with every Trainer call.
+        NCCL, their communicators' device buffers) with every Trainer call. The groups have the
+        default backend (the device's): the lists alone are the key.
         """
         key = tuple(tuple(ranks) for ranks in groups)
         if key not in self._subgroups:

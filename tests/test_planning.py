@@ -746,6 +746,40 @@ def test_predicted_activations_are_the_executors_own_count(kind: str, alive: int
     assert predicted.memory.activations == result.peak_activation_bytes - kept_weight
 
 
+@pytest.mark.parametrize("ends_in", ["Tanh", "Linear"])
+def test_zero_bubble_recomputation_holds_each_replayed_forward_until_its_weight_pass(ends_in: str) -> None:
+    """ZB-H1 with recomputation on one stage of 4 micro-batches: each input-gradient pass runs
+    the forward again, and what that forward saved (and its output, the weight pass's root) is held
+    until the weight pass. The executor's meter (stage inputs and outputs kept, plus the replay)
+    is the planner's prediction plus the weight autograd keeps for the input gradient, whether the
+    stage's last layer saves its output (Tanh) or not (Linear)."""
+    from lightning_pipe.batches.microbatch import signature
+    from lightning_pipe.execution.executor import PipelineExecutor
+    from lightning_pipe.planning.measure import measure_model
+
+    torch.manual_seed(0)
+    width, rows = 64, 32
+
+    def stage() -> list[nn.Module]:
+        last = [nn.Tanh()] if ends_in == "Tanh" else []
+        return [nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width), *last]
+
+    executor = PipelineExecutor({0: stage()}, 1, [0], torch.device("cpu"), recompute="always")
+    executor.measure_activation_memory = True
+    inputs = [torch.randn(rows, width) for _ in range(4)]
+    result = executor.run(
+        build_schedule("zb_h1", 1, 4), 0, inputs=inputs, head=lambda y, i: y.square().mean(),
+        signatures=[signature(x) for x in inputs],
+    )  # fmt: skip
+    costs = measure_model(stage(), lambda r: torch.randn(r, width), rows, torch.device("cpu"), repeats=1)
+    c = Candidate(1, 1, 1, DataMode.REPLICATED, ScheduleKind.ZB_H1, 1, 4, RecomputeMode.ALWAYS)
+    predicted = predict(c, costs, Machine(1, 1e12), batch=4 * rows)
+    kept_weight = width * width * 4  # the second Linear's, for its input gradient
+    assert predicted.memory.activations == result.peak_held_bytes - kept_weight
+    # More than the stage input and output kept per micro-batch: the replay is counted.
+    assert predicted.memory.activations > 2 * rows * width * 4
+
+
 def test_the_fixed_part_of_a_time() -> None:
     assert _fixed(1.0, 1.5) == pytest.approx(0.5)  # doubling the rows added 0.5 s: 0.5 s is fixed
     assert _fixed(1.0, 3.0) == 0.0  # noise: more than doubled
@@ -1035,9 +1069,10 @@ def _pipeline_stage() -> list[nn.Module]:
     return [nn.Linear(WIDTH, WIDTH), nn.SiLU(), nn.Linear(WIDTH, WIDTH), nn.Tanh()]
 
 
-def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], int]:
-    """The links' probe, then one 1F1B step of 4 micro-batches over the ranks (a stage each), the
-    executor's activation meter on: its peak bytes on this rank."""
+def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], tuple[int, int, int]]:
+    """The links' probe, then three steps over the ranks, the executor's activation meter on: 1F1B
+    with 4 micro-batches (a stage a rank), interleaved 1F1B with 6 (two stages a rank) and ZB-H1
+    with 6, recomputing (a stage a rank); the peak bytes of each on this rank."""
     import torch.distributed as dist
 
     from lightning_pipe.batches.microbatch import signature

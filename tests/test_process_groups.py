@@ -10,6 +10,8 @@ The numbers those calls give are one device's.
 
 from __future__ import annotations
 
+import copy
+import io
 import os
 from datetime import timedelta
 from typing import Any
@@ -21,6 +23,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_pipe import PipeTPStrategy
+from lightning_pipe.mesh import ParallelLayout, init_mesh
+from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions, prepared_mesh
 from tests.distributed import run_distributed
 from tests.lightning_models import TOKENS, VOCAB, TiedLM, loader
 
@@ -66,6 +70,14 @@ def _session(strategy: Any, devices: int, again: Any = None) -> dict[str, Any]:
     out: dict[str, Any] = {"threads": [_threads()], "same_mesh": [], "same_tied": []}
     mesh = getattr(trainer.strategy, "mesh", None)
     tied = [g for _, g, _ in trainer.strategy.runtime.gradients.tied] if mesh is not None else []
+    if mesh is not None:
+        # The prepared model still copies and pickles (an EMA or SWA copy, torch.save(model)):
+        # a copy shares the mesh, a pickle leaves it out.
+        out["copy_shares_mesh"] = prepared_mesh(copy.deepcopy(model), mesh.layout) is mesh
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        out["pickle_drops_mesh"] = prepared_mesh(torch.load(buffer, weights_only=False), mesh.layout) is None
     for _ in range(3):
         out["val"] = trainer.validate(model, evaluate, verbose=False)[0]["val_loss"]
         out["threads"].append(_threads())
@@ -100,6 +112,7 @@ def test_calls_after_fit_reuse_the_process_groups_and_give_one_devices_numbers()
     ref = _session("auto", 1)
     for r in got:
         assert r["tied_groups"] == 1  # the embedding and the head, on the two pipeline ranks
+        assert r["copy_shares_mesh"] and r["pickle_drops_mesh"]
         assert r["same_mesh"] == [True, True]
         assert r["same_tied"] == [True, True]
         # Each call used to add 12 threads a process (the mesh's groups); a thread may come and go.
@@ -108,3 +121,35 @@ def test_calls_after_fit_reuse_the_process_groups_and_give_one_devices_numbers()
             assert r[key] == pytest.approx(ref[key], abs=TOL), key
     # The predictions are the last stage's (rank 1); each rank returns what it holds.
     torch.testing.assert_close(got[1]["predict"], ref["predict"], atol=TOL, rtol=0)
+
+
+def _one_rank_worker() -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch import nn
+
+    mesh = init_mesh(ParallelLayout(1, 1, 1), "cpu")
+    first, again = mesh.subgroup([[0]]), mesh.subgroup([[0]])
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ParallelRuntime(model, list(model), mesh, torch.device("cpu"), RuntimeOptions(), seed=0).close()
+    out = {
+        "cached": first is again and first is not None,
+        "prepared": prepared_mesh(model, mesh.layout) is mesh,
+        "other_layout": prepared_mesh(model, ParallelLayout(data_parallel_size=2)) is None,
+        "live": mesh.is_live(),
+    }
+    dist.destroy_process_group()  # every group with it: the mesh is no longer one to reuse
+    out["live_after_destroy"] = mesh.is_live()
+    out["prepared_after_destroy"] = prepared_mesh(model, mesh.layout) is None
+    return out
+
+
+def test_a_mesh_keeps_its_subgroups_and_is_reused_only_while_its_groups_live() -> None:
+    (got,) = run_distributed(_one_rank_worker, 1, timeout=60)
+    assert got == {
+        "cached": True,
+        "prepared": True,
+        "other_layout": True,
+        "live": True,
+        "live_after_destroy": False,
+        "prepared_after_destroy": True,
+    }

@@ -380,7 +380,7 @@ class PipelineExecutor:
                     with counting_saved(replayed, self.measure_activation_memory):
                         again = as_tuple(replay.run(self.stages[s], s))
                     if self.measure_activation_memory:  # held with the micro-batch until its W
-                        self._memory.add_replayed((s, i), replayed)
+                        self._memory.add_replayed((s, i), replayed, again)
                     roots = [t for t, c in zip(again, carries, strict=True) if c]
                     if skip_roots is not None and replay.scope is not None:
                         # The replayed forward stashed again: its graph is the one to go back through.

@@ -95,12 +95,14 @@ class ActivationMeter:
         self._held[key] = {**saved, **{(t.data_ptr(), t.nbytes): t.nbytes for t in kept}}
         return self._totals()
 
-    def add_replayed(self, key: tuple[int, int], saved: Counted) -> tuple[int, int]:
+    def add_replayed(self, key: tuple[int, int], saved: Counted, outputs: Any) -> tuple[int, int]:
         """Micro-batch ``key``'s forward ran again for its input gradient (zero-bubble with
-        recomputation): what autograd ``saved`` then is held with it until its weight pass.
-        Returns the bytes saved and held over all the micro-batches alive now."""
+        recomputation): what autograd ``saved`` then, and the replay's ``outputs`` (the roots the
+        weight pass starts from), are held with it until its weight pass. Returns the bytes saved
+        and held over all the micro-batches alive now."""
+        outs = {(t.data_ptr(), t.nbytes): t.nbytes for t in as_tuple(outputs) if isinstance(t, torch.Tensor)}
         self._saved[key] = {**self._saved.get(key, {}), **saved}
-        self._held[key] = {**self._held.get(key, {}), **saved}
+        self._held[key] = {**self._held.get(key, {}), **saved, **outs}
         return self._totals()
 
     def release(self, key: tuple[int, int]) -> None:

@@ -83,7 +83,7 @@ class Preparation:
     skips: SkipLayers | None = None
     """The pipeline layers' skip connections (their declarations and :class:`Stash` / :class:`Pop`
     wrappers), read from the layers of the first setup, which later setups are not given."""
-    mesh: ParallelMesh | None = None
+    mesh: MeshHandle = field(default_factory=lambda: MeshHandle(None))
     """The mesh the module was prepared on: its tensor slices, shards and tied copies use that
     mesh's groups, so a later Trainer call with the same layout runs on it (:func:`prepared_mesh`)
     rather than on a new set of groups."""
@@ -110,13 +110,32 @@ def preparation_of(
     return done
 
 
+class MeshHandle:
+    """A :class:`Preparation`'s mesh, kept out of copies of the module: process groups cannot be
+    pickled, and ``copy.deepcopy(model)`` after setup (Lightning's ``StochasticWeightAveraging``,
+    an EMA or teacher copy) or ``torch.save(model)`` must still work. A deep copy shares the mesh
+    (the groups are the process's); a pickle drops it."""
+
+    __slots__ = ("mesh",)
+
+    def __init__(self, mesh: ParallelMesh | None) -> None:
+        self.mesh = mesh
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MeshHandle:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MeshHandle, (None,))
+
+
 def prepared_mesh(module: nn.Module, layout: ParallelLayout) -> ParallelMesh | None:
     """The mesh ``module`` was prepared on, when it was prepared for ``layout`` and that mesh's
     groups still exist: the one to run a later Trainer call on (its slices and shards use it)."""
     done: Preparation | None = module.__dict__.get(_PREPARED)
-    if done is None or done.mesh is None or done.mesh.layout != layout or not done.mesh.is_live():
+    mesh = done.mesh.mesh if done is not None else None
+    if mesh is None or mesh.layout != layout or not mesh.is_live():
         return None
-    return done.mesh
+    return mesh
 
 
 @dataclass
@@ -156,7 +175,7 @@ class Preparer:
             partition,
             self.options.virtual_stages,
             seed=self.seed,
-            mesh=mesh,
+            mesh=MeshHandle(mesh),
         )
         self._equalise_tied(done)
         on_meta = has_meta_tensors(module)

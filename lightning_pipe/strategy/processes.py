@@ -233,16 +233,20 @@ class PipeTPProcesses(ParallelStrategy):
         self._built_mesh = self._mesh
 
     def _reusable_mesh(self, layout: ParallelLayout) -> ParallelMesh | None:
-        """The mesh of an earlier call with ``layout``: the one the module was prepared on (its
-        slices and shards use those groups), else the last one this strategy built. Every rank
-        finds the same (the same module, the same calls), so none waits in a collective."""
+        """The mesh of an earlier call with ``layout`` on this kind of device: the one the module
+        was prepared on (its slices and shards use those groups), else the last one this strategy
+        built. Every rank finds the same (the same module, the same calls), so none waits in a
+        collective."""
+        device_type = "cuda" if self.root_device.type == "cuda" else "cpu"  # NCCL, or gloo alone
         module = self.lightning_module
-        prepared = prepared_mesh(module, layout) if module is not None else None
-        if prepared is not None:
-            return prepared
-        built = self._built_mesh
-        if built is not None and built.layout == layout and built.is_live():
-            return built
+        for mesh in (prepared_mesh(module, layout) if module is not None else None, self._built_mesh):
+            if (
+                mesh is not None
+                and mesh.layout == layout
+                and mesh.device_mesh.device_type == device_type
+                and mesh.is_live()
+            ):
+                return mesh
         return None
 
     def _start_faults(self, layout: ParallelLayout) -> NodePlacement:
