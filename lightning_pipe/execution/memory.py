@@ -7,10 +7,10 @@ step holds besides (its stage input, output and popped skip tensors, which a lay
 passes a tensor on never saves). A tensor held by several live micro-batches (a weight kept for
 the input gradient) exists once, so the totals count distinct tensors.
 
-Under recomputation a micro-batch keeps its stage input only; with a split backward (zero-bubble)
-its input-gradient pass runs the forward again, and that replayed graph is held until the weight
-pass, which ZB-H1's pipeline rank ``r`` defers by ``r`` micro-batches: counted from the replay
-(:meth:`ActivationMeter.add_replayed`) to the weight pass.
+Under recomputation a micro-batch keeps its stage input and output only; with a split backward
+(zero-bubble) its input-gradient pass runs the forward again, and that replayed graph is held until
+the weight pass, which ZB-H1's pipeline rank ``r`` defers by ``r`` micro-batches: counted from the
+replay (:meth:`ActivationMeter.add_replayed`) to the weight pass.
 """
 
 from __future__ import annotations
