@@ -145,3 +145,17 @@ class _Gone:
             raise RuntimeError("Connection reset by peer")
 
         return fail
+
+
+def test_the_board_says_when_its_store_no_longer_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a rank signalled by torchrun's agent asks (``store_lost``): ``None`` while the store
+    answers; once it is gone, the words naming the node whose agent hosted it."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "true")
+    board = FaultBoard(dist.HashStore(), "call/1", 2, 4, lambda r: f"pp_rank {r % 2}")
+    board.nodes = ["node 0 (host-a)", "node 0 (host-a)", "node 1 (host-b)", "node 1 (host-b)"]
+    assert board.store_lost() is None
+    board.store = _Gone()  # type: ignore[assignment]
+    assert board.store_lost() == (
+        "the rendezvous store in torchrun's agent on node 0 (host-a), with ranks 0, 1 is unreachable: "
+        "that node's launcher has stopped (the node went down, or its agent was killed or ended)"
+    )

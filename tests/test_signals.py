@@ -147,3 +147,42 @@ def test_lightnings_sigterm_exception_exits_non_zero_and_names_rank_zero(
     zero = SIGTERMException()
     passed_on_by_rank_zero(zero, 0, "rank 0")
     assert zero.code == 128 + signal.SIGTERM
+
+
+_EXPLAINED = """
+import os, signal, sys, time
+from lightning_pipe.faults.signals import StopOnSignal
+
+def explain(signum):
+    if sys.argv[1] == "hangs":
+        time.sleep(60)  # a store on a node that went down may never answer
+    return "sent by torchrun's agent: the store is unreachable"
+
+StopOnSignal("rank 2 (test)", explain=explain).install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("explain", ["answers", "hangs"])
+def test_a_signal_says_why_it_came_when_the_process_can_tell_within_seconds(explain: str) -> None:
+    """Under torchrun the agent may lose the rendezvous store (its node went down) before the ranks
+    notice, and SIGTERM them: the one line says so where the process can tell. An explanation that
+    does not come (a store that never answers) does not hold the exit up past ``EXPLAIN_S``."""
+    from lightning_pipe.faults.signals import EXPLAIN_S
+
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _EXPLAINED, explain], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    took = time.monotonic() - start
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    line = next(x for x in done.stderr.splitlines() if x.startswith("lightning_pipe: "))
+    if explain == "answers":
+        assert line.startswith(
+            "lightning_pipe: rank 2 (test) received SIGTERM (sent by torchrun's agent: the store is "
+            "unreachable); stopping it now (exit code 143)"
+        ), line
+    else:
+        assert line.startswith("lightning_pipe: rank 2 (test) received SIGTERM; stopping it now"), line
+        assert EXPLAIN_S <= took < EXPLAIN_S + 20, took  # the interpreter's start included

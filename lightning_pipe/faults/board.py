@@ -254,6 +254,18 @@ class FaultBoard:
         except Exception:
             return self._store_gone()
 
+    def store_lost(self) -> str | None:
+        """Why the store no longer answers (:meth:`_store_gone`'s words), or ``None`` while it does.
+        Under torchrun a rank may hear of the store's loss first from its agent, which sends it
+        SIGTERM before the rank's own exchanges notice (the signal watcher asks this)."""
+        if self.store is None:
+            return None
+        try:
+            self.store.check([f"{self.prefix}/1"])
+        except Exception:
+            return self._store_gone()
+        return None
+
     def _store_gone(self) -> str:
         """The store is unreachable: what this process's heartbeat read from the board before it
         went, or, when it read nothing, that the store's host has stopped."""

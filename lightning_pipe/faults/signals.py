@@ -25,6 +25,8 @@ from typing import Any
 from lightning_pipe.faults.board import add_note
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXPLAIN_S = 2.0
+"""How long a signalled process waits for :attr:`StopOnSignal.explain` before it ends anyway."""
 
 
 def _ignore(signum: int, frame: Any) -> None:
@@ -37,11 +39,20 @@ class StopOnSignal:
     Args:
         describe: who this process is, for the one-line message (``"rank 1 (pp_rank 1, ...)"``).
         before_exit: called with the signal number just before the process ends.
+        explain: called with the signal number for why it came, when the process can tell (under
+            torchrun: its agent lost the rendezvous store, which the ranks had not noticed yet);
+            given at most :data:`EXPLAIN_S` seconds, then the process ends without it.
     """
 
-    def __init__(self, describe: str, before_exit: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        describe: str,
+        before_exit: Callable[[int], None] | None = None,
+        explain: Callable[[int], str | None] | None = None,
+    ) -> None:
         self.describe = describe
         self.before_exit = before_exit
+        self.explain = explain
         self._pipe: tuple[int, int] | None = None
         self._previous_fd = -1
         self._previous_handlers: dict[int, Any] = {}
@@ -96,10 +107,31 @@ class StopOnSignal:
         finally:
             os.close(read_fd)
 
+    def _why(self, signum: int) -> str | None:
+        """:attr:`explain`'s answer, if it comes within :data:`EXPLAIN_S` (a store on a node that
+        went down may not answer at all: the process must still end)."""
+        if self.explain is None:
+            return None
+        found: list[str | None] = []
+
+        def ask() -> None:
+            try:
+                found.append(self.explain(signum))  # type: ignore[misc]
+            except Exception:
+                pass
+
+        worker = threading.Thread(target=ask, name="lightning_pipe-signal-cause", daemon=True)
+        worker.start()
+        worker.join(EXPLAIN_S)
+        return found[0] if found else None
+
     def _stop(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        why = self._why(signum)
         launcher = (
-            " (torchrun sends SIGTERM to every rank when one of them fails: its summary names that rank)"
+            f" ({why})"
+            if why
+            else " (torchrun sends SIGTERM to every rank when one of them fails: its summary names that rank)"
             if signum == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ
             else ""
         )

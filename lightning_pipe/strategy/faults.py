@@ -9,6 +9,7 @@ one strategy; the strategy's hooks call it.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -51,7 +52,9 @@ class FaultHandling:
         self._rank_zero = f"rank 0 ({layout.coordinates(0)})"
         self.naming = CollectiveNaming(rank, self._where, self.board)
         if layout.world_size > 1 and self.signals is None:
-            self.signals = StopOnSignal(f"rank {rank} ({self._where})", before_exit=before_exit)
+            self.signals = StopOnSignal(
+                f"rank {rank} ({self._where})", before_exit=before_exit, explain=self._signal_cause
+            )
         if self.signals is not None:
             self.signals.install()
 
@@ -59,6 +62,14 @@ class FaultHandling:
         """Where every rank runs, so that a survivor that loses every rank of a node says so."""
         if self.board is not None and nodes.num_nodes > 1:
             self.board.nodes = [nodes.label(r) for r in range(len(nodes.node_ranks))]
+
+    def _signal_cause(self, signum: int) -> str | None:
+        """Under torchrun, a SIGTERM that its agent sent because it lost the rendezvous store (a
+        node went down) before this rank noticed it: the words naming that node."""
+        if signum != signal.SIGTERM or "TORCHELASTIC_RUN_ID" not in os.environ or self.board is None:
+            return None
+        lost = self.board.store_lost()
+        return None if lost is None else f"sent by torchrun's agent: {lost}"
 
     def report_signal(self, signum: int) -> None:
         if self.board is not None:
