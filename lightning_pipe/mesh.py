@@ -385,12 +385,7 @@ class ParallelMesh:
         """
         key = tuple(tuple(ranks) for ranks in groups)
         if key not in self._subgroups:
-            mine = None
-            for ranks in key:
-                group = dist.new_group(list(ranks))
-                if self.rank in ranks:
-                    mine = group
-            self._subgroups[key] = mine
+            self._subgroups[key] = _own_group(key, self.rank)
         return self._subgroups[key]
 
     def is_live(self) -> bool:
@@ -459,33 +454,18 @@ def init_mesh(layout: ParallelLayout, device_type: str, nodes: NodePlacement | N
         nodes.check(layout)
     mesh = init_device_mesh(device_type, layout.shape, mesh_dim_names=tuple(a.value for a in MeshAxis))
     rank = dist.get_rank()
-    model_group: dist.ProcessGroup | None = None
-    # new_group is collective: every rank creates every replica's group, in the same order.
-    for dp_rank in range(layout.data_parallel_size):
-        ranks = layout.replica_ranks(dp_rank)
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            model_group = group
+    dp, pp, tp = layout.data_parallel_size, layout.pipeline_parallel_size, layout.tensor_parallel_size
+    replicas = [layout.replica_ranks(dp_rank) for dp_rank in range(dp)]
+    model_group = _own_group(replicas, rank)
     if model_group is None:  # unreachable: the ranges above cover the world
         raise RuntimeError(f"rank {rank} is in no model-parallel group of {layout}")
     host_model = host_pipeline = host_data = None
     if device_type == "cuda":  # gloo twins of the groups that carry host values (see ParallelMesh)
-        for dp_rank in range(layout.data_parallel_size):
-            ranks = layout.replica_ranks(dp_rank)
-            group = dist.new_group(ranks, backend="gloo")
-            if rank in ranks:
-                host_model = group
-            for tp_rank in range(layout.tensor_parallel_size):
-                ranks = layout.pipeline_ranks(layout.rank_of(dp_rank, 0, tp_rank))
-                group = dist.new_group(ranks, backend="gloo")
-                if rank in ranks:
-                    host_pipeline = group
-        for pp_rank in range(layout.pipeline_parallel_size):
-            for tp_rank in range(layout.tensor_parallel_size):
-                ranks = [layout.rank_of(d, pp_rank, tp_rank) for d in range(layout.data_parallel_size)]
-                group = dist.new_group(ranks, backend="gloo")
-                if rank in ranks:
-                    host_data = group
+        host_model = _own_group(replicas, rank, "gloo")
+        pipelines = [layout.pipeline_ranks(layout.rank_of(d, 0, t)) for d in range(dp) for t in range(tp)]
+        host_pipeline = _own_group(pipelines, rank, "gloo")
+        datas = [[layout.rank_of(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+        host_data = _own_group(datas, rank, "gloo")
     expert_mesh = None
     if layout.expert_parallel_size > 1:
         # rank = (expert_replica x E + ep_rank) x (pp x tp) + model rank: the expert index is the
@@ -498,13 +478,9 @@ def init_mesh(layout: ParallelLayout, device_type: str, nodes: NodePlacement | N
         )
         expert_mesh = world_mesh["expert_data", "expert"]
     context_group = None
-    if layout.context_parallel_size > 1:  # collective: every rank creates every context group
-        for first in range(0, layout.world_size):
-            if layout.cp_rank(first) == 0:
-                ranks = layout.context_ranks(first)
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    context_group = group
+    if layout.context_parallel_size > 1:
+        firsts = [first for first in range(layout.world_size) if layout.cp_rank(first) == 0]
+        context_group = _own_group([layout.context_ranks(first) for first in firsts], rank)
     _let_workers_finish_at_exit()
     return ParallelMesh(
         layout,
@@ -518,6 +494,20 @@ def init_mesh(layout: ParallelLayout, device_type: str, nodes: NodePlacement | N
         expert_mesh,
         context_group,
     )
+
+
+def _own_group(
+    groups: Sequence[Sequence[int]], rank: int, backend: str | None = None
+) -> dist.ProcessGroup | None:
+    """A process group for each list of global ranks in ``groups``; ``rank``'s own (``None`` when
+    it is in none). ``new_group`` is collective: every rank creates every group, in the same order,
+    so every rank calls this with the same lists."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(list(ranks), backend=backend)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def check_expert_parallel_size(expert_parallel_size: int, data_parallel_size: int) -> None:

@@ -49,6 +49,11 @@ def counting_saved(saved: Counted, on: bool = True) -> AbstractContextManager[No
     return torch.autograd.graph.saved_tensors_hooks(_counting_pack(saved), _identity)
 
 
+def _counted(tensors: Iterable[Any]) -> Counted:
+    """The distinct tensors among ``tensors`` (other values skipped), as the meter keys them."""
+    return {(t.data_ptr(), t.nbytes): t.nbytes for t in tensors if isinstance(t, torch.Tensor)}
+
+
 def _live(counted: dict[tuple[int, int], Counted]) -> int:
     return sum({k: v for d in counted.values() for k, v in d.items()}.values())
 
@@ -68,10 +73,9 @@ class ActivationMeter:
         self.peak_held = 0
         """The same with what the step holds besides (stage inputs, outputs, popped skips)."""
 
-    def _totals(self) -> tuple[int, int]:
-        saved, held = _live(self._saved), _live(self._held)
-        self.peak_saved, self.peak_held = max(self.peak_saved, saved), max(self.peak_held, held)
-        return saved, held
+    def _update_peaks(self) -> None:
+        self.peak_saved = max(self.peak_saved, _live(self._saved))
+        self.peak_held = max(self.peak_held, _live(self._held))
 
     def measure(
         self,
@@ -80,30 +84,23 @@ class ActivationMeter:
         kept: Iterable[torch.Tensor],
         recomputed: bool = False,
         stage_input: Any = None,
-    ) -> tuple[int, int]:
+    ) -> None:
         """Keep micro-batch ``key``'s counts: ``saved`` by autograd in its forward, and the tensors
         ``kept`` until its backward. A ``recomputed`` micro-batch keeps only its ``stage_input``
-        (what autograd saved is freed). Returns the bytes saved and held over all the
-        micro-batches alive now."""
+        (what autograd saved is freed)."""
         if recomputed:  # recomputation keeps only the stage input
-            saved = {
-                (t.data_ptr(), t.nbytes): t.nbytes
-                for t in as_tuple(stage_input)
-                if isinstance(t, torch.Tensor)
-            }
+            saved = _counted(as_tuple(stage_input))
         self._saved[key] = saved
-        self._held[key] = {**saved, **{(t.data_ptr(), t.nbytes): t.nbytes for t in kept}}
-        return self._totals()
+        self._held[key] = {**saved, **_counted(kept)}
+        self._update_peaks()
 
-    def add_replayed(self, key: tuple[int, int], saved: Counted, outputs: Any) -> tuple[int, int]:
+    def add_replayed(self, key: tuple[int, int], saved: Counted, outputs: Any) -> None:
         """Micro-batch ``key``'s forward ran again for its input gradient (zero-bubble with
         recomputation): what autograd ``saved`` then, and the replay's ``outputs`` (the roots the
-        weight pass starts from), are held with it until its weight pass. Returns the bytes saved
-        and held over all the micro-batches alive now."""
-        outs = {(t.data_ptr(), t.nbytes): t.nbytes for t in as_tuple(outputs) if isinstance(t, torch.Tensor)}
+        weight pass starts from), are held with it until its weight pass."""
         self._saved[key] = {**self._saved.get(key, {}), **saved}
-        self._held[key] = {**self._held.get(key, {}), **saved, **outs}
-        return self._totals()
+        self._held[key] = {**self._held.get(key, {}), **saved, **_counted(as_tuple(outputs))}
+        self._update_peaks()
 
     def release(self, key: tuple[int, int]) -> None:
         """Micro-batch ``key``'s backward freed what it held."""
