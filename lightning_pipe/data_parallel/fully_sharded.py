@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_pipe.data_parallel import fsdp_internals
+from lightning_pipe.data_parallel import fsdp_internals, returned_views
 
 ApplyLayers = Callable[[Sequence[nn.Module], Any, int], Any]
 """How a stage applies its layers: ``apply(layers, x, stage_index)``."""
@@ -198,6 +198,7 @@ class FullyShardedStages:
         """Modules holding blocks of experts, each an FSDP unit over the expert-data group."""
         unsharded: dict[int, nn.Parameter] = {}
         groups: list[list[nn.Module]] = []
+        units: list[list[nn.Module]] = []
         self._attributes: _Attributes = []
         for s in sorted(stages):
             layers = list(stages[s])
@@ -217,6 +218,7 @@ class FullyShardedStages:
                     mp_policy=policy,
                     ignored_params={p for p in params if p.dim() == 0} or None,
                 )
+                units.append(group)
             root = StageRoot(layers, s, apply)
             fully_shard(
                 root,
@@ -225,12 +227,16 @@ class FullyShardedStages:
                 mp_policy=policy,
                 ignored_params=scalars or None,
             )
+            units.append([root])
             fsdp_internals.make_root(root)
             # A parameter without a gradient on some rank (a branch one replica's data skips) would
             # otherwise be left out of that rank's reduce-scatter buffer, misaligning the others'.
             root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
             self.roots[s] = root
         self.restore_attributes()
+        # What the units return goes to the next layer, the next stage or the loss, checked where
+        # a change in place would break the backward: FSDP2's warning about views is silenced.
+        returned_views.silence_view_warning(units)
         self.unsharded: list[nn.Parameter] = list(unsharded.values())
         """Trainable parameters FSDP2 cannot shard (0-dim): whole on every rank, averaged like an
         unsharded model's."""

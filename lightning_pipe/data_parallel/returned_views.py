@@ -1,0 +1,77 @@
+"""Views that FSDP2 units return: checked where it matters, instead of warned about on every run.
+
+torch's FSDP2 (2.13) warns whenever a unit's forward returns a view, which is common: a ``Linear``
+with a bias over a 3-d input returns one, as does ``x.view(...)``. It warns because an in-place
+operation on that view (``out += y``, ``out.mul_(2)``) drops the hook that FSDP registered on it,
+the one that gathers the unit's parameters again before its backward.
+
+Under ``pipe_tp`` the consumers of a unit's output are known, and tried (2 processes, dp=2, both
+``reshard_after_forward`` settings, against one process):
+
+* the next layer of the stage: an in-place change inside the next unit is refused by autograd
+  itself ("Output 0 of RegisterPostBackwardFunction is a view and is being modified inplace"); a
+  change by a layer without parameters (``ReLU(inplace=True)``, which is no unit) gave one
+  process's gradients, the next unit's or the stage root's hooks gathering in its place;
+* the next stage: the executor sends the output and never changes it;
+* the loss head: with ``reshard_after_forward=False`` (the default with a pipeline) the stage's
+  parameters stay gathered through the step and the gradients were one process's; with ``True``
+  the backward ran on freed parameters and failed deep in autograd ("setStorage: ... out of
+  bounds for storage of size 0").
+
+So the runtime checks the one case that breaks (:func:`output_views`, :func:`check_unchanged`,
+around the loss head when the parameters are resharded after the forward) and stops with the fix,
+and the warning is silenced for the units ``pipe_tp`` makes, pipeline layers and stage roots
+(:func:`silence_view_warning`); it stays for a unit inside a layer (a block of experts), whose
+output the user's own layer consumes.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class ChangedOutputError(RuntimeError):
+    """The loss changed a view that a fully sharded stage returned, in place."""
+
+
+def silence_view_warning(units: Iterable[Sequence[nn.Module]]) -> None:
+    """Filter FSDP2's "returned a view tensor" warning for these units (each the modules one
+    ``fully_shard`` call took, already wrapped), named as torch names them. Adding a filter that
+    is already there moves it to the front instead of adding it twice."""
+    for modules in units:
+        name = ", ".join(type(m).__name__ for m in modules)
+        warnings.filterwarnings(
+            "ignore",
+            message=re.escape(f"FSDP2-wrapped module ({name}) returned a view tensor"),
+            category=UserWarning,
+        )
+
+
+def output_views(output: Any) -> list[tuple[torch.Tensor, int]]:
+    """The views among a stage's output tensors that require a gradient, with their versions."""
+    tensors = output if isinstance(output, tuple) else (output,)
+    return [
+        (t, t._version)
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None
+    ]
+
+
+def check_unchanged(views: list[tuple[torch.Tensor, int]], stage_index: int) -> None:
+    """Raise :class:`ChangedOutputError` if the loss changed one of ``views`` in place."""
+    for position, (tensor, version) in enumerate(views):
+        if tensor._version != version:
+            raise ChangedOutputError(
+                f"The loss changed the output of pipeline stage {stage_index} in place (its tensor "
+                f"{position}, a view, e.g. `out += y` or `out.mul_(s)` in training_step or the "
+                "loss head). Under shard_parameters=True with reshard_after_forward=True, FSDP2 then "
+                "skips gathering the stage's parameters for its backward, and the backward fails. "
+                "Use an out-of-place operation (`out = out * s`), or `out = out.clone()` first; or "
+                "reshard_after_forward=False."
+            )
