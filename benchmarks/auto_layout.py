@@ -17,15 +17,21 @@ For two models, the example GPT (``examples/gpt``'s ``CharGPT``) and a small Hug
 2. the plan ranks every candidate; the benchmark runs the top ``--top`` (default 6) and, for a
    spread, the best-ranked candidate of every other layout (pipeline x tensor x data sizes and
    data mode) the planner considered: the table says which rows are which;
-3. each is built in the same 4 processes (a set of processes per model: a run leaves its process
-   groups behind; a fresh mesh and runtime per candidate, its stages split as the planner split
-   them) and trained for ``--warmup`` + ``--steps`` steps (AdamW), in
-   ``--passes`` passes over the rows (default 2), every other one in reverse order: the machine
-   drifts over the minutes a pass takes, and one order would put the drift on the last rows. The
-   measured step time is the median over the passes' steps of the slowest rank's (barrier to
-   barrier: forward, backward, the data axis' reduction and the optimizer step; the ``optimizer
-   ms`` column is the measured step's part); ``passes apart`` is how far the passes' medians of
-   one row are from each other, the measurement's own noise beside the prediction's error.
+3. each is built once in the same 4 processes (a set of processes per model: runs leave their
+   process groups behind; one mesh per layout, shared by its rows; its stages split as the planner
+   split them), and the rows take turns (AdamW), ``--steps`` turns in each of ``--passes``
+   passes (default 3), the order rotated each pass: the machine drifts over the minutes a pass
+   takes (other jobs), and taking turns puts the drift on every row alike. A turn is ``--warmup``
+   untimed steps and one timed step of the row: the first step after the other rows' finds the
+   row's state out of the caches (the GPT's AdamW steps took 2 - 4x as long, stepped once per
+   turn, as in a run of steps). Before the second pass and each later one the planner's inputs are measured
+   again and every row predicted from them: ``same period`` compares each pass with the
+   prediction from its own stretch of the machine, which separates the model's error from the
+   drift since the plan. The measured step time is the median over the passes' steps of the
+   slowest rank's (barrier to barrier: forward, backward, the data axis' reduction and the
+   optimizer step; the ``optimizer ms`` column is the measured step's part); ``passes apart`` is
+   how far the passes' medians of one row are from each other, the measurement's own noise beside
+   the prediction's error.
 
 Peak memory per rank is measured as the planner counts it, not as RSS (a peak RSS never goes down,
 and these runs share processes; the allocator's slack is not what the planner predicts): the
@@ -39,7 +45,7 @@ Goals (printed with the verdict): each step time within 25% of its prediction; t
 planner's top three preserved by the measurements; each peak memory within 15%; the planner's pick
 within 10% of the best measured step time.
 
-Run: ``python benchmarks/auto_layout.py`` (table; about 6-8 minutes on 2
+Run: ``python benchmarks/auto_layout.py`` (table; about 6 minutes on 2
 cores) or ``--json``; ``--models gpt`` or ``llama`` for one.
 """
 
@@ -255,135 +261,203 @@ def _meter_without(pointers: set[int]) -> Iterator[None]:
         executor_module.counting_saved = original
 
 
-def _run_one(
-    name: str, sizes: Sizes, candidate: Any, balance: list[int], warmup: int, steps: int
-) -> dict[str, Any]:
-    from lightning_pipe.mesh import ParallelLayout, init_mesh
-    from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
+class _Row:
+    """One candidate built in these processes (its own runtime over the mesh of its layout), kept
+    for the whole run so that the rows' steps can take turns: every row then meets the same
+    stretch of the machine's drift."""
 
-    c = candidate
-    options = {k: v for k, v in c.options().items() if not k.endswith("_parallel_size") and k != "partition"}
-    hooks, init = None, None
-    if name == "gpt":
-        model, layers, plan_for, head = _gpt_parts(sizes)
-        batch = _gpt_batch(sizes)
-        plan = plan_for(c.tensor_parallel_size) if c.tensor_parallel_size > 1 else None
-    else:
-        from transformers import LlamaForCausalLM
+    def __init__(self, name: str, sizes: Sizes, candidate: Any, balance: list[int], meshes: dict[Any, Any]):
+        from torch.distributed.tensor import DTensor
 
-        from lightning_pipe.construction.meta import parameters_on_meta
-        from lightning_pipe.huggingface import CausalLMPipeline
-        from lightning_pipe.huggingface.outputs import causal_lm_loss
+        from lightning_pipe.mesh import ParallelLayout, init_mesh
+        from lightning_pipe.runtime import ParallelRuntime, RuntimeOptions
 
-        with parameters_on_meta():
-            model = LlamaForCausalLM(_llama_config(sizes))
-        pipeline = CausalLMPipeline(model)
-        plan = (
-            pipeline.tensor_parallel_plan(c.tensor_parallel_size).plan if c.tensor_parallel_size > 1 else None
-        )
-        hooks, layers, batch = pipeline.hooks(), pipeline.layers(), _llama_batch(sizes)
-        init = model._init_weights  # a Hugging Face model initialises its modules itself
+        c = candidate
+        options = {
+            k: v for k, v in c.options().items() if not k.endswith("_parallel_size") and k != "partition"
+        }
+        hooks, init = None, None
+        if name == "gpt":
+            model, layers, plan_for, head = _gpt_parts(sizes)
+            batch = _gpt_batch(sizes)
+            plan = plan_for(c.tensor_parallel_size) if c.tensor_parallel_size > 1 else None
+        else:
+            from transformers import LlamaForCausalLM
 
-        def head(out: Any, mb: Any) -> Any:
-            return causal_lm_loss(out, mb.data["labels"])
+            from lightning_pipe.construction.meta import parameters_on_meta
+            from lightning_pipe.huggingface import CausalLMPipeline
+            from lightning_pipe.huggingface.outputs import causal_lm_loss
 
-    mesh = init_mesh(
-        ParallelLayout(c.data_parallel_size, c.pipeline_parallel_size, c.tensor_parallel_size), "cpu"
-    )
-    runtime = ParallelRuntime(
-        model, layers, mesh, torch.device("cpu"),
-        RuntimeOptions(**options, partition=balance, tensor_parallel_plan=plan, timeout=TIMEOUT),  # type: ignore[arg-type]
-        seed=0, hooks=hooks, init=init,
-    )  # fmt: skip
-    optimizer = runtime.keep_own(_optimizer(list(model.parameters())))
-    dp, dp_rank = c.data_parallel_size, mesh.coordinates.dp_rank
-    share = sizes.batch // dp
-    if isinstance(batch, dict):
-        mine: Any = {k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch.items()}
-    else:
-        mine = tuple(t[dp_rank * share : (dp_rank + 1) * share] for t in batch)
-    from torch.distributed.tensor import DTensor
+            with parameters_on_meta():
+                model = LlamaForCausalLM(_llama_config(sizes))
+            pipeline = CausalLMPipeline(model)
+            plan = (
+                pipeline.tensor_parallel_plan(c.tensor_parallel_size).plan
+                if c.tensor_parallel_size > 1
+                else None
+            )
+            hooks, layers, batch = pipeline.hooks(), pipeline.layers(), _llama_batch(sizes)
+            init = model._init_weights  # a Hugging Face model initialises its modules itself
 
-    pointers = {
-        (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-        for p in runtime.parameters
-        if not p.is_meta
-    }
-    captured: list[Any] = []
-    run = runtime.executor.run
+            def head(out: Any, mb: Any) -> Any:
+                return causal_lm_loss(out, mb.data["labels"])
 
-    def recording_run(*args: Any, **kwargs: Any) -> Any:
-        result = run(*args, **kwargs)
-        captured.append(result)
-        return result
+        # One mesh per layout, shared by its rows (runtimes reuse a mesh's groups; each row steps
+        # alone): 17 rows' own meshes would leave several times the groups alive.
+        layout = ParallelLayout(c.data_parallel_size, c.pipeline_parallel_size, c.tensor_parallel_size)
+        if layout not in meshes:
+            meshes[layout] = init_mesh(layout, "cpu")
+        mesh = meshes[layout]
+        self.runtime = ParallelRuntime(
+            model, layers, mesh, torch.device("cpu"),
+            RuntimeOptions(**options, partition=balance, tensor_parallel_plan=plan, timeout=TIMEOUT),  # type: ignore[arg-type]
+            seed=0, hooks=hooks, init=init,
+        )  # fmt: skip
+        self.optimizer = self.runtime.keep_own(_optimizer(list(model.parameters())))
+        self.head = head
+        dp, dp_rank = c.data_parallel_size, mesh.coordinates.dp_rank
+        share = sizes.batch // dp
+        if isinstance(batch, dict):
+            self.mine: Any = {k: v[dp_rank * share : (dp_rank + 1) * share] for k, v in batch.items()}
+        else:
+            self.mine = tuple(t[dp_rank * share : (dp_rank + 1) * share] for t in batch)
+        self.pointers = {
+            (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+            for p in self.runtime.parameters
+            if not p.is_meta
+        }
+        self.activations: float | None = None
+        self._last: Any = None
+        run = self.runtime.executor.run
 
-    runtime.executor.run = recording_run  # type: ignore[method-assign]
-    times, optimizer_times = [], []
-    with _meter_without(pointers):
-        for i in range(warmup + steps):
-            runtime.executor.measure_activation_memory = i == 0  # the meter's hooks cost time
+        def recording_run(*args: Any, **kwargs: Any) -> Any:
+            self._last = run(*args, **kwargs)
+            return self._last
+
+        self.runtime.executor.run = recording_run  # type: ignore[method-assign]
+        self.steps: list[list[float]] = []
+        """Per pass, each timed step's seconds on this rank."""
+        self.optimizer_steps: list[float] = []
+
+    def step(self) -> tuple[float, float]:
+        """One training step, barrier to barrier (the first also meters the activations, which
+        costs time: it is a warm-up step): (its seconds, the optimizer step's)."""
+        meter = self.activations is None
+        self.runtime.executor.measure_activation_memory = meter
+        with _meter_without(self.pointers) if meter else contextlib.nullcontext():
             dist.barrier()
             start = time.perf_counter()
-            optimizer.zero_grad()
-            runtime.begin_accumulation()
-            runtime.train_batch(mine, head)
+            self.optimizer.zero_grad()
+            self.runtime.begin_accumulation()
+            self.runtime.train_batch(self.mine, self.head)
             before_step = time.perf_counter()
-            optimizer.step()
+            self.optimizer.step()
             after_step = time.perf_counter()
             dist.barrier()
-            times.append(time.perf_counter() - start)
-            optimizer_times.append(after_step - before_step)
-    reducer = getattr(getattr(runtime, "gradients", None), "reducer", None)
-    params = list(runtime.parameters)
-    if reducer is not None:
-        grads = sum(_local_bytes(b.buffer) for b in reducer._buckets)
-    else:
-        grads = sum(_local_bytes(p.grad) for p in params)
-    state = sum(
-        _local_bytes(v) for s in optimizer.state.values() for v in s.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0
-    )  # fmt: skip
-    held = {
-        "parameters": sum(_local_bytes(p) for p in params),
-        "gradients": grads,
-        "optimizer": state,
-        "activations": captured[0].peak_held_bytes,
-    }
-    runtime.close()
-    return {"step": times[warmup:], "optimizer": optimizer_times[warmup:], "memory": held}
+        if meter:
+            self.activations = float(self._last.peak_held_bytes)
+        return time.perf_counter() - start, after_step - before_step
+
+    def memory(self) -> dict[str, float]:
+        reducer = getattr(getattr(self.runtime, "gradients", None), "reducer", None)
+        params = list(self.runtime.parameters)
+        if reducer is not None:
+            grads = sum(_local_bytes(b.buffer) for b in reducer._buckets)
+        else:
+            grads = sum(_local_bytes(p.grad) for p in params)
+        state = sum(
+            _local_bytes(v) for s in self.optimizer.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )  # fmt: skip
+        return {
+            "parameters": sum(_local_bytes(p) for p in params),
+            "gradients": grads,
+            "optimizer": state,
+            "activations": self.activations or 0.0,
+        }
+
+
+def _inputs(loaded: Any, sizes: Sizes, links: Any, probe: str, repeats: int) -> tuple[Any, Any, Any]:
+    """The planner's inputs measured now (the compute slots in the group, the layers and the
+    optimizer on rank 0): (plan, costs, machine) on rank 0, Nones elsewhere."""
+    slots = _slots(loaded, sizes, probe)  # just before the plan: the load changes
+    if dist.get_rank() != 0:
+        return None, None, None
+    return _plan(loaded, sizes, links, slots, repeats)
 
 
 def worker(
     name: str, size: Sizes, top: int, warmup: int, steps: int, repeats: int, probe: str, passes: int
 ) -> dict[str, Any]:
-    """One model's rows, in processes of its own: the links, the planner's pick and spread, and each
-    row's runs (one per pass)."""
-    from lightning_pipe.planning.cost_model import stage_balance
+    """One model's rows, in processes of its own: the links, the planner's pick and spread, every
+    row built once, then ``passes`` passes, each measuring the planner's inputs again (its
+    predictions for the same period) and then running every row in turn."""
+    from lightning_pipe.planning.cost_model import predict, stage_balance
     from lightning_pipe.planning.links import probe_links
 
     links = probe_links(torch.device("cpu"))
     box: list[Any] = [None]
     loaded = _load(name, size)
-    slots = _slots(loaded, size, probe)  # just before the plan: the load changes
+    plan, costs, machine = _inputs(loaded, size, links, probe, repeats)
     if dist.get_rank() == 0:
-        plan, costs, machine = _plan(loaded, size, links, slots, repeats)
         chosen = choose(list(plan.predictions), top)
         box[0] = (chosen, [stage_balance(costs, p.candidate) for p, _ in chosen], machine)
     dist.barrier()
     dist.broadcast_object_list(box, 0)
     chosen, balances, machine = box[0]
-    runs: list[list[dict[str, Any]]] = [[] for _ in chosen]
-    # The processes' first run pays for their first allocations (the allocator's arenas, pages
-    # touched for the first time) beyond its warm-up steps: run the first candidate once before.
-    _run_one(name, size, chosen[0][0].candidate, balances[0], 1, 1)
-    # The machine drifts over the minutes the rows take (other jobs, the host's clock speed):
-    # passes alternate the order, so a drift falls on the first and the last rows alike.
+    meshes: dict[Any, Any] = {}
+    rows = [
+        _Row(name, size, p.candidate, balance, meshes)
+        for (p, _), balance in zip(chosen, balances, strict=True)
+    ]
+    # The processes' first steps pay for their first allocations (the allocator's arenas, pages
+    # touched for the first time) beyond a row's warm-up: step the first row once before.
+    rows[0].step()
+    again: list[list[float]] = []
+    """Per pass, every row's prediction from the inputs measured at the pass's start."""
+    machines: list[Any] = []
     for turn in range(passes):
-        order = range(len(chosen)) if turn % 2 == 0 else reversed(range(len(chosen)))
-        for index in order:
-            candidate = chosen[index][0].candidate
-            runs[index].append(_run_one(name, size, candidate, balances[index], warmup, steps))
-    return {"links": links, "chosen": chosen, "balances": balances, "machine": machine, "runs": runs}
+        if turn:
+            # The machine drifts over the minutes a run takes (other jobs, the host's clock): the
+            # inputs measured again next to the pass, and each row predicted from them, separate
+            # the model's error from the drift since the plan.
+            _, costs, machine_now = _inputs(loaded, size, links, probe, repeats)
+        else:
+            machine_now = machine
+        if dist.get_rank() == 0:
+            machines.append(machine_now)
+            again.append(
+                [predict(p.candidate, costs, machine_now, size.batch).step_seconds for p, _ in chosen]
+            )
+        # Rows take turns (the order turning each pass), so that a drift within the pass falls on
+        # every row alike. A turn is ``warmup`` untimed steps and one timed: a row's first step
+        # after the others' finds its state out of the caches (stepped alone after 16 other rows,
+        # the AdamW step of the GPT's rows took 2 - 4x its time within a run of steps).
+        order = list(range(len(rows)))
+        order = order[turn % len(rows) :] + order[: turn % len(rows)]
+        for row in rows:
+            row.steps.append([])
+        for _ in range(steps):
+            for index in order:
+                for _ in range(warmup):
+                    rows[index].step()
+                seconds, optimizer_seconds = rows[index].step()
+                rows[index].steps[-1].append(seconds)
+                rows[index].optimizer_steps.append(optimizer_seconds)
+    out = {
+        "links": links,
+        "chosen": chosen,
+        "balances": balances,
+        "machine": machine,
+        "again": again,
+        "machines": machines,
+        "runs": [
+            {"step": row.steps, "optimizer": row.optimizer_steps, "memory": row.memory()} for row in rows
+        ],
+    }
+    for row in rows:
+        row.runtime.close()
+    return out
 
 
 # ----------------------------------------------------------------------------- the table
@@ -399,12 +473,15 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     for index, (prediction, why) in enumerate(first["chosen"]):
         # Per pass, each step's slowest rank; the row's time is the median over all passes' steps.
         by_pass = [
-            [max(values) for values in zip(*(r["runs"][index][turn]["step"] for r in results), strict=True)]
-            for turn in range(len(first["runs"][index]))
+            [max(values) for values in zip(*(r["runs"][index]["step"][turn] for r in results), strict=True)]
+            for turn in range(len(first["runs"][index]["step"]))
         ]
         measured = median([t for steps in by_pass for t in steps])
         pass_medians = [median(steps) for steps in by_pass]
-        per_rank = [run for r in results for run in r["runs"][index]]
+        # Each pass against the prediction from the inputs measured at its start.
+        again = [first["again"][turn][index] for turn in range(len(by_pass))]
+        same_period = median([m / a for m, a in zip(pass_medians, again, strict=True)])
+        per_rank = [r["runs"][index] for r in results]
         memory = max(sum(r["memory"].values()) for r in per_rank)
         rows.append({
             "layout": str(prediction.candidate),
@@ -412,11 +489,11 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
             "predicted_s": prediction.step_seconds,
             "measured_s": measured,
             "time_ratio": measured / prediction.step_seconds,
+            "predicted_again_s": again,
+            "time_ratio_same_period": same_period,
             "pass_spread": max(pass_medians) / min(pass_medians) - 1,
             # The slowest rank's median over all passes' steps, as the step time is taken.
-            "optimizer_s": max(
-                median([t for run in r["runs"][index] for t in run["optimizer"]]) for r in results
-            ),
+            "optimizer_s": max(median(r["runs"][index]["optimizer"]) for r in results),
             "predicted_optimizer_s": prediction.optimizer_seconds,
             "predicted_peak_bytes": prediction.peak_bytes,
             "measured_peak_bytes": memory,
@@ -430,6 +507,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     goals = {
         "time_within_25pct": all(0.75 <= r["time_ratio"] <= 1.25 for r in rows),
         "rows_within_25pct": sum(0.75 <= r["time_ratio"] <= 1.25 for r in rows),
+        "rows_within_25pct_same_period": sum(0.75 <= r["time_ratio_same_period"] <= 1.25 for r in rows),
         "top3_order_kept": _ranks_agree(predicted, measured),
         "memory_within_15pct": all(0.85 <= r["memory_ratio"] <= 1.15 for r in rows),
         "pick_within_10pct_of_best": pick <= 1.10 * best,
@@ -442,6 +520,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         "goals": goals,
         "pick_over_best": pick / best,
         "compute_slots": machine.compute_slots,
+        "compute_slots_again": [m.compute_slots for m in first["machines"]],
         "median_pass_spread": median([r["pass_spread"] for r in rows]),
     }
 
@@ -453,10 +532,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--top", type=int, default=6, help="the planner's top candidates run (then a spread)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per pass")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each timed one")
+    parser.add_argument("--steps", type=int, default=4, help="turns per pass: a timed step per row each")
     parser.add_argument(
-        "--passes", type=int, default=2, help="passes over the rows, alternately in order and reversed"
+        "--passes",
+        type=int,
+        default=3,
+        help="passes over the rows (the rows taking turns a step at a time), the planner's inputs "
+        "measured again before each",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per layer when measuring")
     parser.add_argument("--batch", type=int, default=16)
@@ -526,11 +609,13 @@ def main() -> None:
         size = sizes[name]
         print(f"\n{MODELS[name]}: width {size.width}, {size.layers} blocks, batch {size.batch} x {size.seq}")
         print(f"links: {links[name]}")
-        print(f"compute slots probed: {s['compute_slots']:.2f} of {WORLD} processes")
+        again = ", ".join(f"{v:.2f}" for v in s["compute_slots_again"])
+        print(f"compute slots probed: {s['compute_slots']:.2f} of {WORLD} processes (at each pass: {again})")
         table = [
             [
                 str(i), r["layout"], r["why"], f"{r['predicted_s'] * 1e3:.0f}",
                 f"{r['measured_s'] * 1e3:.0f}", f"{r['pass_spread']:.0%}", f"{r['time_ratio']:.2f}",
+                f"{r['time_ratio_same_period']:.2f}",
                 f"{r['optimizer_s'] * 1e3:.0f}",
                 f"{r['predicted_peak_bytes'] / 1e6:.1f}", f"{r['measured_peak_bytes'] / 1e6:.1f}",
                 f"{r['memory_ratio']:.2f}",
@@ -538,15 +623,16 @@ def main() -> None:
             for i, r in enumerate(s["rows"], 1)
         ]  # fmt: skip
         print_table(
-            ["#", "layout", "row", "pred ms", "meas ms", "passes apart", "meas/pred", "optimizer ms",
-             "pred MB", "meas MB", "meas/pred"],
+            ["#", "layout", "row", "pred ms", "meas ms", "passes apart", "meas/pred", "same period",
+             "optimizer ms", "pred MB", "meas MB", "meas/pred"],
             table,
         )  # fmt: skip
         g = s["goals"]
         verdict = ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in g.items() if isinstance(v, bool))
         print(
             f"pick / best measured: {s['pick_over_best']:.2f}; rows within 25%: {g['rows_within_25pct']} of "
-            f"{len(s['rows'])}; the top three predicted within {s['top3_predicted_spread']:.1%} of each "
+            f"{len(s['rows'])} ({g['rows_within_25pct_same_period']} against the inputs measured at each "
+            f"pass); the top three predicted within {s['top3_predicted_spread']:.1%} of each "
             f"other; one layout's passes apart by {s['median_pass_spread']:.0%} (median over the rows)"
         )
         print(verdict)
