@@ -218,7 +218,6 @@ class FullyShardedStages:
                     mp_policy=policy,
                     ignored_params={p for p in params if p.dim() == 0} or None,
                 )
-                units.append(group)
             root = StageRoot(layers, s, apply)
             fully_shard(
                 root,
@@ -234,8 +233,9 @@ class FullyShardedStages:
             root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
             self.roots[s] = root
         self.restore_attributes()
-        # What the units return goes to the next layer, the next stage or the loss, checked where
-        # a change in place would break the backward: FSDP2's warning about views is silenced.
+        # A stage root's output goes to the next stage (never changed) or to the loss (checked
+        # where a change in place breaks the backward): its FSDP2 warning about views is silenced.
+        # A layer unit's stays: an in-place layer after it may leave no later unit to gather it.
         returned_views.silence_view_warning(units)
         self.unsharded: list[nn.Parameter] = list(unsharded.values())
         """Trainable parameters FSDP2 cannot shard (0-dim): whole on every rank, averaged like an

@@ -5,24 +5,22 @@ with a bias over a 3-d input returns one, as does ``x.view(...)``. It warns beca
 operation on that view (``out += y``, ``out.mul_(2)``) drops the hook that FSDP registered on it,
 the one that gathers the unit's parameters again before its backward.
 
-Under ``pipe_tp`` the consumers of a unit's output are known, and tried (2 processes, dp=2, both
+Under ``pipe_tp`` a stage root's output has two consumers, tried (2 processes, dp=2, both
 ``reshard_after_forward`` settings, against one process):
 
-* the next layer of the stage: an in-place change inside the next unit is refused by autograd
-  itself ("Output 0 of RegisterPostBackwardFunction is a view and is being modified inplace"); a
-  change by a layer without parameters (``ReLU(inplace=True)``, which is no unit) gave one
-  process's gradients, the next unit's or the stage root's hooks gathering in its place;
 * the next stage: the executor sends the output and never changes it;
 * the loss head: with ``reshard_after_forward=False`` (the default with a pipeline) the stage's
   parameters stay gathered through the step and the gradients were one process's; with ``True``
   the backward ran on freed parameters and failed deep in autograd ("setStorage: ... out of
   bounds for storage of size 0").
 
-So the runtime checks the one case that breaks (:func:`output_views`, :func:`check_unchanged`,
-around the loss head when the parameters are resharded after the forward) and stops with the fix,
-and the warning is silenced for the units ``pipe_tp`` makes, pipeline layers and stage roots
-(:func:`silence_view_warning`); it stays for a unit inside a layer (a block of experts), whose
-output the user's own layer consumes.
+So the runtime checks the loss head's case (:func:`output_views`, :func:`check_unchanged`, when
+the parameters are resharded after the forward) and stops with the fix, and the warning is
+silenced for the stage roots (:func:`silence_view_warning`), whose output goes only to those two.
+It stays for the layers' units: an in-place layer without parameters after one
+(``ReLU(inplace=True)``) is rescued only when a later unit of the stage prefetches it, which a
+stage's last unit, or the first of two such pairs in a row, lacks (read in torch's source, not
+run).
 """
 
 from __future__ import annotations
@@ -53,19 +51,20 @@ def silence_view_warning(units: Iterable[Sequence[nn.Module]]) -> None:
         )
 
 
-def output_views(output: Any) -> list[tuple[torch.Tensor, int]]:
-    """The views among a stage's output tensors that require a gradient, with their versions."""
+def output_views(output: Any) -> list[tuple[int, torch.Tensor, int]]:
+    """The views among a stage's output tensors that require a gradient: (position in the
+    output, tensor, version)."""
     tensors = output if isinstance(output, tuple) else (output,)
     return [
-        (t, t._version)
-        for t in tensors
+        (position, t, t._version)
+        for position, t in enumerate(tensors)
         if isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None
     ]
 
 
-def check_unchanged(views: list[tuple[torch.Tensor, int]], stage_index: int) -> None:
+def check_unchanged(views: list[tuple[int, torch.Tensor, int]], stage_index: int) -> None:
     """Raise :class:`ChangedOutputError` if the loss changed one of ``views`` in place."""
-    for position, (tensor, version) in enumerate(views):
+    for position, tensor, version in views:
         if tensor._version != version:
             raise ChangedOutputError(
                 f"The loss changed the output of pipeline stage {stage_index} in place (its tensor "
