@@ -24,8 +24,8 @@ For two models, the example GPT (``examples/gpt``'s ``CharGPT``) and a small Hug
    takes (other jobs), and taking turns puts the drift on every row alike. A turn is ``--warmup``
    untimed steps and one timed step of the row: the first step after the other rows' finds the
    row's state out of the caches (the GPT's AdamW steps took 2 - 4x as long, stepped once per
-   turn, as in a run of steps). Before the second pass and each later one the planner's inputs are measured
-   again and every row predicted from them: ``same period`` compares each pass with the
+   turn, as in a run of steps). Before the second pass and each later one the planner's inputs
+   are measured again and every row predicted from them: ``same period`` compares each pass with the
    prediction from its own stretch of the machine, which separates the model's error from the
    drift since the plan. The measured step time is the median over the passes' steps of the
    slowest rank's (barrier to barrier: forward, backward, the data axis' reduction and the

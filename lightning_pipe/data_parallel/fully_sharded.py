@@ -198,7 +198,6 @@ class FullyShardedStages:
         """Modules holding blocks of experts, each an FSDP unit over the expert-data group."""
         unsharded: dict[int, nn.Parameter] = {}
         groups: list[list[nn.Module]] = []
-        units: list[list[nn.Module]] = []
         self._attributes: _Attributes = []
         for s in sorted(stages):
             layers = list(stages[s])
@@ -226,7 +225,6 @@ class FullyShardedStages:
                 mp_policy=policy,
                 ignored_params=scalars or None,
             )
-            units.append([root])
             fsdp_internals.make_root(root)
             # A parameter without a gradient on some rank (a branch one replica's data skips) would
             # otherwise be left out of that rank's reduce-scatter buffer, misaligning the others'.
@@ -236,7 +234,7 @@ class FullyShardedStages:
         # A stage root's output goes to the next stage (never changed) or to the loss (checked
         # where a change in place breaks the backward): its FSDP2 warning about views is silenced.
         # A layer unit's stays: an in-place layer after it may leave no later unit to gather it.
-        returned_views.silence_view_warning(units)
+        returned_views.silence_view_warning(self.roots.values())
         self.unsharded: list[nn.Parameter] = list(unsharded.values())
         """Trainable parameters FSDP2 cannot shard (0-dim): whole on every rank, averaged like an
         unsharded model's."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -38,15 +38,14 @@ class ChangedOutputError(RuntimeError):
     """The loss changed a view that a fully sharded stage returned, in place."""
 
 
-def silence_view_warning(units: Iterable[Sequence[nn.Module]]) -> None:
-    """Filter FSDP2's "returned a view tensor" warning for these units (each the modules one
-    ``fully_shard`` call took, already wrapped), named as torch names them. Adding a filter that
-    is already there moves it to the front instead of adding it twice."""
-    for modules in units:
-        name = ", ".join(type(m).__name__ for m in modules)
+def silence_view_warning(modules: Iterable[nn.Module]) -> None:
+    """Filter FSDP2's "returned a view tensor" warning for these units (each wrapped by its own
+    ``fully_shard`` call), named as torch names them. Adding a filter that is already there moves
+    it to the front instead of adding it twice."""
+    for module in modules:
         warnings.filterwarnings(
             "ignore",
-            message=re.escape(f"FSDP2-wrapped module ({name}) returned a view tensor"),
+            message=re.escape(f"FSDP2-wrapped module ({type(module).__name__}) returned a view tensor"),
             category=UserWarning,
         )
 

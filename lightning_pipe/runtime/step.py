@@ -189,7 +189,7 @@ class BatchRunner:
             check_unchanged(views, last_stage)
             return value
 
-        first, last = 0 in self.stages, self.partition.num_stages - 1 in self.stages
+        first, last = 0 in self.stages, last_stage in self.stages
         deferred = batch_norm if training else None
         if deferred is not None:
             deferred.begin()
