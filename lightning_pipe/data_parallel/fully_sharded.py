@@ -217,6 +217,8 @@ class FullyShardedStages:
                     mp_policy=policy,
                     ignored_params={p for p in params if p.dim() == 0} or None,
                 )
+                for module in group:  # FSDP2 hooks the output of each module of a group
+                    returned_views.copy_returned_views(module)
             root = StageRoot(layers, s, apply)
             fully_shard(
                 root,
@@ -225,16 +227,13 @@ class FullyShardedStages:
                 mp_policy=policy,
                 ignored_params=scalars or None,
             )
+            returned_views.copy_returned_views(root)
             fsdp_internals.make_root(root)
             # A parameter without a gradient on some rank (a branch one replica's data skips) would
             # otherwise be left out of that rank's reduce-scatter buffer, misaligning the others'.
             root.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
             self.roots[s] = root
         self.restore_attributes()
-        # A stage root's output goes to the next stage (never changed) or to the loss (checked
-        # where a change in place breaks the backward): its FSDP2 warning about views is silenced.
-        # A layer unit's stays: an in-place layer after it may leave no later unit to gather it.
-        returned_views.silence_view_warning(self.roots.values())
         self.unsharded: list[nn.Parameter] = list(unsharded.values())
         """Trainable parameters FSDP2 cannot shard (0-dim): whole on every rank, averaged like an
         unsharded model's."""
@@ -268,6 +267,7 @@ class FullyShardedStages:
             fully_shard(
                 module, mesh=expert_mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy
             )
+            returned_views.copy_returned_views(module)
             if divide_factor is None:
                 continue
             unit = _fsdp(module)

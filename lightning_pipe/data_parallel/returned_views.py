@@ -1,75 +1,65 @@
-"""Views that FSDP2 units return: checked where it matters, instead of warned about on every run.
+"""Views that FSDP2 units return: copied before FSDP2 hooks them, so a change in place is safe.
 
-torch's FSDP2 (2.13) warns whenever a unit's forward returns a view, which is common: a ``Linear``
-with a bias over a 3-d input returns one, as does ``x.view(...)``. It warns because an in-place
-operation on that view (``out += y``, ``out.mul_(2)``) drops the hook that FSDP registered on it,
-the one that gathers the unit's parameters again before its backward.
+A unit's forward often returns a view: a ``Linear`` with a bias over a 3-d input returns one, as
+does ``x.view(...)``. FSDP2 registers the hook that gathers the unit's parameters again for its
+backward on that output, and an in-place operation on a view (``out += y``, ``out.mul_(2)``,
+``ReLU(inplace=True)``) replaces the view's place in the autograd graph, dropping the hook. torch
+(2.13) warns about it on every run; under ``pipe_tp`` the outputs go to places where it happens:
 
-Under ``pipe_tp`` a stage root's output has two consumers, tried (2 processes, dp=2, both
-``reshard_after_forward`` settings, against one process):
+* a layer without parameters (no unit of its own) that changes its input in place, after a
+  layer's unit. Tried at dp=2 against one process: with ``reshard_after_forward=True`` two such
+  pairs in a row (``Linear, ReLU(inplace=True), Linear, ReLU(inplace=True)``), or one after each
+  unit of a stage, made the backward run on freed parameters, which failed deep in autograd
+  ("setStorage: ... out of bounds for storage of size 0"), in one stage and at pp=2; a single pair
+  was rescued by the next unit's prefetch. With ``False`` (the default with a pipeline) the
+  parameters stay gathered through the step and the gradients were one process's;
+* the loss, changing the last stage's output in place: the same failure with resharding.
 
-* the next stage: the executor sends the output and never changes it;
-* the loss head: with ``reshard_after_forward=False`` (the default with a pipeline) the stage's
-  parameters stay gathered through the step and the gradients were one process's; with ``True``
-  the backward ran on freed parameters and failed deep in autograd ("setStorage: ... out of
-  bounds for storage of size 0").
-
-So the runtime checks the loss head's case (:func:`output_views`, :func:`check_unchanged`, when
-the parameters are resharded after the forward) and stops with the fix, and the warning is
-silenced for the stage roots (:func:`silence_view_warning`), whose output goes only to those two.
-It stays for the layers' units: an in-place layer without parameters after one
-(``ReLU(inplace=True)``) is rescued only when a later unit of the stage prefetches it, which a
-stage's last unit, or the first of two such pairs in a row, lacks (read in torch's source, not
-run).
+So every unit ``pipe_tp`` makes (each layer's, each stage root's, each block of experts') gets a
+forward hook, run before FSDP2's own, that replaces each view among its output tensors needing a
+gradient by a copy (:func:`copy_returned_views`). FSDP2 then hooks a tensor that is no view, whose
+hooks an in-place change keeps (they receive the gradient of the value before the change, as
+torch documents), and does not warn. The copy is exact and costs one copy of that output per
+forward while gradients are on; outputs that are no views (most layers' last operation makes a new
+tensor) are passed on untouched. Views inside containers other than tuples, lists and dicts (a
+dataclass) are left as they are, and FSDP2 still warns about them.
 """
 
 from __future__ import annotations
 
-import re
-import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-
-class ChangedOutputError(RuntimeError):
-    """The loss changed a view that a fully sharded stage returned, in place."""
+_MARK = "_pipe_tp_copies_views"
 
 
-def silence_view_warning(modules: Iterable[nn.Module]) -> None:
-    """Filter FSDP2's "returned a view tensor" warning for these units (each wrapped by its own
-    ``fully_shard`` call), named as torch names them. Adding a filter that is already there moves
-    it to the front instead of adding it twice."""
-    for module in modules:
-        warnings.filterwarnings(
-            "ignore",
-            message=re.escape(f"FSDP2-wrapped module ({type(module).__name__}) returned a view tensor"),
-            category=UserWarning,
-        )
+def copy_returned_views(module: nn.Module) -> None:
+    """Copy the views among ``module``'s output tensors needing a gradient, while gradients are on,
+    before any forward hook registered earlier (FSDP2's) sees them. Once per module."""
+    if getattr(module, _MARK, False):
+        return
+    module.register_forward_hook(_copy_views, prepend=True)
+    setattr(module, _MARK, True)
 
 
-def output_views(output: Any) -> list[tuple[int, torch.Tensor, int]]:
-    """The views among a stage's output tensors that require a gradient: (position in the
-    output, tensor, version)."""
-    tensors = output if isinstance(output, tuple) else (output,)
-    return [
-        (position, t, t._version)
-        for position, t in enumerate(tensors)
-        if isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None
-    ]
+def _copy_views(module: nn.Module, args: Any, output: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return None  # no backward to break (evaluation): the output as it is
+    return without_views(output)
 
 
-def check_unchanged(views: list[tuple[int, torch.Tensor, int]], stage_index: int) -> None:
-    """Raise :class:`ChangedOutputError` if the loss changed one of ``views`` in place."""
-    for position, tensor, version in views:
-        if tensor._version != version:
-            raise ChangedOutputError(
-                f"The loss changed the output of pipeline stage {stage_index} in place (its tensor "
-                f"{position}, a view, e.g. `out += y` or `out.mul_(s)` in training_step or the "
-                "loss head). Under shard_parameters=True with reshard_after_forward=True, FSDP2 then "
-                "skips gathering the stage's parameters for its backward, and the backward fails. "
-                "Use an out-of-place operation (`out = out * s`), or `out = out.clone()` first; or "
-                "reshard_after_forward=False."
-            )
+def without_views(value: Any) -> Any:
+    """``value`` with each view that needs a gradient replaced by a copy, through tuples (named
+    ones too), lists and dicts; everything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.requires_grad and value._base is not None else value
+    if isinstance(value, tuple):
+        items = [without_views(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [without_views(v) for v in value]
+    if type(value) is dict:
+        return {k: without_views(v) for k, v in value.items()}
+    return value

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from lightning_pipe.batches.agreement import StepIdentity
 from lightning_pipe.batches.microbatch import as_layer_arguments, batch_size, signature
-from lightning_pipe.data_parallel.returned_views import check_unchanged, output_views
 from lightning_pipe.execution.batchnorm import DeferredBatchNorm
 from lightning_pipe.execution.executor import ActionRecorder, PipelineExecutor
 from lightning_pipe.execution.p2p import PipelineCommunicationError
@@ -174,22 +173,12 @@ class BatchRunner:
         # hold as many items each): the average is then the global batch's mean.
         dp_factor = 1.0 if replica_items is None else local * layout.data_parallel_size / replica_items
 
-        # A loss changing a view the stage returned, in place, would drop FSDP2's hook that gathers
-        # the stage's parameters again for its backward (data_parallel.returned_views).
-        watch = training and self.fully_sharded is not None and self.fully_sharded.reshard_after_forward
-        last_stage = self.partition.num_stages - 1
-
         def end(output: Any, i: int) -> Any:
             # The loss may read parameters outside the layers (the pre-hooks wait for the layers').
             self.gradients.wait_for_parameters()
-            if not watch:
-                return head(output, microbatches[i])
-            views = output_views(output)
-            value = head(output, microbatches[i])
-            check_unchanged(views, last_stage)
-            return value
+            return head(output, microbatches[i])
 
-        first, last = 0 in self.stages, last_stage in self.stages
+        first, last = 0 in self.stages, self.partition.num_stages - 1 in self.stages
         deferred = batch_norm if training else None
         if deferred is not None:
             deferred.begin()
