@@ -6,6 +6,15 @@ Face decoder layer wants ``attention_mask=`` and ``position_embeddings=``, rebui
 from what travels) gives each such layer a :data:`LayerCall`; :func:`bind_layers` wraps the layer
 with it in a :class:`BoundLayer`, which the executor runs like any layer. The layer itself stays
 what the partition, the checkpoints and tensor-parallel slicing see: the call holds no parameters.
+
+A stage's input arrives from the previous stage as a leaf tensor that requires a gradient (its
+gradient is what the stage sends back), and autograd refuses to change a leaf in place, where one
+device's model hands the layer a tensor computed by the previous layer. So a layer known to change
+its input in place (torch's activations and dropouts with ``inplace=True``, alone or first in an
+``nn.Sequential``) is handed a copy of such a leaf: exact, one copy of the stage input per micro-
+batch, only there. Any other layer that changes a leaf input in place stops with
+:class:`InPlaceInputError` naming the layer and the fix (it cannot be called again: it may have
+drawn random numbers or updated buffers before the change).
 """
 
 from __future__ import annotations
@@ -60,8 +69,24 @@ def apply_layers(
     dropout, :mod:`~lightning_pipe.execution.seeding`); ``None``: the program's own streams.
     """
     for position, layer in enumerate(layers):
-        with seeded(seeds[position], _device_of(x)) if seeds is not None else nullcontext():
-            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        if _changes_input_in_place(layer) and torch.is_grad_enabled():
+            x = _copy_leaves(x)
+        try:
+            with seeded(seeds[position], _device_of(x)) if seeds is not None else nullcontext():
+                y = layer(*x) if isinstance(x, tuple) else layer(x)
+        except RuntimeError as e:
+            if isinstance(e, InPlaceInputError) or _LEAF_IN_PLACE not in str(e) or not _has_leaf(x):
+                raise
+            raise InPlaceInputError(
+                f"Layer {position} ({type(layer).__name__}) of pipeline stage {stage_index} changed "
+                "its input in place. Its input is the stage's input, which arrives from the previous "
+                "stage as a leaf tensor that requires grad, and autograd refuses to change a leaf in "
+                "place (one device hands the layer the previous layer's output instead). Make the "
+                "operation out of place (`x = x + y` instead of `x += y`, `inplace=False`), start the "
+                "stage at another layer (partition=[...]), or give the layer an attribute "
+                "`inplace = True`: pipe_tp then hands it a copy of the stage's input."
+            ) from e
+        x = y
         if not (
             isinstance(x, torch.Tensor)
             or (isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) for t in x))
@@ -72,6 +97,43 @@ def apply_layers(
                 "tensors (wrap other values in tensors, or move them into the batch)."
             )
     return x
+
+
+class InPlaceInputError(RuntimeError):
+    """A stage's layer changed the stage's input, a leaf that requires grad, in place."""
+
+
+_LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
+"""autograd's refusal (its text since torch 1.x)."""
+
+
+def _changes_input_in_place(layer: nn.Module) -> bool:
+    """Whether ``layer`` is known to change its input in place: a module with ``inplace=True``
+    (torch's activations and dropouts), alone, bound to a call, or first in an ``nn.Sequential``."""
+    while True:
+        if isinstance(layer, BoundLayer):
+            layer = layer.layer
+        elif isinstance(layer, nn.Sequential) and len(layer) > 0:
+            layer = layer[0]
+        else:
+            return getattr(layer, "inplace", False) is True
+
+
+def _tensors(x: Any) -> tuple[Any, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _has_leaf(x: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in _tensors(x))
+
+
+def _copy_leaves(x: Any) -> Any:
+    """``x`` with each leaf that requires grad replaced by a copy, which autograd lets a layer
+    change in place (the gradient reaches the leaf through the copy)."""
+    copied = tuple(
+        t.clone() if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t for t in _tensors(x)
+    )
+    return copied if isinstance(x, tuple) else copied[0]
 
 
 def _device_of(x: Any) -> torch.device:
