@@ -33,8 +33,12 @@ def test_a_known_in_place_layer_gets_a_copy_of_a_leaf_input() -> None:
     for first in (nn.ReLU(inplace=True), nn.Sequential(nn.Dropout(0.0, inplace=True), nn.ReLU())):
         leaf = torch.randn(4, 3) - 0.5
         leaf.requires_grad_(True)
+        leaf.marker = "kept"  # type: ignore[attr-defined]
         before = leaf.detach().clone()
+        seen: list[str] = []
+        first.register_forward_pre_hook(lambda _, args, record=seen.append: record(args[0].marker))
         out = apply_layers([first], leaf, stage_index=1)
+        assert seen == ["kept"]  # the copy carries the tensor's attributes
         assert torch.equal(leaf.detach(), before)  # the stage input itself is not changed
         torch.testing.assert_close(out.detach(), before.clamp(min=0))
         out.sum().backward()

@@ -5,6 +5,7 @@ reproducible; and bad plans fail at setup with the module's name."""
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pipe import PipeTPStrategy
 from lightning_pipe.checkpoint.full import gather_model_state
+from lightning_pipe.checkpoint.single_file import consolidate_checkpoint
 from lightning_pipe.tensor_parallel.dropout import SEED_OFFSET, RegionDropout
 from lightning_pipe.tensor_parallel.layers import tensor_parallel_dim
 from lightning_pipe.tensor_parallel.plan import resolve_plan
@@ -111,6 +113,35 @@ def test_dp2_pp2_tp2_on_eight_processes_matches_one_device() -> None:
     for key, expected in ref_state.items():
         torch.testing.assert_close(state[key], expected, atol=TOL, rtol=0, msg=key)
     _assert_replicas_identical(got)
+
+
+def save_after_fit_worker(path: str) -> None:
+    model = TinyGPT()
+    strategy = PipeTPStrategy(
+        pipeline_parallel_size=1, tensor_parallel_size=2, num_microbatches=2, shard_parameters=True,
+        timeout=timedelta(seconds=90),
+    )  # fmt: skip
+    trainer = _fit(model, strategy, 4, reference=False, batch=4, accumulate=2)
+    trainer.save_checkpoint(path)  # after fit: Lightning's teardown has moved the model
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_under_fully_sharded_data_parallel_saved_after_fit_matches_one_device(
+    tmp_path: Path,
+) -> None:
+    """tp=2 x dp=2 with shard_parameters=True, fit then ``trainer.save_checkpoint``: the checkpoint
+    holds the whole model of one device. Each layer is an FSDP2 unit: the head's vocab-parallel
+    logits (a ``Linear`` with a bias returns a view, which the unit copies) keep their
+    tensor-parallel group, so the loss stays vocab-parallel (a copy without it failed: "Target 68
+    is out of bounds"), and the teardown's move to the host no longer drops the parameters'
+    tensor-parallel dims (the checkpoint said ``tp_dim: null`` and held half the vocabulary)."""
+    path = tmp_path / "after-fit.ckpt"
+    run_distributed(save_after_fit_worker, 4, str(path), timeout=300, init_group=False)
+    saved = consolidate_checkpoint(path)["state_dict"]
+    reference, _ = _reference(accumulate=2)
+    assert saved.keys() == reference.keys()
+    for key, expected in reference.items():
+        torch.testing.assert_close(saved[key], expected, atol=TOL, rtol=0, msg=key)
 
 
 @pytest.mark.distributed

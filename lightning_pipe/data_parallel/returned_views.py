@@ -51,10 +51,16 @@ def _copy_views(module: nn.Module, args: Any, output: Any) -> Any:
 
 
 def without_views(value: Any) -> Any:
-    """``value`` with each view that needs a gradient replaced by a copy, through tuples (named
-    ones too), lists and dicts; everything else as it is."""
+    """``value`` with each view that needs a gradient replaced by a copy (with the view's Python
+    attributes), through tuples (named ones too), lists and dicts; everything else as it is."""
     if isinstance(value, torch.Tensor):
-        return value.clone() if value.requires_grad and value._base is not None else value
+        if not (value.requires_grad and value._base is not None):
+            return value
+        copy = value.clone()
+        # What the layer attached to its output travels with it (vocab-parallel logits carry their
+        # tensor-parallel group: tensor_parallel.cross_entropy).
+        copy.__dict__.update(value.__dict__)
+        return copy
     if isinstance(value, tuple):
         items = [without_views(v) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)

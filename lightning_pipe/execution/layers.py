@@ -131,9 +131,15 @@ def _copy_leaves(x: Any) -> Any:
     """``x`` with each leaf that requires grad replaced by a copy, which autograd lets a layer
     change in place (the gradient reaches the leaf through the copy)."""
     copied = tuple(
-        t.clone() if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t for t in _tensors(x)
+        _copy(t) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t for t in _tensors(x)
     )
     return copied if isinstance(x, tuple) else copied[0]
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    copy = t.clone()
+    copy.__dict__.update(t.__dict__)  # attributes a layer attached travel with the tensor
+    return copy
 
 
 def _device_of(x: Any) -> torch.device:

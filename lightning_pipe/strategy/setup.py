@@ -319,6 +319,12 @@ class PipeTPSetup(PipeTPProcesses):
         # Other stages' tensors have nothing to move (there may be no module after a failed setup).
         with meta_tensors_set_aside(module) if module is not None else nullcontext():
             super().teardown()
+        if self._runtime is not None:
+            # Lightning's teardown moved the model to the host, which makes FSDP2's parameters new
+            # objects, without the attributes a checkpoint reads (a tensor-parallel slice's dim, the
+            # experts a parameter holds): a `trainer.save_checkpoint` after fit wrote tp_dim null
+            # and half the vocabulary under tensor_parallel_size=2 with shard_parameters.
+            self._runtime.after_model_moved()
 
     # ------------------------------------------------------------------ precision and clipping
     @property
