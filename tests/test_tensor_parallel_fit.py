@@ -1,6 +1,7 @@
 """Trainer.fit with tensor parallelism (tp=2, and pp=2 x tp=2) on a tiny GPT ends with the weights
-(gathered into a whole-model state dict) and losses of one device; with dropout it runs and is
-reproducible; and bad plans fail at setup with the module's name."""
+(gathered into a whole-model state dict) and losses of one device, and so does a checkpoint saved
+after fit at tp=2 x dp=2 under FSDP2; with dropout it runs and is reproducible; and bad plans fail
+at setup with the module's name."""
 
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def test_tensor_parallel_under_fully_sharded_data_parallel_saved_after_fit_match
     """tp=2 x dp=2 with shard_parameters=True, fit then ``trainer.save_checkpoint``: the checkpoint
     holds the whole model of one device. Each layer is an FSDP2 unit: the head's vocab-parallel
     logits (a ``Linear`` with a bias returns a view, which the unit copies) keep their
-    tensor-parallel group, so the loss stays vocab-parallel (a copy without it failed: "Target 68
+    tensor-parallel group, so the loss stays vocab-parallel (a copy without it failed: "Target 15
     is out of bounds"), and the teardown's move to the host no longer drops the parameters'
     tensor-parallel dims (the checkpoint said ``tp_dim: null`` and held half the vocabulary)."""
     path = tmp_path / "after-fit.ckpt"
