@@ -85,8 +85,9 @@ SAME_DATA_FIX = (
     "Every rank of a pipeline and of a tensor group must load the same batch; only data-parallel "
     "replicas load different data. Shard the data by the data-parallel rank and size "
     "(trainer.strategy.data_parallel_rank and .data_parallel_world_size, what Lightning's "
-    "DistributedSampler uses under pipe_tp), never by the global rank, and seed any shuffling the "
-    "same on every rank (seed_everything, or a seeded generator)."
+    "DistributedSampler uses under pipe_tp), never by the global rank, and seed any shuffling, and "
+    "any data the script makes at random, the same on every rank: every process runs the script "
+    "(seed_everything before building the data, or a seeded generator)."
 )
 
 
