@@ -10,8 +10,8 @@ backward on that output, and an in-place operation on a view (``out += y``, ``ou
   layer's unit. Tried at dp=2 against one process: with ``reshard_after_forward=True`` two such
   pairs in a row (``Linear, ReLU(inplace=True), Linear, ReLU(inplace=True)``), or one after each
   unit of a stage, made the backward run on freed parameters, which failed deep in autograd
-  ("setStorage: ... out of bounds for storage of size 0"), in one stage and at pp=2; a single pair
-  was rescued by the next unit's prefetch. With ``False`` (the default with a pipeline) the
+  ("setStorage: ... out of bounds for storage of size 0"), in one stage and at pp=2 (one such pair
+  alone in a stage trained correctly). With ``False`` (the default with a pipeline) the
   parameters stay gathered through the step and the gradients were one process's;
 * the loss, changing the last stage's output in place: the same failure with resharding.
 
