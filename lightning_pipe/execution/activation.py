@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_pipe.execution.layers import Activation
+Activation = torch.Tensor | tuple[torch.Tensor, ...]
+"""What travels between pipeline layers and stages."""
 
 
 def as_tuple(value: Activation) -> tuple[torch.Tensor, ...]:
@@ -22,9 +23,18 @@ def stand_in(value: Activation) -> Activation:
 
 def leaf(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s data as a new leaf, with its grad-requirement and Python attributes."""
-    new = tensor.detach().requires_grad_(tensor.requires_grad)
-    for name, attribute in vars(tensor).items():
-        setattr(new, name, attribute)
+    return _with_attributes(tensor.detach().requires_grad_(tensor.requires_grad), tensor)
+
+
+def copied(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` inside its graph (the gradient reaches ``tensor`` through it), with its
+    Python attributes: what a layer may change in place where ``tensor`` is a leaf."""
+    return _with_attributes(tensor.clone(), tensor)
+
+
+def _with_attributes(new: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    # Attributes a layer attached travel with the tensor (a tensor-parallel head's group tag).
+    new.__dict__.update(tensor.__dict__)
     return new
 
 

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pipe.execution.activation import as_tuple
-from lightning_pipe.execution.layers import Activation
+from lightning_pipe.execution.activation import Activation, as_tuple
 
 
 def check_finite(value: Activation, where: str) -> None:

@@ -13,8 +13,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from lightning_pipe.execution.activation import as_tuple
-from lightning_pipe.execution.layers import Activation
+from lightning_pipe.execution.activation import Activation, as_tuple
 from lightning_pipe.execution.p2p import P2PTransport, RecvRequest, SendRequest
 from lightning_pipe.execution.skip_routing import SkipRouting
 from lightning_pipe.execution.wire import ActivationMeta

@@ -27,11 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.execution.activation import as_tuple, stand_in
+from lightning_pipe.execution.activation import Activation, as_tuple, stand_in
 from lightning_pipe.execution.batchnorm import running_backward
 from lightning_pipe.execution.checks import check_finite, check_grad_paths, check_loss
 from lightning_pipe.execution.exchange import StepMessages, describe, receives_early
-from lightning_pipe.execution.layers import Activation
 from lightning_pipe.execution.memory import ActivationMeter, Counted, counting_saved
 from lightning_pipe.execution.p2p import P2PTransport
 from lightning_pipe.execution.recompute import RecomputeMode, Replay, run_in, run_recomputed

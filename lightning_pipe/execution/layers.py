@@ -26,10 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_pipe.execution.activation import Activation, as_tuple, copied
 from lightning_pipe.execution.seeding import seeded
-
-Activation = torch.Tensor | tuple[torch.Tensor, ...]
-"""What travels between pipeline layers and stages."""
 
 LayerCall = Callable[[nn.Module, tuple[Any, ...]], Activation]
 """How one pipeline layer is applied: ``call(layer, args)`` with the previous layer's output as a
@@ -119,27 +117,17 @@ def _changes_input_in_place(layer: nn.Module) -> bool:
             return getattr(layer, "inplace", False) is True
 
 
-def _tensors(x: Any) -> tuple[Any, ...]:
-    return x if isinstance(x, tuple) else (x,)
-
-
 def _has_leaf(x: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in _tensors(x))
+    return any(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in as_tuple(x))
 
 
 def _copy_leaves(x: Any) -> Any:
     """``x`` with each leaf that requires grad replaced by a copy, which autograd lets a layer
     change in place (the gradient reaches the leaf through the copy)."""
-    copied = tuple(
-        _copy(t) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t for t in _tensors(x)
+    tensors = tuple(
+        copied(t) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t for t in as_tuple(x)
     )
-    return copied if isinstance(x, tuple) else copied[0]
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    copy = t.clone()
-    copy.__dict__.update(t.__dict__)  # attributes a layer attached travel with the tensor
-    return copy
+    return tensors if isinstance(x, tuple) else tensors[0]
 
 
 def _device_of(x: Any) -> torch.device:

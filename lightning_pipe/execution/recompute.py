@@ -25,7 +25,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_pipe.arguments import parse_option
-from lightning_pipe.execution.layers import Activation, apply_layers
+from lightning_pipe.execution.activation import Activation
+from lightning_pipe.execution.layers import apply_layers
 from lightning_pipe.skip.scope import SkipScope
 
 
