@@ -45,7 +45,7 @@ Goals (printed with the verdict): each step time within 25% of its prediction; t
 planner's top three preserved by the measurements; each peak memory within 15%; the planner's pick
 within 10% of the best measured step time.
 
-Run: ``python benchmarks/auto_layout.py`` (table; about 6 minutes on 2
+Run: ``python benchmarks/auto_layout.py`` (table; about 7 minutes on 2
 cores) or ``--json``; ``--models gpt`` or ``llama`` for one.
 """
 

@@ -11,6 +11,7 @@ import re
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -426,7 +427,41 @@ def test_the_split_backward_is_timed_only_where_a_candidate_is_zero_bubble() -> 
                                       split_backward=False)  # fmt: skip
         assert timing.call_count == 0 and {c.split_backward_ratio for c in costs.layers} == {1.0}
         costs = measure.measure_model(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), repeats=1)
-        assert timing.call_count == 2 and {c.split_backward_ratio for c in costs.layers} == {1.25}
+        # Each layer's ratio once a round, at the measured rows only.
+        assert timing.call_count == 2 * measure.MEASURED_ROUNDS
+        assert {c.split_backward_ratio for c in costs.layers} == {1.25}
+
+
+def test_layer_times_are_the_median_of_rounds_taken_in_turns() -> None:
+    """Each size is profiled once a round, the sizes in turn, and a layer's time is the median over
+    the rounds: one round spoiled by other work on the host (here 10x) moves nothing."""
+    from lightning_pipe.partition.profile import LayerTime
+    from lightning_pipe.planning import measure
+
+    calls: list[int] = []
+    spoiled = {1: 10.0}  # the second round's profiles
+
+    def profile(layers: Any, sample: torch.Tensor, device: Any, repeats: int, split_backward: bool) -> Any:
+        rows = sample.shape[0]
+        slow = spoiled.get(len(calls) // 3, 1.0)  # three sizes a round
+        calls.append(rows)
+        return [
+            LayerTime(slow * rows * (i + 1), slow * 2 * rows * (i + 1), saved_bytes=rows,
+                      split_backward_ratio=1.5 if split_backward else 1.0)
+            for i in range(len(layers))
+        ]  # fmt: skip
+
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    with mock.patch.object(measure, "profile_layers", side_effect=profile):
+        costs = measure.measure_layers(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), sizes=[8],
+                                       rounds=3)  # fmt: skip
+    assert calls == [2, 4, 8] * 3  # in turns, not one size's rounds back to back
+    assert [c.forward_seconds for c in costs] == [2.0, 4.0]
+    assert [c.backward_seconds for c in costs] == [4.0, 8.0]
+    assert [c.timings for c in costs] == [((4, 4.0, 8.0), (8, 8.0, 16.0)), ((4, 8.0, 16.0), (8, 16.0, 32.0))]
+    assert {c.split_backward_ratio for c in costs} == {1.5} and costs[0].activation_bytes == 2
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        measure.measure_layers(layers, lambda r: torch.randn(r, 4), 2, torch.device("cpu"), rounds=0)
 
 
 def test_compute_slots_are_the_cores_over_the_threads_on_cpu() -> None:
@@ -862,7 +897,7 @@ def test_the_layers_are_timed_at_the_candidates_micro_batch_sizes() -> None:
 
     with mock.patch("lightning_pipe.planning.measure.profile_layers", profile):
         costs = measure_model([nn.Linear(4, 4)], lambda r: torch.randn(r, 4), 2, torch.device("cpu"),
-                              sizes=measurement_sizes(needed, 2))  # fmt: skip
+                              sizes=measurement_sizes(needed, 2), rounds=1)  # fmt: skip
     assert sorted(timed) == [1, 2, 4, 8, 16]
     c = Candidate(1, 1, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
     assert predict(c, costs, Machine(1, 1e12, FREE_LINKS), 16).step_seconds == pytest.approx(3 * 16 * 16e-3)

@@ -10,7 +10,12 @@
   activations leave the caches: a 4-stage pipeline of one 16-sample micro-batch ran 1.5x what the
   line from 2 and 4 samples predicted), so the layers are also timed at the micro-batch sizes the
   candidates run (:func:`measurement_sizes`: a few, spread over them, the largest always), and the
-  model reads each size from its nearest measurements.
+  model reads each size from its nearest measurements. Each size is timed in several rounds
+  (:data:`MEASURED_ROUNDS`), taking turns, and each layer's time is the median over the rounds: one
+  profile lasts a fraction of a second, and on a shared host one in a few lands in a stretch where
+  other work takes the cores (the Llama of ``benchmarks/auto_layout.py``, profiled six times ten
+  seconds apart: its forward summed 20 - 28 ms, once 56 ms, and the same layout's prediction moved
+  by up to 2x).
 * Parameter bytes per layer: from the parameters' shapes and dtypes, so a meta-built model
   (:mod:`~lightning_pipe.construction.meta`) costs nothing to count.
 * What tensor parallelism splits: the model's plan, resolved and checked by the same function the
@@ -24,12 +29,13 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from statistics import median_high
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_pipe.partition.profile import profile_layers
+from lightning_pipe.partition.profile import LayerTime, profile_layers
 from lightning_pipe.planning.costs import LayerCost, ModelCosts
 from lightning_pipe.tensor_parallel.plan import resolve_plan
 from lightning_pipe.tensor_parallel.styles import TensorParallelStyle
@@ -139,6 +145,12 @@ def measurement_sizes(needed: Iterable[int], rows: int, limit: int = MEASURED_SI
     return sorted({others[round(i * step)] for i in range(room)})
 
 
+MEASURED_ROUNDS = 3
+"""Rounds of the layer profile at every size, the median kept (see the module docstring): three
+rounds outvote one spoiled round, at three times a profile's time (the Llama of
+``benchmarks/auto_layout.py`` at its five sizes: about 2 seconds a round on CPU)."""
+
+
 def measure_layers(
     layers: Sequence[nn.Module],
     sample_at: Callable[[int], Any],
@@ -148,22 +160,29 @@ def measure_layers(
     repeats: int = 3,
     sizes: Iterable[int] = (),
     split_backward: bool = True,
+    rounds: int = MEASURED_ROUNDS,
 ) -> list[LayerCost]:
     """Every layer's cost per micro-batch of ``rows`` samples (``sample_at(r)``: the first layer's
     input for ``r`` samples), timed also at twice the rows and at ``sizes`` (the micro-batch sizes
     the candidates run; :func:`measurement_sizes` picks them); ``splits``: what a tensor-parallel
     plan splits per layer; ``split_backward``: time the split backward's ratio too, at ``rows``
-    (where some candidate is zero-bubble: :func:`~.candidates.splits_backward`)."""
+    (where some candidate is zero-bubble: :func:`~.candidates.splits_backward`); ``rounds``: the
+    sizes profiled in turn this many times, each time the median over the rounds."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}.")
-    # The split backward's ratio at the measured rows only: zero-bubble candidates pay it.
-    small = profile_layers(layers, sample_at(rows), device, repeats, split_backward=split_backward)
-    large = profile_layers(layers, sample_at(2 * rows), device, repeats)
-    extra = {
-        r: profile_layers(layers, sample_at(r), device, repeats)
-        for r in sorted(set(sizes) - {rows, 2 * rows})
-    }
-    extra[2 * rows] = large
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}.")
+    timed = sorted({rows, 2 * rows, *sizes})
+    profiles: dict[int, list[list[LayerTime]]] = {r: [] for r in timed}
+    for _ in range(rounds):
+        # In turns, so that a stretch of the host's other work spoils one round of each size at
+        # most; the split backward's ratio at the measured rows only (zero-bubble candidates pay it).
+        for r in timed:
+            ratio = split_backward and r == rows
+            profiles[r].append(profile_layers(layers, sample_at(r), device, repeats, split_backward=ratio))
+    medians = {r: _median_profile(runs) for r, runs in profiles.items()}
+    small, large = medians[rows], medians[2 * rows]
+    extra = {r: t for r, t in medians.items() if r != rows}
     splits = list(splits) if splits is not None else [LayerSplit()] * len(layers)
     costs = []
     for index, (layer, a, b, split) in enumerate(zip(layers, small, large, splits, strict=True)):
@@ -187,6 +206,20 @@ def measure_layers(
             )
         )
     return costs
+
+
+def _median_profile(runs: Sequence[Sequence[LayerTime]]) -> list[LayerTime]:
+    """Per layer, the median of ``runs``' times (each a profile of every layer); the bytes, the
+    same in every run, from the first."""
+    return [
+        replace(
+            times[0],
+            forward=median_high(t.forward for t in times),
+            backward=median_high(t.backward for t in times),
+            split_backward_ratio=median_high(t.split_backward_ratio for t in times),
+        )
+        for times in zip(*runs, strict=True)
+    ]
 
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -252,6 +285,7 @@ def measure_model(
     sizes: Iterable[int] = (),
     sharded: bool = True,
     split_backward: bool = True,
+    rounds: int = MEASURED_ROUNDS,
 ) -> ModelCosts:
     """:func:`measure_layers` (``sizes``: the further micro-batch sizes timed), with the first
     layer's input and the optimizer's bytes: what the cost model needs of a model. With
@@ -259,8 +293,8 @@ def measure_model(
     (:func:`optimizer_seconds`), and, where ``sharded`` (some candidate shards its parameters with
     FSDP2: :func:`~.candidates.shards_parameters`), its DTensor overhead
     (:func:`sharded_step_overhead`, about a second: not paid where no candidate can use it);
-    ``split_backward``: as :func:`measure_layers` takes it."""
-    costs = measure_layers(layers, sample_at, rows, device, splits, repeats, sizes, split_backward)
+    ``split_backward``, ``rounds``: as :func:`measure_layers` takes them."""
+    costs = measure_layers(layers, sample_at, rows, device, splits, repeats, sizes, split_backward, rounds)
     if optimizer is not None:
         costs = [
             replace(cost, optimizer_seconds=optimizer_seconds(layer, optimizer, device, repeats))
