@@ -13,9 +13,9 @@
   model reads each size from its nearest measurements. Each size is timed in several rounds
   (:data:`MEASURED_ROUNDS`), taking turns, and each layer's time is the median over the rounds: one
   profile lasts a fraction of a second, and on a shared host one in a few lands in a stretch where
-  other work takes the cores (the Llama of ``benchmarks/auto_layout.py``, profiled six times ten
-  seconds apart: its forward summed 20 - 28 ms, once 56 ms, and the same layout's prediction moved
-  by up to 2x).
+  other work takes the cores (the Llama of ``benchmarks/auto_layout.py``, its inputs measured six
+  times in a row, about ten seconds each: its forward summed 20 - 28 ms, once 56 ms, and the same
+  layout's prediction moved by up to 2x).
 * Parameter bytes per layer: from the parameters' shapes and dtypes, so a meta-built model
   (:mod:`~lightning_pipe.construction.meta`) costs nothing to count.
 * What tensor parallelism splits: the model's plan, resolved and checked by the same function the
@@ -148,7 +148,7 @@ def measurement_sizes(needed: Iterable[int], rows: int, limit: int = MEASURED_SI
 MEASURED_ROUNDS = 3
 """Rounds of the layer profile at every size, the median kept (see the module docstring): three
 rounds outvote one spoiled round, at three times a profile's time (the Llama of
-``benchmarks/auto_layout.py`` at its five sizes: about 2 seconds a round on CPU)."""
+``benchmarks/auto_layout.py`` at its five sizes: about 3 seconds a round on CPU)."""
 
 
 def measure_layers(
@@ -167,7 +167,7 @@ def measure_layers(
     the candidates run; :func:`measurement_sizes` picks them); ``splits``: what a tensor-parallel
     plan splits per layer; ``split_backward``: time the split backward's ratio too, at ``rows``
     (where some candidate is zero-bubble: :func:`~.candidates.splits_backward`); ``rounds``: the
-    sizes profiled in turn this many times, each time the median over the rounds."""
+    sizes profiled in turn this many times, each layer's time the median over the rounds."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}.")
     if rounds < 1:
@@ -178,8 +178,10 @@ def measure_layers(
         # In turns, so that a stretch of the host's other work spoils one round of each size at
         # most; the split backward's ratio at the measured rows only (zero-bubble candidates pay it).
         for r in timed:
-            ratio = split_backward and r == rows
-            profiles[r].append(profile_layers(layers, sample_at(r), device, repeats, split_backward=ratio))
+            with_split = split_backward and r == rows
+            profiles[r].append(
+                profile_layers(layers, sample_at(r), device, repeats, split_backward=with_split)
+            )
     medians = {r: _median_profile(runs) for r, runs in profiles.items()}
     small, large = medians[rows], medians[2 * rows]
     extra = {r: t for r, t in medians.items() if r != rows}
