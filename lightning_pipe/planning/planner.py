@@ -5,15 +5,23 @@ than any measurement here resolves (on a shared CPU, runs of one layout differ b
 common where the processes share a host's cores: the step is then near all their work over the
 cores, nearly the same for many layouts. Within such a group the order is, by
 
-1. the shorter schedule on devices of their own (:attr:`~.cost_model.Prediction.schedule_seconds`:
+1. the shorter wait for shared cores (:attr:`~.cost_model.Prediction.shared_compute_seconds`; zero
+   for every candidate on devices of their own, where the next key decides): fewer processes
+   computing at once. ``benchmarks/auto_layout.py`` (4 gloo processes, 2 cores) met two ties in
+   which one candidate waited for the cores and the other ran more of its step in the bubble, and
+   the second measured faster both times: pp=2 x dp=2 under GPipe at two micro-batches against
+   1F1B at one, predicted 234.4 and 234.3 ms, measured 275 and 236 ms (the example GPT), predicted
+   200 ms each, measured 363 and 290 ms (a Llama). Candidates 1 - 3% apart leaned the same way (at
+   one micro-batch against two: 209 and 206 ms predicted, 233 and 288 ms measured; interleaved
+   schedules against 1F1B, two runs: predicted 1.01 - 1.02x its step, measured 1.03 - 1.20x);
+2. the shorter schedule on devices of their own (:attr:`~.cost_model.Prediction.schedule_seconds`:
    the makespan with its bubble and message waits, the exposed communication and the optimizer
-   step; the wait for shared cores left out): the layout that needs fewer cores lent by ranks idle
-   in the bubble, and the faster one where the cores turn out more than probed;
-2. less data moved between replicas (communication hidden behind compute on paper still contends
+   step): on accelerators, the smaller bubble;
+3. less data moved between replicas (communication hidden behind compute on paper still contends
    for the links and the memory bus);
-3. less peak memory per rank (more room for the allocator's slack, which the model does not count);
-4. fewer processes in each collective (tensor x data ranks: fewer to wait for, fewer to straggle);
-5. the simpler layout (fewer pipeline stages, fewer tensor ranks, fewer micro-batches, no
+4. less peak memory per rank (more room for the allocator's slack, which the model does not count);
+5. fewer processes in each collective (tensor x data ranks: fewer to wait for, fewer to straggle);
+6. the simpler layout (fewer pipeline stages, fewer tensor ranks, fewer micro-batches, no
    recomputation): a difference the cost model cannot see is not worth a more complex run.
 
 then the step itself, then the candidate's name (two schedules with the same numbers). So the
@@ -52,16 +60,22 @@ def schedule(p: Prediction) -> float:
     return _rounded(p.schedule_seconds)
 
 
+def shared(p: Prediction) -> float:
+    """The wait for shared cores as the tie-break compares it (to a part in a million)."""
+    return _rounded(p.shared_compute_seconds)
+
+
 def traffic(p: Prediction) -> float:
     """The data-parallel traffic as the tie-break compares it: to a tenth of a microsecond (free
     links' traffic, 1e-27 s against 2e-27 s, is none in both)."""
     return round(p.data_traffic_seconds, 7)
 
 
-def _tie_key(p: Prediction) -> tuple[float, float, float, int, int, int, int, int, float, str]:
+def _tie_key(p: Prediction) -> tuple[float, float, float, float, int, int, int, int, int, float, str]:
     """The order within a tie (the module docstring's)."""
     c = p.candidate
     return (
+        shared(p),
         schedule(p),
         traffic(p),
         p.peak_bytes,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import format_bytes
-from lightning_pipe.planning.planner import TIE, Plan, schedule, traffic
+from lightning_pipe.planning.planner import TIE, Plan, schedule, shared, traffic
 
 NOT_COUNTED = (
     "Predicted from one device's measurements; memory counts parameters, gradients, optimizer state "
@@ -131,10 +131,16 @@ def why(plan: Plan) -> str:
 
 def _tie_reason(best: Prediction, other: Prediction) -> str:
     """The first of the planner's tie-breaks (:mod:`.planner`) that tells the two apart."""
+    if shared(best) < shared(other):
+        return (
+            f"its shorter wait for shared cores ({best.shared_compute_seconds:.3g} s against "
+            f"{other.shared_compute_seconds:.3g} s: fewer processes compute at once, which measured "
+            "faster than predicted in ties on shared cores)"
+        )
     if schedule(best) < schedule(other):
         return (
             f"its shorter schedule on devices of their own ({best.schedule_seconds:.3g} s against "
-            f"{other.schedule_seconds:.3g} s: it relies less on idle ranks lending their cores)"
+            f"{other.schedule_seconds:.3g} s: less bubble)"
         )
     if traffic(best) < traffic(other):
         return (
