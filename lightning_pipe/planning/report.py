@@ -134,8 +134,8 @@ def _tie_reason(best: Prediction, other: Prediction) -> str:
     if shared(best) < shared(other):
         return (
             f"its shorter wait for shared cores ({best.shared_compute_seconds:.3g} s against "
-            f"{other.shared_compute_seconds:.3g} s: fewer processes compute at once, which measured "
-            "faster than predicted in ties on shared cores)"
+            f"{other.shared_compute_seconds:.3g} s: fewer processes compute at once; in ties on "
+            "shared cores such layouts measured faster)"
         )
     if schedule(best) < schedule(other):
         return (
