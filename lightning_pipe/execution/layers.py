@@ -117,16 +117,19 @@ def _changes_input_in_place(layer: nn.Module) -> bool:
             return getattr(layer, "inplace", False) is True
 
 
+def _is_grad_leaf(t: Any) -> bool:
+    """A leaf tensor that requires grad: what autograd refuses to let a layer change in place."""
+    return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
+
+
 def _has_leaf(x: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad for t in as_tuple(x))
+    return any(_is_grad_leaf(t) for t in as_tuple(x))
 
 
 def _copy_leaves(x: Any) -> Any:
     """``x`` with each leaf that requires grad replaced by a copy, which autograd lets a layer
     change in place (the gradient reaches the leaf through the copy)."""
-    tensors = tuple(
-        copied(t) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad else t for t in as_tuple(x)
-    )
+    tensors = tuple(copied(t) if _is_grad_leaf(t) else t for t in as_tuple(x))
     return tensors if isinstance(x, tuple) else tensors[0]
 
 
