@@ -4,15 +4,17 @@ what it predicted (issue 47, "Must show").
 For two models, the example GPT (``examples/gpt``'s ``CharGPT``) and a small Hugging Face Llama
 (built from ``LlamaConfig``, nothing downloaded), on 4 gloo processes (one thread each):
 
-1. the planner's inputs are measured as ``layout="auto"`` measures them: the links probed in the
-   real process group (:func:`~lightning_pipe.planning.links.probe_links`), the layers timed one
-   at a time by rank 0 with one thread (:func:`~lightning_pipe.planning.measure.measure_model`,
-   the meta-built model materialised a layer at a time) while the other ranks wait, and the
-   machine told how many of the processes can compute at once (``compute_slots``, probed in the
-   group just before, as ``layout="auto"`` probes it: matrix products timed on one rank alone and
-   on all four at once, :func:`~lightning_pipe.planning.links.probe_compute_slots`;
-   ``--slots-probe layers``: the model's own layers instead; at most 2 on a 2-core host, fewer
-   when other jobs share it), and the
+1. the planner's inputs are measured as ``layout="auto"`` measures them
+   (:func:`~lightning_pipe.planning.auto.probe_machine`): in the real process group, the links
+   probed three times, each number the median
+   (:func:`~lightning_pipe.planning.links.probe_links`), how many of the processes can compute at
+   once (``compute_slots``: matrix products timed on one rank alone and on all four at once,
+   :func:`~lightning_pipe.planning.cores.probe_compute_slots`; ``--slots-probe layers``: the
+   model's own layers instead; at most 2 on a 2-core host, fewer when other jobs share it) and
+   what each collective waits for its last rank
+   (:func:`~lightning_pipe.planning.cores.probe_collective_wait`); then the layers timed one at a
+   time by rank 0 with one thread (:func:`~lightning_pipe.planning.measure.measure_model`, the
+   meta-built model materialised a layer at a time) while the other ranks wait, and the
    optimizer's step (AdamW) timed per layer;
 2. the plan ranks every candidate; the benchmark runs the top ``--top`` (default 6) and, for a
    spread, the best-ranked candidate of every other layout (pipeline x tensor x data sizes and
@@ -162,22 +164,23 @@ def _rows(sizes: Sizes) -> int:
     return sizes.rows or max(1, sizes.batch // WORLD // 2)  # python -m lightning_pipe.plan's default
 
 
-def _slots(loaded: Any, sizes: Sizes, probe: str) -> float:
-    """The compute slots, probed in the group with the model's own layers (the layer profiler over
-    one measured micro-batch, its warm-up run included: the probe times the whole call, alone and
-    on all ranks at once) or ``"matrix"`` products."""
+def _machine(loaded: Any, sizes: Sizes, probe: str) -> Any:
+    """The machine as ``layout="auto"`` probes it in the group (the links, the compute slots, the
+    wait at each collective), the slots probed with the model's own layers (the layer profiler
+    over one measured micro-batch, its warm-up run included: the probe times the whole call, alone
+    and on all ranks at once) or ``"matrix"`` products."""
     from lightning_pipe.partition.profile import profile_layers
-    from lightning_pipe.planning.links import probe_compute_slots
+    from lightning_pipe.planning.auto import probe_machine
 
     def layers() -> None:
         profile_layers(loaded.layers, loaded.sample_at(_rows(sizes)), torch.device("cpu"), 1)
 
-    return probe_compute_slots(torch.device("cpu"), work=layers if probe == "layers" else None)
+    return probe_machine(torch.device("cpu"), MEMORY, slots_work=layers if probe == "layers" else None)
 
 
-def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> tuple[Any, Any, Any]:
+def _plan(loaded: Any, sizes: Sizes, machine: Any, repeats: int) -> tuple[Any, Any, Any]:
     """What ``layout="auto"`` would measure and decide, on this rank: (plan, costs, machine)."""
-    from lightning_pipe.planning import Constraints, Machine, ModelShape, enumerate_candidates, plan_layout
+    from lightning_pipe.planning import Constraints, ModelShape, enumerate_candidates, plan_layout
     from lightning_pipe.planning.candidates import microbatch_rows, shards_parameters, splits_backward
     from lightning_pipe.planning.measure import accepted_tensor_sizes, measure_model, measurement_sizes
 
@@ -198,7 +201,6 @@ def _plan(loaded: Any, sizes: Sizes, links: Any, slots: float, repeats: int) -> 
         sharded=shards_parameters(candidates),
         split_backward=splits_backward(candidates),
     )
-    machine = Machine(WORLD, MEMORY, links, compute_slots=slots)
     plan = plan_layout(costs, machine, shape, sizes.batch)
     return plan, costs, machine
 
@@ -386,28 +388,26 @@ class _Row:
         }
 
 
-def _inputs(loaded: Any, sizes: Sizes, links: Any, probe: str, repeats: int) -> tuple[Any, Any, Any]:
-    """The planner's inputs measured now (the compute slots in the group, the layers and the
-    optimizer on rank 0): (plan, costs, machine) on rank 0, Nones elsewhere."""
-    slots = _slots(loaded, sizes, probe)  # just before the plan: the load changes
+def _inputs(loaded: Any, sizes: Sizes, probe: str, repeats: int) -> tuple[Any, Any, Any]:
+    """The planner's inputs measured now (the machine in the group, the layers and the optimizer
+    on rank 0): (plan, costs, machine) on rank 0, Nones elsewhere."""
+    machine = _machine(loaded, sizes, probe)  # just before the plan: the load changes
     if dist.get_rank() != 0:
         return None, None, None
-    return _plan(loaded, sizes, links, slots, repeats)
+    return _plan(loaded, sizes, machine, repeats)
 
 
 def worker(
     name: str, size: Sizes, top: int, warmup: int, steps: int, repeats: int, probe: str, passes: int
 ) -> dict[str, Any]:
-    """One model's rows, in processes of its own: the links, the planner's pick and spread, every
-    row built once, then ``passes`` passes, each measuring the planner's inputs again (its
-    predictions for the same period) and then running every row in turn."""
+    """One model's rows, in processes of its own: the planner's pick and spread, every row built
+    once, then ``passes`` passes, each measuring the planner's inputs again (its predictions for
+    the same period) and then running every row in turn."""
     from lightning_pipe.planning.cost_model import predict, stage_balance
-    from lightning_pipe.planning.links import probe_links
 
-    links = probe_links(torch.device("cpu"))
     box: list[Any] = [None]
     loaded = _load(name, size)
-    plan, costs, machine = _inputs(loaded, size, links, probe, repeats)
+    plan, costs, machine = _inputs(loaded, size, probe, repeats)
     if dist.get_rank() == 0:
         chosen = choose(list(plan.predictions), top)
         box[0] = (chosen, [stage_balance(costs, p.candidate) for p, _ in chosen], machine)
@@ -430,7 +430,7 @@ def worker(
             # The machine drifts over the minutes a run takes (other jobs, the host's clock): the
             # inputs measured again next to the pass, and each row predicted from them, separate
             # the model's error from the drift since the plan.
-            _, costs, machine_now = _inputs(loaded, size, links, probe, repeats)
+            _, costs, machine_now = _inputs(loaded, size, probe, repeats)
         else:
             machine_now = machine
         if dist.get_rank() == 0:
@@ -454,7 +454,7 @@ def worker(
                 rows[index].steps[-1].append(seconds)
                 rows[index].optimizer_steps.append(optimizer_seconds)
     out = {
-        "links": links,
+        "links": machine.links,
         "chosen": chosen,
         "balances": balances,
         "machine": machine,
@@ -530,6 +530,8 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         "pick_over_best": pick / best,
         "compute_slots": machine.compute_slots,
         "compute_slots_again": [m.compute_slots for m in first["machines"]],
+        "collective_wait_s": machine.collective_wait_seconds,
+        "collective_wait_again_s": [m.collective_wait_seconds for m in first["machines"]],
         "median_pass_spread": median([r["pass_spread"] for r in rows]),
     }
 
@@ -620,6 +622,10 @@ def main() -> None:
         print(f"links: {links[name]}")
         again = ", ".join(f"{v:.2f}" for v in s["compute_slots_again"])
         print(f"compute slots probed: {s['compute_slots']:.2f} of {WORLD} processes (at each pass: {again})")
+        waits = ", ".join(f"{v * 1e3:.1f}" for v in s["collective_wait_again_s"])
+        print(
+            f"wait at each collective probed: {s['collective_wait_s'] * 1e3:.1f} ms (at each pass: {waits})"
+        )
         table = [
             [
                 str(i), r["layout"], r["why"], f"{r['predicted_s'] * 1e3:.0f}",

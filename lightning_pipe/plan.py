@@ -169,15 +169,24 @@ def _parser() -> argparse.ArgumentParser:
         default=2.0,
         help="optimizer bytes per parameter byte (AdamW 2, SGD 0)",
     )
-    parser.add_argument("--bandwidth", type=float, default=5.0, help="GB/s between processes (default 5)")
-    parser.add_argument("--latency", type=float, default=20.0, help="microseconds per message (default 20)")
+    parser.add_argument("--bandwidth", type=_positive, default=5.0, help="GB/s between processes (default 5)")
+    parser.add_argument(
+        "--latency", type=_non_negative, default=20.0, help="microseconds per message (default 20)"
+    )
     parser.add_argument(
         "--collective-bandwidth",
-        type=float,
+        type=_positive,
         help="GB/s of all-reduce, reduce-scatter and all-gather per link, if not --bandwidth",
     )
     parser.add_argument(
-        "--collective-latency", type=float, help="microseconds per collective step, if not --latency"
+        "--collective-latency", type=_non_negative, help="microseconds per collective step, if not --latency"
+    )
+    parser.add_argument(
+        "--collective-wait",
+        type=_non_negative,
+        default=0.0,
+        help="microseconds each collective waits for its last rank where the processes share cores "
+        "(default 0; layout='auto' probes it in the run's process group)",
     )
     parser.add_argument(
         "--threads",
@@ -205,6 +214,27 @@ def _parser() -> argparse.ArgumentParser:
     fixed.add_argument("--num-microbatches", type=int)
     fixed.add_argument("--recompute", choices=[r.value for r in RecomputeMode])
     return parser
+
+
+def _number(text: str, positive: bool) -> float:
+    """A number > 0 (``positive``) or >= 0 for argparse, which turns the error into a usage line
+    and exit status 2."""
+    bound = "> 0" if positive else ">= 0"
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 if positive else value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    return _number(text, positive=False)
+
+
+def _positive(text: str) -> float:
+    return _number(text, positive=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,7 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         overlap_data_parallel=args.overlap if args.overlap is not None else device.type == "cuda",
     )
     # On CPU the processes share this host's cores: as many compute at once as the cores allow.
-    machine = Machine(args.devices, memory, links, compute_slots=compute_slots(device, args.devices))
+    machine = Machine(
+        args.devices,
+        memory,
+        links,
+        compute_slots=compute_slots(device, args.devices),
+        collective_wait_seconds=args.collective_wait * 1e-6,
+    )
     plan = plan_layout(costs, machine, shape, args.batch, constraints)
     if args.json:
         print(

@@ -183,18 +183,56 @@ def test_processes_sharing_cores_lend_the_bubble_only_while_others_compute() -> 
     assert pipeline.shared_compute_seconds == pytest.approx(played.makespan - 21.0)
     # As many slots as processes: nothing shared, the devices' prediction.
     assert predict(pp4, costs, replace(shared, compute_slots=4), 4).step_seconds == pytest.approx(21.0)
-    # Processes sharing cores are gloo's on CPU, whose all-reduces copy and sum on the cores: tensor
-    # parallelism's count as work. tp=4 over 2 cores, 4 samples through 4 layers whose work the
-    # plan splits: 12 s of compute and 4 x 2 x 0.6 s of all-reduces per rank (makespan 16.8 s), 4
-    # ranks' worth over 2 cores: 33.6 s (were the all-reduces free waits, 4 x 12 / 2 = 24 s).
+    # Tensor parallelism's all-reduces are waits the links' probe timed with every process on the
+    # cores: sharing them does not slow them again, and each waits the machine's
+    # collective_wait_seconds more for its last rank. tp=4 over 2 cores, 4 samples through 4
+    # layers whose work the plan splits: 12 s of compute and 4 x 2 all-reduces of 0.6 s per rank;
+    # the compute of 4 ranks over 2 cores takes 24 s, the all-reduces 4.8 s on top: 28.8 s (paced
+    # as work, 2 x 16.8 = 33.6 s). Waiting 0.1 s more each: 8 x 0.7 = 5.6 s of all-reduces.
     layer = LayerCost(1.0, 2.0, output_bytes=1000, parameter_bytes=1000, split_parameter_bytes=1000,
                       tensor_forward_collectives=1, tensor_backward_collectives=1)  # fmt: skip
     slow = Links(collective_bandwidth=1e4, collective_latency=0.0, p2p_bandwidth=1e30, p2p_latency=0.0)
     tp4 = Candidate(1, 4, 1, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
-    split = predict(tp4, ModelCosts((layer,) * 4, rows=1), Machine(4, 1e12, slow, compute_slots=2), 4)
+    four = ModelCosts((layer,) * 4, rows=1)
+    split = predict(tp4, four, Machine(4, 1e12, slow, compute_slots=2), 4)
     assert split.tensor_seconds == pytest.approx(4 * 2 * 0.6)
-    assert split.step_seconds == pytest.approx(33.6)
-    assert split.shared_compute_seconds == pytest.approx(33.6 - 16.8)
+    assert split.step_seconds == pytest.approx(24.0 + 4.8)
+    assert split.shared_compute_seconds == pytest.approx(28.8 - 16.8)
+    waiting = predict(tp4, four, Machine(4, 1e12, slow, compute_slots=2, collective_wait_seconds=0.1), 4)
+    assert waiting.tensor_seconds == pytest.approx(8 * 0.7)
+    assert waiting.step_seconds == pytest.approx(24.0 + 5.6)
+    # With recomputation the replayed forward's all-reduces are waits too: 4 more of 0.7 s.
+    again = predict(
+        replace(tp4, recompute=RecomputeMode.ALWAYS),
+        four,
+        Machine(4, 1e12, slow, compute_slots=2, collective_wait_seconds=0.1),
+        4,
+    )
+    assert again.step_seconds == pytest.approx(2 * (12.0 + 4.0) + 12 * 0.7)
+    with pytest.raises(ValueError, match="collective_wait_seconds must be a number of seconds >= 0"):
+        Machine(4, 1e12, collective_wait_seconds=-1.0)
+
+
+def test_each_message_between_stages_and_each_data_collective_waits_for_its_last_rank() -> None:
+    """pp=2, one micro-batch of 1 sample through 2 layers of 1 + 2 s, on devices of their own: F0,
+    its output to stage 1, F1, B1, the gradient back, B0: 6 s and two messages on the critical
+    path, each 0.25 s longer with ``collective_wait_seconds=0.25``. dp=2 replicated, one
+    all-reduce of the gradients after the backward (not hidden on CPU): 0.25 s more. ZeRO-1:
+    a reduce-scatter and an all-gather, 0.5 s more. FSDP2 without resharding: a gather and a
+    reduction per layer, 2 layers: 1 s more, one micro-batch."""
+    costs, free = _costs(layers=2), replace(FREE_LINKS, overlap_data_parallel=False)
+    pp2 = Candidate(2, 1, 1, DataMode.REPLICATED, ScheduleKind.GPIPE, 1, 1, RecomputeMode.NEVER)
+    dp2 = Candidate(1, 1, 2, DataMode.REPLICATED, ScheduleKind.ONE_F_ONE_B, 1, 1, RecomputeMode.NEVER)
+
+    def step(c: Candidate, wait: float) -> float:
+        machine = Machine(2, 1e12, free, collective_wait_seconds=wait)
+        return predict(c, costs, machine, batch=c.data_parallel_size).step_seconds  # 1 sample a replica
+
+    assert step(pp2, 0.0) == pytest.approx(6.0)
+    assert step(pp2, 0.25) == pytest.approx(6.5)
+    for mode, collectives in ((DataMode.REPLICATED, 1), (DataMode.ZERO1, 2), (DataMode.FSDP2, 4)):
+        c = replace(dp2, data_mode=mode)
+        assert step(c, 0.25) - step(c, 0.0) == pytest.approx(0.25 * collectives), mode
     with pytest.raises(ValueError, match="compute_slots must be a positive number"):
         Machine(4, 1e12, compute_slots=0)
 
@@ -1001,6 +1039,41 @@ def test_the_command_refuses_a_constraint_before_measuring(capsys: pytest.Captur
     assert "No layout of 4 processes meets pipeline_parallel_size=3" in err
 
 
+def test_the_command_refuses_bad_numbers_before_measuring(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_pipe.plan import main
+
+    argv = ["tests.gpt_models:TinyGPT", "--devices", "4", "--memory", "1GB", "--batch", "8", "--seq", "8"]
+    for option, value, expected in (
+        ("--collective-wait", "-1", "expected a number >= 0, got '-1'"),
+        ("--latency", "abc", "expected a number >= 0, got 'abc'"),
+        ("--bandwidth", "0", "expected a number > 0, got '0'"),
+    ):
+        with mock.patch("lightning_pipe.plan.measure_model", side_effect=AssertionError("measured")):
+            with pytest.raises(SystemExit) as exited:
+                main([*argv, option, value])
+        assert exited.value.code == 2
+        assert f"argument {option}: {expected}" in capsys.readouterr().err
+
+
+def test_the_commands_collective_wait_lengthens_each_tensor_all_reduce(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One layout (tp=2 x dp=2, one micro-batch): its tensor-parallel all-reduces take a whole
+    number of milliseconds more with ``--collective-wait 1000`` (one each), at least one."""
+    argv = ["tests.gpt_models:TinyGPT", "--devices", "4", "--memory", "1GB", "--batch", "8", "--seq", "8",
+            "--repeats", "1", "--json", "--pipeline-parallel-size", "1", "--tensor-parallel-size", "2",
+            "--num-microbatches", "1", "--recompute", "never", "--data-mode", "replicated"]  # fmt: skip
+    tensor = []
+    for wait in ("0", "1000"):
+        code, out = _run(capsys, *argv, "--collective-wait", wait)
+        assert code == 0, out
+        (only, refusal) = json.loads(out)
+        assert refusal == {"why": None}
+        tensor.append(only["tensor_seconds"])
+    added = (tensor[1] - tensor[0]) / 1e-3
+    assert added >= 1 and added == pytest.approx(round(added), abs=1e-6)
+
+
 def test_the_command_plans_a_tiny_llama_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from tests.hf_models import tiny_config
 
@@ -1055,7 +1128,7 @@ def test_the_links_fit_recovers_latency_and_bandwidth() -> None:
 
 
 def test_compute_slots_from_the_probes_times() -> None:
-    from lightning_pipe.planning.links import slots_from_times
+    from lightning_pipe.planning.cores import slots_from_times
 
     assert slots_from_times(0.01, 0.02, 4) == pytest.approx(2.0)  # 4 processes, 2 cores
     assert slots_from_times(0.01, 0.04, 4) == pytest.approx(1.0)  # one core's worth left to them
@@ -1069,11 +1142,72 @@ def test_compute_slots_take_the_mean_of_the_rounds_together() -> None:
     """A step pays its slow stretches in proportion: one round in four 1.5x longer (the scheduler
     putting 3 of 4 processes on one of 2 cores) counts, where a median would read the fast rounds
     only. Alone is the median, as the layers are timed."""
-    from lightning_pipe.planning.links import slots_from_rounds
+    from lightning_pipe.planning.cores import slots_from_rounds
 
     alone, together = [0.09, 0.09, 0.2], [0.2, 0.2, 0.2, 0.3]
     assert slots_from_rounds(alone, together, 4) == pytest.approx(4 * 0.09 / 0.225)
     assert slots_from_rounds([0.09], [0.2, 0.2, 0.2], 4) == pytest.approx(1.8)  # even rounds: as before
+
+
+def test_links_probed_again_take_each_numbers_median() -> None:
+    """Three probes of one group, one taken while other work held the cores (its all-reduce 3x
+    slower): each number is the median, so that probe moves nothing. A number one probe lacks
+    (measured apart elsewhere) falls back to the all-reduce's, as in a single probe."""
+    from lightning_pipe.planning.links import median_links
+
+    fast = Links(1e9, 2e-4, 1e9, 1e-3, False, 3e8, 2e-3, 7e8, 1e-3)
+    slow = Links(1e9, 2e-4, 3e8, 3e-3, False, 1e8, 6e-3, 2e8, 3e-3)
+    other = Links(2e9, 1e-4, 8e8, 9e-4, False, 4e8, 1e-3, 6e8, 2e-3)
+    assert median_links([fast, slow, other]) == Links(1e9, 2e-4, 8e8, 1e-3, False, 3e8, 2e-3, 6e8, 2e-3)
+    assert median_links([fast]) == fast
+    lacking = replace(other, reduce_scatter_bandwidth=None)
+    assert median_links([fast, slow, lacking]).reduce_scatter_bandwidth is None
+    with pytest.raises(ValueError, match="at least one probe"):
+        median_links([])
+    with pytest.raises(ValueError, match="one kind of device"):
+        median_links([fast, replace(fast, overlap_data_parallel=True)])
+
+
+def test_the_wait_at_each_collective_from_the_probes_times() -> None:
+    """Per repeat: the work cut into 24 rounds closed by collectives took 0.5 s, in one piece 0.2
+    s, the collectives alone 0.18 s: 0.12 s beyond both, 5 ms a collective. The median of the
+    repeats (one served badly counts little); noise below zero reads 0."""
+    from lightning_pipe.planning.cores import wait_from_times
+
+    assert wait_from_times([0.2], [0.5], [0.18], 24) == pytest.approx(0.005)
+    assert wait_from_times([0.2, 0.2, 0.2], [0.5, 0.5, 0.9], [0.18, 0.18, 0.18], 24) == pytest.approx(0.005)
+    assert wait_from_times([0.2], [0.3], [0.18], 24) == 0.0
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        wait_from_times([0.2], [0.5], [0.18], 0)
+    with pytest.raises(ValueError, match="one time of each kind per repeat"):
+        wait_from_times([0.2, 0.2], [0.5], [0.18], 24)
+
+
+def _alternating_stretches_worker() -> float:
+    """The collective-wait probe over 4 rounds whose late rank alternates: rank 0 sleeps 40 ms in
+    even rounds and 10 ms in odd ones, rank 1 the other way round (sleeps: the probe's arithmetic,
+    not the cores, is under test)."""
+    import torch.distributed as dist
+
+    from lightning_pipe.planning.cores import probe_collective_wait
+
+    late = dist.get_rank() % 2
+
+    def stretch(i: int) -> None:
+        time.sleep(0.04 if i % 2 == late else 0.01)
+
+    return probe_collective_wait(torch.device("cpu"), repeats=3, rounds=4, stretch=stretch)
+
+
+@pytest.mark.distributed
+def test_the_collective_wait_probe_reads_the_ranks_arriving_apart() -> None:
+    """In one piece each rank works 100 ms; closed by a collective each round waits for the late
+    rank, 4 x 40 = 160 ms: 60 ms beyond, 15 ms a collective, the same on both ranks."""
+    from tests.distributed import run_distributed
+
+    waits = run_distributed(_alternating_stretches_worker, 2, timeout=60)
+    assert waits[0] == waits[1]
+    assert waits[0] == pytest.approx(0.015, abs=0.006)
 
 
 def _uneven_slots_worker() -> float:
@@ -1081,7 +1215,7 @@ def _uneven_slots_worker() -> float:
     probe's arithmetic, not the cores, is under test)."""
     import torch.distributed as dist
 
-    from lightning_pipe.planning.links import probe_compute_slots
+    from lightning_pipe.planning.cores import probe_compute_slots
 
     seconds = 0.05 if dist.get_rank() == 0 else 0.2
 
@@ -1120,12 +1254,14 @@ def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], tuple[int, int, int
 
     from lightning_pipe.batches.microbatch import signature
     from lightning_pipe.execution.executor import PipelineExecutor
-    from lightning_pipe.planning.links import probe_compute_slots, probe_links
+    from lightning_pipe.planning.cores import probe_collective_wait, probe_compute_slots
+    from lightning_pipe.planning.links import probe_links
 
     links = probe_links(torch.device("cpu"), repeats=2)
     slots = probe_compute_slots(torch.device("cpu"), repeats=1, products=4)
+    wait = probe_collective_wait(torch.device("cpu"), repeats=1, rounds=4)
     probed = (links.p2p_bandwidth, links.p2p_latency, links.collective_bandwidth, links.collective_latency,
-              float(links.overlap_data_parallel), slots, links.reduce_scatter_bandwidth,
+              float(links.overlap_data_parallel), slots, wait, links.reduce_scatter_bandwidth,
               links.reduce_scatter_latency, links.all_gather_bandwidth, links.all_gather_latency)  # fmt: skip
     rank, p = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
@@ -1162,7 +1298,8 @@ def _probe_and_pipeline_worker() -> tuple[tuple[float, ...], tuple[int, int, int
 
 @pytest.mark.distributed
 def test_the_links_probe_and_pipelines_activations_on_three_ranks() -> None:
-    """Every rank gets rank 0's probe of the links and the same probe of the compute slots; and
+    """Every rank gets rank 0's probe of the links and the same probes of the compute slots and the
+    wait at each collective; and
     each pipeline rank's activation bytes, as the executor's meter counts them over the
     micro-batches 1F1B keeps alive (3, 2, 1), are the
     planner's prediction (from one stage measured by the profiler, the stages given equal times so
@@ -1179,13 +1316,14 @@ def test_the_links_probe_and_pipelines_activations_on_three_ranks() -> None:
     two_stages = [peaks[1] for _, peaks in results]
     replayed = [peaks[2] for _, peaks in results]
     assert probes[0] == probes[1] == probes[2]
-    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap, slots, *halves = probes[0]
+    p2p_bandwidth, p2p_latency, bandwidth, latency, overlap, slots, wait, *halves = probes[0]
     assert p2p_bandwidth > 0 and bandwidth > 0 and p2p_latency >= 0 and latency >= 0
     # Reduce-scatter and all-gather measured apart (bandwidth, latency each), not left to the ring.
     rs_bandwidth, rs_latency, ag_bandwidth, ag_latency = halves
     assert rs_bandwidth > 0 and ag_bandwidth > 0 and rs_latency >= 0 and ag_latency >= 0
     assert overlap == 0.0  # gloo on CPU: the data axis' traffic is not hidden
     assert 0.0 < slots <= 3.0  # the same on every rank (above), a share of the 3 processes
+    assert wait >= 0.0  # the same on every rank (above)
 
     measured = measure_model(
         _pipeline_stage(), lambda r: torch.randn(r, WIDTH), ROWS, torch.device("cpu"), repeats=1

@@ -580,3 +580,29 @@ def test_processes_sharing_one_core_slow_only_the_computations_that_overlap() ->
     )
     with pytest.raises(ValueError, match="slots must be positive"):
         simulate_shared(schedule, 1.0, 1.0, 0.0, slots=0.0)
+
+
+def test_waits_inside_a_computation_keep_their_time_on_shared_cores() -> None:
+    """One pipeline rank of 4 processes on 2 slots, GPipe over 2 micro-batches: every computation
+    runs at half speed (forward 1 s, backward 2 s: 2 x (2 + 4) = 12 s, against 6 s alone). Where
+    half of each is a wait (a tensor-parallel all-reduce, already timed with every process on the
+    cores), only the other half slows: forward 0.5 x 2 + 0.5 = 1.5 s, backward 1 x 2 + 1 = 3 s,
+    9 s in all. A wait longer than its computation is refused."""
+    from lightning_pipe.schedule.shared_cores import simulate_shared
+
+    alone = build_schedule("gpipe", 1, 2)
+    assert simulate_shared(alone, 1.0, 2.0, 0.0, 2.0, processes_per_rank=4).makespan == pytest.approx(12.0)
+    waited = simulate_shared(
+        alone, 1.0, 2.0, 0.0, 2.0, processes_per_rank=4, unpaced_forward=0.5, unpaced_backward=[1.0]
+    )
+    assert waited.makespan == pytest.approx(9.0)
+    spans = sorted(t.end - t.start for t in waited.timeline if t.action.kind.is_compute)
+    assert spans == pytest.approx([1.5, 1.5, 3.0, 3.0])
+    # All of it a wait: nothing slows.
+    assert simulate_shared(
+        alone, 1.0, 2.0, 0.0, 2.0, processes_per_rank=4, unpaced_forward=1.0, unpaced_backward=2.0
+    ).makespan == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="Stage 0's unpaced seconds"):
+        simulate_shared(alone, 1.0, 2.0, 0.0, 2.0, processes_per_rank=4, unpaced_forward=1.5)
+    with pytest.raises(ValueError, match="unpaced_backward has 2 entries but the schedule has 1 stages"):
+        simulate_shared(alone, 1.0, 2.0, 0.0, 2.0, processes_per_rank=4, unpaced_backward=[1.0, 1.0])

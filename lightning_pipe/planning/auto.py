@@ -40,9 +40,10 @@ from lightning_pipe.planning.candidates import (
     shards_parameters,
     splits_backward,
 )
+from lightning_pipe.planning.cores import probe_collective_wait, probe_compute_slots
 from lightning_pipe.planning.cost_model import Prediction
 from lightning_pipe.planning.costs import GB, Links, Machine, ModelCosts, format_bytes
-from lightning_pipe.planning.links import probe_compute_slots, probe_links
+from lightning_pipe.planning.links import median_links, probe_links
 from lightning_pipe.planning.measure import (
     LayerSplit,
     OptimizerFactory,
@@ -184,6 +185,32 @@ def check_constraints(world: int, shape: ModelShape, replica_batch: int, constra
     )
 
 
+def probe_machine(
+    device: torch.device, memory_bytes: float, slots_work: Callable[[], object] | None = None
+) -> Machine:
+    """The default process group's processes as the cost model sees them, the same on every rank
+    (collective): the links probed three times, spread between the other probes so that a stretch
+    of other work on a shared host spoils one at most (each number the median:
+    :func:`~lightning_pipe.planning.links.median_links`); on CPU, how many processes
+    compute at once (gloo processes on one host's cores share them: whether a pipeline's idle
+    ranks cost anything; ``slots_work``: the work it times, matrix products by default) and what
+    each collective waits for its last rank there. One process has nothing to probe: its plans
+    have no communication. About 10 s on this project's 4 processes on 2 cores (the links 1.5 s of
+    it, the wait 5 s), against 4 s when the links were probed once and no wait was."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return Machine(1, memory_bytes, Links(overlap_data_parallel=device.type == "cuda"))
+    shared = device.type == "cpu"
+    links = [probe_links(device)]
+    slots = probe_compute_slots(device, work=slots_work) if shared else None
+    links.append(probe_links(device))
+    wait = probe_collective_wait(device) if shared else 0.0
+    links.append(probe_links(device))
+    return Machine(
+        world, memory_bytes, median_links(links), compute_slots=slots, collective_wait_seconds=wait
+    )
+
+
 def decide_layout(
     layers: Sequence[nn.Module],
     sample_at: Callable[[int], Any],
@@ -208,11 +235,7 @@ def decide_layout(
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     check_constraints(world, shape, replica_batch, constraints)
-    # One process has nothing to probe: its plans have no communication.
-    links = probe_links(device) if world > 1 else Links(overlap_data_parallel=device.type == "cuda")
-    # gloo processes on one host's CPU share its cores: how many compute at once decides whether a
-    # pipeline's idle ranks cost anything (measured in the group; a device per process on CUDA).
-    slots = probe_compute_slots(device) if world > 1 and device.type == "cpu" else None
+    machine = probe_machine(device, memory_bytes)
     payload: list[Any] = [None]
     if rank == 0:
         try:
@@ -224,7 +247,6 @@ def decide_layout(
                 sharded=needs_sharded_step(world, shape, replica_batch, constraints),
                 split_backward=needs_split_backward(world, shape, replica_batch, constraints),
             )  # fmt: skip
-            machine = Machine(world, memory_bytes, links, compute_slots=slots)
             payload = [plan_replica_batch(costs, machine, shape, replica_batch, constraints)]
         except Exception as err:  # said on every rank: the others would otherwise wait for the plan
             payload = [f"{type(err).__name__}: {err}"]

@@ -23,10 +23,13 @@ The step time is what the engine would do, played on paper:
   with each computation slowed by the processes computing during it
   (:func:`~lightning_pipe.schedule.shared_cores.simulate_shared`): never shorter than the plain
   makespan, usually longer than all the work over the slots; the step takes the larger of the
-  two. Tensor-parallel all-reduces count as work there: gloo's collectives copy and sum on the
-  same cores (with them and the work over the slots alone, before the played schedule,
-  ``benchmarks/end_to_end.py``'s pp=2 x tp=2 was predicted at 0.59 of DDP's throughput, measured
-  0.58-0.62; pp=4 at 1.03, measured 0.90-0.96);
+  two. Tensor-parallel all-reduces keep their probed time there: the links' probe timed them with
+  every process on the cores already, so sharing the cores does not slow them again;
+* every collective that closes a stretch of computation (tensor parallelism's all-reduces, the
+  data axis' reductions and gathers, FSDP2's per layer), and every message between stages, also
+  waits for its last rank to arrive: processes sharing cores arrive apart, and one blocked is
+  woken on a core others hold (:attr:`~.costs.Machine.collective_wait_seconds`, probed by
+  :func:`~lightning_pipe.planning.cores.probe_collective_wait`; 0 with a device each);
 * the data axis' communication for the mode (replicated: all-reduce; ZeRO-1: reduce-scatter and
   all-gather; FSDP2: all-gather and reduce-scatter, per micro-batch when resharding) is added where
   it outlasts the compute the engine overlaps it with.
@@ -159,6 +162,11 @@ class _Stage:
     backward: float
     compute: float
     tensor: float
+    forward_wait: float
+    """Of ``forward``, the tensor-parallel all-reduces: waits, which sharing the cores does not
+    slow (:func:`~lightning_pipe.schedule.shared_cores.simulate_shared`)."""
+    backward_wait: float
+    """Of ``backward``, the same (the recomputed forward's included)."""
     recompute: float
     activations: float
     kept_when_recomputed: float
@@ -204,9 +212,12 @@ def _shared_sim(
     comm: float,
     slots: float,
     replicas: int,
+    waits: tuple[tuple[float, ...], tuple[float, ...]],
 ) -> SimulationResult:
     plain = _schedule_sim(kind, stages, m, v, tf, tb, comm)
-    return simulate_shared(_schedule(kind, stages, m, v), tf, tb, comm, slots, replicas, plain=plain)
+    schedule = _schedule(kind, stages, m, v)
+    return simulate_shared(schedule, tf, tb, comm, slots, replicas, plain=plain, unpaced_forward=waits[0],
+                           unpaced_backward=waits[1])  # fmt: skip
 
 
 def stage_balance(costs: ModelCosts, candidate: Candidate) -> list[int]:
@@ -217,7 +228,7 @@ def stage_balance(costs: ModelCosts, candidate: Candidate) -> list[int]:
     )
 
 
-def _stages(costs: ModelCosts, c: Candidate, rows: float, links: Links) -> list[_Stage]:
+def _stages(costs: ModelCosts, c: Candidate, rows: float, links: Links, wait: float) -> list[_Stage]:
     layers = costs.layers
     balance = _balance(
         tuple(layer.forward_seconds + layer.backward_seconds for layer in layers), c.num_stages
@@ -226,7 +237,7 @@ def _stages(costs: ModelCosts, c: Candidate, rows: float, links: Links) -> list[
     for count in balance:
         inputs = layers[start - 1].output_bytes if start else costs.input_bytes
         hidden = layers[start - 1].output_bytes if start else layers[0].output_bytes
-        out.append(_stage(layers[start : start + count], costs, c, rows, inputs, hidden, links))
+        out.append(_stage(layers[start : start + count], costs, c, rows, inputs, hidden, links, wait))
         start += count
     return out
 
@@ -239,9 +250,11 @@ def _stage(
     inputs: int,
     hidden: int,
     links: Links,
+    wait: float,
 ) -> _Stage:
     """One stage's costs per micro-batch of ``rows`` samples; ``inputs``: the bytes of its input (at
-    the measured rows), ``hidden``: of the hidden states its first tensor all-reduce carries."""
+    the measured rows), ``hidden``: of the hidden states its first tensor all-reduce carries;
+    ``wait``: what each collective waits for its last rank (:attr:`.Machine.collective_wait_seconds`)."""
     tp, scale = c.tensor_parallel_size, rows / costs.rows
     forward = backward = tensor_f = tensor_b = activations = parameters = largest = optimizer = 0.0
     previous_saved_output = float(inputs)  # the stage input, held until its backward
@@ -254,7 +267,7 @@ def _stage(
         forward += f
         # Zero-bubble schedules run the backward as an input pass and a weight pass: measured.
         backward += b * (layer.split_backward_ratio if c.schedule.splits_backward else 1.0)
-        one = links.all_reduce(hidden * scale, tp)
+        one = links.all_reduce(hidden * scale, tp) + (wait if tp > 1 else 0.0)
         tensor_f += layer.tensor_forward_collectives * one
         tensor_b += layer.tensor_backward_collectives * one
         split = SPLIT_ACTIVATION_SHARE if layer.split_parameter_bytes else 0.0
@@ -271,16 +284,19 @@ def _stage(
     # layer did not save it.
     boundary = (inputs + group[-1].output_bytes) * scale
     activations += (inputs + group[-1].output_bytes - group[-1].saved_output_bytes) * scale
-    recompute = 0.0
+    replayed = 0.0  # the forwards recomputation runs again, per micro-batch
     if c.recompute is RecomputeMode.ALWAYS:
-        recompute = forward + tensor_f
+        replayed = 1.0
     elif c.recompute is RecomputeMode.EXCEPT_LAST:
-        recompute = (forward + tensor_f) * (c.num_microbatches - 1) / c.num_microbatches
+        replayed = (c.num_microbatches - 1) / c.num_microbatches
+    recompute = (forward + tensor_f) * replayed
     return _Stage(
         forward=forward + tensor_f,
         backward=backward + tensor_b + recompute,
         compute=forward + backward,
         tensor=tensor_f + tensor_b,
+        forward_wait=tensor_f,
+        backward_wait=tensor_b + tensor_f * replayed,
         recompute=recompute,
         activations=activations,
         kept_when_recomputed=boundary,
@@ -344,9 +360,10 @@ def _exposed(comm: float, window: float, links: Links) -> float:
 
 
 def _data_seconds(
-    c: Candidate, costs: ModelCosts, stages: Sequence[_Stage], held: Sequence[int], links: Links
+    c: Candidate, costs: ModelCosts, stages: Sequence[_Stage], held: Sequence[int], links: Links, wait: float
 ) -> float:
-    """The data axis' communication a rank leaves exposed per step."""
+    """The data axis' communication a rank leaves exposed per step; ``wait``: what each collective
+    waits for its last rank (:attr:`.Machine.collective_wait_seconds`)."""
     dp = c.data_parallel_size
     if dp == 1:
         return 0.0
@@ -354,16 +371,16 @@ def _data_seconds(
     g = p * costs.gradient_factor
     first = stages[min(held)]  # the rank's first forward and its last backward run this stage
     if c.data_mode is DataMode.REPLICATED:
-        return _exposed(links.all_reduce(g, dp), first.backward, links)
+        return _exposed(links.all_reduce(g, dp) + wait, first.backward, links)
     if c.data_mode is DataMode.ZERO1:
-        return _exposed(links.reduce_scatter(g, dp), first.backward, links) + _exposed(
-            links.all_gather(p, dp), first.forward, links
+        return _exposed(links.reduce_scatter(g, dp) + wait, first.backward, links) + _exposed(
+            links.all_gather(p, dp) + wait, first.forward, links
         )
     # FSDP2: every pipeline layer is a unit of its own (data_parallel.fully_sharded), gathered and
     # reduced by a collective of its own: the latency once per layer, the bytes once in all.
     units = sum(stages[s].layers for s in held)
-    gather = units * links.all_gather(p / units, dp)
-    reduce = units * links.reduce_scatter(g / units, dp)
+    gather = units * (links.all_gather(p / units, dp) + wait)
+    reduce = units * (links.reduce_scatter(g / units, dp) + wait)
     if c.reshard_after_forward:
         # Per micro-batch: gathered for the forward, again for the backward, reduced after it.
         per_microbatch = _exposed(gather, first.forward, links) + _exposed(
@@ -394,19 +411,23 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
     """``candidate``'s step time and peak memory per rank for a global batch of ``batch`` samples."""
     c, links = candidate, machine.links
     rows = batch / c.data_parallel_size / c.num_microbatches
-    stages = _stages(costs, c, rows, links)
+    wait = machine.collective_wait_seconds
+    stages = _stages(costs, c, rows, links, wait)
     pp = c.pipeline_parallel_size
     message = 0.0
     if pp > 1:
-        message = links.p2p(max(s.output for s in stages[:-1]))
+        # A message between stages waits as a collective does: its receiver, blocked, is woken on
+        # a core others hold (on the Llama, the wait per message took interleaved 1F1B at v=4
+        # from 1.37x its measured step to 1.11x, beside 1F1B's 1.24 and 1.20x).
+        message = links.p2p(max(s.output for s in stages[:-1])) + wait
     sim_inputs = (tuple(s.forward for s in stages), tuple(s.backward for s in stages))
     sim = _schedule_sim(c.schedule, c.num_stages, c.num_microbatches, c.virtual_stages, *sim_inputs, message)
     ranks = [[s for s in range(c.num_stages) if s % pp == r] for r in range(pp)]
     busiest = max(range(pp), key=lambda r: sim.busy[r])
     m = c.num_microbatches
-    data = max(_data_seconds(c, costs, stages, held, links) for held in ranks)
+    data = max(_data_seconds(c, costs, stages, held, links, wait) for held in ranks)
     unhidden = replace(links, overlap_data_parallel=False)
-    traffic = max(_data_seconds(c, costs, stages, held, unhidden) for held in ranks)
+    traffic = max(_data_seconds(c, costs, stages, held, unhidden, wait) for held in ranks)
     schedule = _schedule(c.schedule, c.num_stages, c.num_microbatches, c.virtual_stages)
     memories = [_memory(c, costs, stages, held, schedule, r) for r, held in enumerate(ranks)]
     worst = max(memories, key=lambda use: use.total)
@@ -414,13 +435,15 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
     shared = 0.0
     if machine.compute_slots is not None:
         # Every tensor and data rank of a pipeline rank computes its stages (recomputation
-        # included), and its tensor all-reduces: processes sharing cores are gloo's on CPU, whose
-        # collectives copy and sum on those cores (the probe timed them with every rank taking
-        # part). Only the waits for a pipeline neighbour's message, outside busy, free a core. Each
-        # computation is slowed by the processes computing during it (schedule.shared_cores), and
-        # the step is never shorter than all of their work over the slots.
+        # included). Each computation is slowed by the processes computing during it
+        # (schedule.shared_cores), and the step is never shorter than all of their work over the
+        # slots. Its tensor all-reduces are not slowed: the links' probe timed them with every
+        # rank on the cores already, and the wait for the last rank is counted in them. (Paced as
+        # work, the GPT's pp=1 x tp=4 measured 0.58 - 0.85x its prediction in runs whose pp=1 x
+        # dp=4 measured 0.95 - 1.03x: docs/planner-accuracy.md.)
         slots = min(machine.compute_slots, machine.world_size)
         replicas = c.tensor_parallel_size * c.data_parallel_size
+        waits = (tuple(s.forward_wait for s in stages), tuple(s.backward_wait for s in stages))
         contended = _shared_sim(
             c.schedule,
             c.num_stages,
@@ -431,8 +454,9 @@ def predict(candidate: Candidate, costs: ModelCosts, machine: Machine, batch: in
             message,
             slots,
             replicas,
+            waits,
         )
-        work = replicas * sum(sim.busy)
+        work = replicas * (sum(sim.busy) - m * sum(s.forward_wait + s.backward_wait for s in stages))
         shared = max(0.0, contended.makespan - sim.makespan, work / slots - sim.makespan)
     # The optimizer steps the parameters a rank updates (a data rank's shard under ZeRO-1 and
     # FSDP2), every process at once: on shared cores, at the cores' pace.

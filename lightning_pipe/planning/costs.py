@@ -263,11 +263,22 @@ class Machine:
     process) share its compute: a rank idle in a pipeline's bubble lends its core to the others,
     and layouts keeping every rank busy run at the cores' speed, not the processes'. Below 1 when
     all the processes together compute less than one alone (caches thrashed, other jobs)."""
+    collective_wait_seconds: float = 0.0
+    """What each collective closing a stretch of computation (and each message between pipeline
+    stages) waits, beyond its own time, for its last rank to arrive: processes on shared cores
+    arrive apart, the scheduler serving some first, and one blocked is woken on a core others
+    hold (:func:`~lightning_pipe.planning.cores.probe_collective_wait`). 0 where each process has
+    a device of its own."""
 
     def __post_init__(self) -> None:
         if self.compute_slots is not None and not self.compute_slots > 0:
             raise ValueError(
                 f"compute_slots must be a positive number of processes or None, got {self.compute_slots!r}."
+            )
+        if not self.collective_wait_seconds >= 0:
+            raise ValueError(
+                "collective_wait_seconds must be a number of seconds >= 0, got "
+                f"{self.collective_wait_seconds!r}."
             )
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}.")

@@ -19,21 +19,16 @@ From two sizes, the small one's time is (nearly) the latency and the difference 
 bandwidth. Every rank times its own part, then takes global rank 0's numbers (broadcast), so that
 every rank goes on to the same decision.
 
-:func:`probe_compute_slots` measures the other thing processes of one host share: compute. The
-same fixed piece of work is timed on one rank alone and then on all at once, until the last is
-done; if ``n`` processes together take ``k`` times as long, only ``n / k`` of them compute at full
-speed at once (4 gloo processes on 2 idle cores: 1.5 - 1.8 for matrix products, the scheduler not
-always spreading them evenly; fewer when other jobs share the cores; on GPUs: ``n``). The example
-GPT's own layers, forward and backward, read what matrix products read (1.7 - 2.0 against 1.8 - 1.9
-in one group), so ``layout="auto"`` probes with matrix products, which need no model. The cost
-model reads it as :attr:`~lightning_pipe.planning.costs.Machine.compute_slots`.
+What processes of one host pay for sharing its cores is probed apart, in :mod:`.cores`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from statistics import fmean, median_high
+from dataclasses import fields, replace
+from statistics import median, median_high
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,94 +65,6 @@ def _fit(small: float, large: float, units: float) -> tuple[float, float]:
     extra = (LARGE_BYTES - SMALL_BYTES) * units
     bandwidth = extra / (large - small) if large > small else LARGE_BYTES * units / max(large, 1e-9)
     return max(small - SMALL_BYTES * units / bandwidth, 0.0), bandwidth
-
-
-COMPUTE_PROBE_SIZE = 384
-"""The side of the square matrices multiplied by :func:`probe_compute_slots`: about 2 ms a product
-on one CPU thread, so that its default 48 of them take a tenth of a second, long against the
-barrier that closes the timing and against the scheduler's time slices. 4 processes on 2 cores,
-four probes in a row: 16 products of side 192 (20 ms) read 1.42 - 2.37 slots, 48 of side 384
-1.80 - 2.09, the example GPT's own layers 1.83 - 1.97."""
-
-
-def slots_from_times(alone: float, together: float, ranks: int) -> float:
-    """How many of ``ranks`` processes' worth of compute the host gives them, when a piece of work
-    that takes ``alone`` seconds on one process takes ``together`` on each while all run it:
-    ``ranks x alone / together``, at most ``ranks`` (noise can push it above). It may be below 1:
-    processes thrashing one another's caches, or other jobs on the host, can make all of them
-    together slower than one alone."""
-    if together <= 0 or alone <= 0:
-        return float(ranks)
-    return float(min(ranks, ranks * alone / together))
-
-
-def slots_from_rounds(alone: Sequence[float], together: Sequence[float], ranks: int) -> float:
-    """:func:`slots_from_times` of the probe's rounds: the median of ``alone`` (as the layers are
-    timed) against the mean of ``together``.
-
-    The mean, because a step is many stretches of compute between waits, and it pays the slow
-    stretches in proportion. Where processes outnumber the cores, "together" is bimodal: the
-    scheduler mostly spreads 4 processes 2 and 2 over 2 cores, but in about a round in four puts 3
-    on one core, the round 1.5x longer (a run of 40 rounds: 180 - 230 ms, and 300 - 333 ms in 9 of
-    them; 90 ms alone). The median reads the fast rounds only (1.78 slots there), and the probe read
-    1.13 - 1.81 in windows of 5 rounds, 1.5 - 2.2 in consecutive calls; the mean over 10 rounds read
-    1.51 - 1.62."""
-    return slots_from_times(median_high(alone), fmean(together), ranks)
-
-
-def probe_compute_slots(
-    device: torch.device,
-    group: dist.ProcessGroup | None = None,
-    repeats: int = 10,
-    products: int = 48,
-    work: Callable[[], object] | None = None,
-) -> float:
-    """How many of ``group``'s processes can compute at once at the speed one has alone (the same
-    on every rank; collective). The group's first rank runs ``work`` alone while the others wait,
-    then every rank runs it at once, ``repeats`` rounds of both (:func:`slots_from_rounds`).
-    ``work`` is a piece of the run's own work (e.g. the model's layers through the layer profiler,
-    which read what matrix products read); by default ``products`` products of square matrices.
-    On CUDA (a device per process) it is the group's size, unmeasured.
-
-    Both are wall times, and "together" lasts until the last rank is done (barrier to barrier), as
-    a training step does: every rank timing only its own run would let the ranks the scheduler
-    served first (done early, their cores then lent to the rest) pull the mean down. 4 processes
-    on 2 cores read up to 2.5 slots that way, more than the cores, and the plans came out short by
-    as much."""
-    ranks = dist.get_world_size(group)
-    if device.type == "cuda" or ranks == 1:
-        return float(ranks)
-    me = dist.get_rank(group)
-    a = torch.randn(COMPUTE_PROBE_SIZE, COMPUTE_PROBE_SIZE)
-
-    def products_of_matrices() -> None:
-        b = a
-        for _ in range(products):
-            b = torch.tanh(b @ a)  # tanh: keeps the values bounded
-
-    run = work or products_of_matrices
-    run()  # warm-up
-    alone, together = [], []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        if me == 0:
-            start = time.perf_counter()
-            run()
-            alone.append(time.perf_counter() - start)
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        run()
-        # The closing barrier's own round counts in (a millisecond or two against the work's
-        # tenths of a second): taking off a separately timed empty barrier, whose time varies as
-        # much on shared cores, made the estimate noisier, not truer.
-        dist.barrier(group=group)
-        together.append(time.perf_counter() - start)
-    numbers = torch.tensor(
-        [slots_from_rounds(alone, together, ranks) if me == 0 else 0.0], dtype=torch.float64
-    )
-    # Rank 0's reading for every rank (each measured nearly the same "together"): one decision.
-    dist.broadcast(numbers, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return float(numbers[0])
 
 
 def probe_links(device: torch.device, group: dist.ProcessGroup | None = None, repeats: int = 5) -> Links:
@@ -236,3 +143,21 @@ def probe_links(device: torch.device, group: dist.ProcessGroup | None = None, re
         all_gather_bandwidth=ag_bandwidth,
         all_gather_latency=ag_latency,
     )
+
+
+def median_links(probes: Sequence[Links]) -> Links:
+    """Each number the median of ``probes``' (probes of one group taken at different moments): a
+    probe lasts half a second, and one taken while other work held a shared host's cores read an
+    all-reduce 2 - 3x slower than the others, a layout's every tensor-parallel all-reduce with it
+    (the example GPT's pp=1 x tp=4 predicted at 1.5x its measured step for a whole run)."""
+    if not probes:
+        raise ValueError("median_links needs at least one probe.")
+    if len({p.overlap_data_parallel for p in probes}) > 1:
+        raise ValueError("median_links needs probes of one kind of device (all overlapping or none).")
+    numbers: dict[str, Any] = {}  # each a float, or None where a probe did not measure it
+    for f in fields(Links):
+        if f.name == "overlap_data_parallel":
+            continue
+        values = [getattr(p, f.name) for p in probes]
+        numbers[f.name] = None if any(v is None for v in values) else float(median(values))
+    return replace(probes[0], **numbers)

@@ -2,7 +2,7 @@
 
 gloo processes on one host's CPU share its cores. When more of them compute at once than the host
 gives full speed to (its compute slots, probed by
-:func:`lightning_pipe.planning.links.probe_compute_slots`), each computes slower. A pipeline's
+:func:`lightning_pipe.planning.cores.probe_compute_slots`), each computes slower. A pipeline's
 ranks are not all busy at once: in the warm-up and the cool-down few compute and run near full
 speed, in the steady state all do and share the cores. Neither bound of the step is right then:
 the plain simulation (:func:`~lightning_pipe.schedule.simulate.simulate`, every rank at full
@@ -21,6 +21,12 @@ until no pace moves by more than a thousandth. A fixed point, not an exact proce
 simulation (where a span's rate changes within it): the spans are the simulator's, whose ranks
 keep their own clocks, so the sharing is read off the previous round's overlaps. On the hand-made
 cases of ``tests/test_schedules.py`` it lands on the exact answer.
+
+Part of a computation may be a wait rather than work: a tensor-parallel all-reduce inside a
+layer, timed by the links' probe with every process on the cores already. That part keeps its
+time (``unpaced_forward``, ``unpaced_backward``); only the rest is slowed. The computation still
+counts as under way for the others' paces over its whole span: gloo copies and sums on the cores
+(the safe side; no measurement here tells the two apart).
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import accumulate
 
-from lightning_pipe.schedule.actions import Action, PipelineSchedule
-from lightning_pipe.schedule.simulate import SimulationResult, TimedAction, simulate
+from lightning_pipe.schedule.actions import Action, ActionType, PipelineSchedule
+from lightning_pipe.schedule.simulate import SimulationResult, TimedAction, per_stage, simulate
 
 ROUNDS = 12
 """At most this many rounds of the fixed point (each one simulation); it stops earlier once no
@@ -48,6 +54,8 @@ def simulate_shared(
     processes_per_rank: int = 1,
     rounds: int = ROUNDS,
     plain: SimulationResult | None = None,
+    unpaced_forward: float | Sequence[float] = 0.0,
+    unpaced_backward: float | Sequence[float] = 0.0,
 ) -> SimulationResult:
     """``schedule`` timed as :func:`~lightning_pipe.schedule.simulate.simulate` does, with each
     computation slowed by the processes computing during it beyond ``slots`` (see the module
@@ -55,17 +63,23 @@ def simulate_shared(
     each pipeline rank's work at the same time (tensor x data parallel sizes). ``plain``: the
     schedule's plain simulation with the same times, if the caller has it. Where the slots cover
     every process it is the plain simulation. Slots below 1 (the probe's reading when other jobs
-    load the host) slow even a computation that runs alone, as they do on such a host."""
+    load the host) slow even a computation that runs alone, as they do on such a host.
+    ``unpaced_forward`` / ``unpaced_backward``: of each stage's forward / backward time, the
+    seconds that are waits, not slowed (see the module docstring)."""
     if slots <= 0:
         raise ValueError(f"slots must be positive, got {slots}.")
     if plain is None:
         plain = simulate(schedule, forward_time, backward_time, comm_time)
     if slots >= schedule.num_ranks * processes_per_rank:
         return plain
+    paced = _paced_shares(schedule, forward_time, backward_time, unpaced_forward, unpaced_backward)
     result = plain
     pace: dict[Action, float] = {}
     for _ in range(rounds):
-        estimate = _paces(result.timeline, slots, processes_per_rank)
+        estimate = {
+            a: 1 + (p - 1) * paced[a.stage_index][a.kind is not ActionType.FORWARD]
+            for a, p in _paces(result.timeline, slots, processes_per_rank).items()
+        }
         # The first round takes the estimate whole, later ones move half-way to it.
         updated = {a: (pace[a] + p) / 2 if a in pace else p for a, p in estimate.items()}
         moved = max((abs(p - pace.get(a, 1.0)) for a, p in updated.items()), default=0.0)
@@ -74,6 +88,36 @@ def simulate_shared(
         if moved < TOLERANCE:
             break
     return result
+
+
+def _paced_shares(
+    schedule: PipelineSchedule,
+    forward_time: float | Sequence[float],
+    backward_time: float | Sequence[float],
+    unpaced_forward: float | Sequence[float],
+    unpaced_backward: float | Sequence[float],
+) -> list[tuple[float, float]]:
+    """Per stage, the shares of its forward and of its backward that sharing the cores slows."""
+    n = schedule.num_stages
+    times = [
+        per_stage(t, n, name)
+        for t, name in ((forward_time, "forward_time"), (backward_time, "backward_time"))
+    ]
+    waits = [
+        per_stage(w, n, name)
+        for w, name in ((unpaced_forward, "unpaced_forward"), (unpaced_backward, "unpaced_backward"))
+    ]
+    shares = []
+    for s in range(n):
+        pair = []
+        for time, wait in zip((times[0][s], times[1][s]), (waits[0][s], waits[1][s]), strict=True):
+            if not 0 <= wait <= time * (1 + 1e-9):
+                raise ValueError(
+                    f"Stage {s}'s unpaced seconds ({wait}) must lie between 0 and its time ({time})."
+                )
+            pair.append(max(0.0, time - wait) / time if time > 0 else 1.0)
+        shares.append((pair[0], pair[1]))
+    return shares
 
 
 def _paces(timeline: Sequence[TimedAction], slots: float, processes_per_rank: int) -> dict[Action, float]:

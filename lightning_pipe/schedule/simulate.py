@@ -115,7 +115,9 @@ class SimulationResult:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
-def _per_stage(value: float | Sequence[float], num_stages: int, name: str) -> list[float]:
+def per_stage(value: float | Sequence[float], num_stages: int, name: str) -> list[float]:
+    """``value`` as one number per stage: a single number for every stage, or a sequence whose
+    length is checked against ``num_stages`` (``name`` is what the error calls it)."""
     if isinstance(value, int | float):
         return [float(value)] * num_stages
     values = [float(v) for v in value]
@@ -180,8 +182,8 @@ def simulate(
     for each half. ``pace`` stretches single computations (a factor per action, 1 where absent):
     :mod:`lightning_pipe.schedule.shared_cores` uses it for processes that share cores.
     """
-    tf = _per_stage(forward_time, schedule.num_stages, "forward_time")
-    tb = _per_stage(backward_time, schedule.num_stages, "backward_time")
+    tf = per_stage(forward_time, schedule.num_stages, "forward_time")
+    tb = per_stage(backward_time, schedule.num_stages, "backward_time")
     partners = match_messages(schedule)
     groups = [comm_batches(list(a)) for a in schedule.actions]
     # Index of the batch that holds each action, to find a message's peer batch.
