@@ -76,6 +76,7 @@ def simulate_shared(
     result = plain
     pace: dict[Action, float] = {}
     for _ in range(rounds):
+        # Only an action's paced share slows: [0] a forward's, [1] a backward's (or its halves').
         estimate = {
             a: 1 + (p - 1) * paced[a.stage_index][a.kind is not ActionType.FORWARD]
             for a, p in _paces(result.timeline, slots, processes_per_rank).items()
@@ -99,25 +100,23 @@ def _paced_shares(
 ) -> list[tuple[float, float]]:
     """Per stage, the shares of its forward and of its backward that sharing the cores slows."""
     n = schedule.num_stages
-    times = [
-        per_stage(t, n, name)
-        for t, name in ((forward_time, "forward_time"), (backward_time, "backward_time"))
+
+    def share(stage: int, seconds: float, wait: float) -> float:
+        if not 0 <= wait <= seconds * (1 + 1e-9):  # the tolerance: sums of the same floats
+            raise ValueError(
+                f"Stage {stage}'s unpaced seconds ({wait}) must lie between 0 and its time ({seconds})."
+            )
+        return max(0.0, seconds - wait) / seconds if seconds > 0 else 1.0
+
+    forward, backward = (
+        per_stage(forward_time, n, "forward_time"),
+        per_stage(backward_time, n, "backward_time"),
+    )
+    forward_wait = per_stage(unpaced_forward, n, "unpaced_forward")
+    backward_wait = per_stage(unpaced_backward, n, "unpaced_backward")
+    return [
+        (share(s, forward[s], forward_wait[s]), share(s, backward[s], backward_wait[s])) for s in range(n)
     ]
-    waits = [
-        per_stage(w, n, name)
-        for w, name in ((unpaced_forward, "unpaced_forward"), (unpaced_backward, "unpaced_backward"))
-    ]
-    shares = []
-    for s in range(n):
-        pair = []
-        for time, wait in zip((times[0][s], times[1][s]), (waits[0][s], waits[1][s]), strict=True):
-            if not 0 <= wait <= time * (1 + 1e-9):
-                raise ValueError(
-                    f"Stage {s}'s unpaced seconds ({wait}) must lie between 0 and its time ({time})."
-                )
-            pair.append(max(0.0, time - wait) / time if time > 0 else 1.0)
-        shares.append((pair[0], pair[1]))
-    return shares
 
 
 def _paces(timeline: Sequence[TimedAction], slots: float, processes_per_rank: int) -> dict[Action, float]:
