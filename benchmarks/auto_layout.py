@@ -403,7 +403,8 @@ def worker(
     """One model's rows, in processes of its own: the planner's pick and spread, every row built
     once, then ``passes`` passes, each measuring the planner's inputs again (its predictions for
     the same period) and then running every row in turn."""
-    from lightning_pipe.planning.cost_model import predict, stage_balance
+    from lightning_pipe.planning.cost_model import predict
+    from lightning_pipe.planning.stage_costs import stage_balance
 
     box: list[Any] = [None]
     loaded = _load(name, size)
