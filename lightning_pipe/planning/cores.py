@@ -42,6 +42,33 @@ four probes in a row: 16 products of side 192 (20 ms) read 1.42 - 2.37 slots, 48
 1.80 - 2.09, the example GPT's own layers 1.83 - 1.97."""
 
 
+def _products(a: torch.Tensor, count: int) -> None:
+    """``count`` products of ``a`` with itself in a chain, the probes' default work (tanh keeps the
+    values bounded)."""
+    b = a
+    for _ in range(count):
+        b = torch.tanh(b @ a)
+
+
+def _barrier_to_barrier(run: Callable[[], object], group: dist.ProcessGroup | None) -> float:
+    """Seconds from a barrier to the barrier after ``run``: until the group's last rank is done, as
+    a training step lasts. The closing barrier's own round counts in (a millisecond or two against
+    the probes' tenths of a second): taking off a separately timed empty barrier, whose time
+    varies as much on shared cores, made the estimate noisier, not truer."""
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    run()
+    dist.barrier(group=group)
+    return time.perf_counter() - start
+
+
+def _rank0s(value: float, group: dist.ProcessGroup | None) -> float:
+    """The group's first rank's ``value`` on every rank (collective): one decision everywhere."""
+    numbers = torch.tensor([value], dtype=torch.float64)
+    dist.broadcast(numbers, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return float(numbers[0])
+
+
 def slots_from_times(alone: float, together: float, ranks: int) -> float:
     """How many of ``ranks`` processes' worth of compute the host gives them, when a piece of work
     that takes ``alone`` seconds on one process takes ``together`` on each while all run it:
@@ -91,13 +118,7 @@ def probe_compute_slots(
         return float(ranks)
     me = dist.get_rank(group)
     a = torch.randn(COMPUTE_PROBE_SIZE, COMPUTE_PROBE_SIZE)
-
-    def products_of_matrices() -> None:
-        b = a
-        for _ in range(products):
-            b = torch.tanh(b @ a)  # tanh: keeps the values bounded
-
-    run = work or products_of_matrices
+    run = work or (lambda: _products(a, products))
     run()  # warm-up
     alone, together = [], []
     for _ in range(repeats):
@@ -106,20 +127,9 @@ def probe_compute_slots(
             start = time.perf_counter()
             run()
             alone.append(time.perf_counter() - start)
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        run()
-        # The closing barrier's own round counts in (a millisecond or two against the work's
-        # tenths of a second): taking off a separately timed empty barrier, whose time varies as
-        # much on shared cores, made the estimate noisier, not truer.
-        dist.barrier(group=group)
-        together.append(time.perf_counter() - start)
-    numbers = torch.tensor(
-        [slots_from_rounds(alone, together, ranks) if me == 0 else 0.0], dtype=torch.float64
-    )
-    # Rank 0's reading for every rank (each measured nearly the same "together"): one decision.
-    dist.broadcast(numbers, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return float(numbers[0])
+        together.append(_barrier_to_barrier(run, group))
+    # Rank 0's reading for every rank (each measured nearly the same "together").
+    return _rank0s(slots_from_rounds(alone, together, ranks) if me == 0 else 0.0, group)
 
 
 WAIT_PROBE_ROUNDS = 24
@@ -165,31 +175,19 @@ def probe_collective_wait(
 
     Every rank runs ``rounds`` stretches of work three ways, ``repeats`` times in turn (the
     machine's drift falls on all three alike): one after the other; each closed by a small
-    all-reduce; and the all-reduces alone, back to back. Each way is timed barrier to barrier (a
-    closing barrier in each: one left over in the difference, a millisecond against the rounds'
-    waits); :func:`wait_from_times` reads them, and rank 0's reading is every rank's. A stretch is
-    ``products`` products of square matrices by default, ``stretch(i)`` for round ``i`` if given.
-    About 0.9 s a repeat on this project's 4 processes on 2 cores."""
+    all-reduce; and the all-reduces alone, back to back. Each way is timed barrier to barrier
+    (:func:`_barrier_to_barrier`: a closing barrier in each, one left over in the difference, a
+    millisecond against the rounds' waits); :func:`wait_from_times` reads them, and rank 0's
+    reading is every rank's. A stretch is ``products`` products of square matrices by default,
+    ``stretch(i)`` for round ``i`` if given. About 0.9 s a repeat on this project's 4 processes on
+    2 cores."""
     ranks = dist.get_world_size(group)
     if device.type == "cuda" or ranks == 1:
         return 0.0
     me = dist.get_rank(group)
     a = torch.randn(COMPUTE_PROBE_SIZE, COMPUTE_PROBE_SIZE)
     buffer = torch.zeros(SMALL_BYTES // 4)
-
-    def products_of_matrices(_: int) -> None:
-        b = a
-        for _ in range(products):
-            b = torch.tanh(b @ a)
-
-    work = stretch or products_of_matrices
-
-    def timed(run: Callable[[], None]) -> float:
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        run()
-        dist.barrier(group=group)
-        return time.perf_counter() - start
+    work = stretch or (lambda _: _products(a, products))
 
     def in_one_piece() -> None:
         for i in range(rounds):
@@ -208,7 +206,5 @@ def probe_collective_wait(
     times: tuple[list[float], list[float], list[float]] = ([], [], [])
     for _ in range(repeats):
         for kept, run in zip(times, (in_one_piece, in_rounds, collectives), strict=True):
-            kept.append(timed(run))
-    numbers = torch.tensor([wait_from_times(*times, rounds) if me == 0 else 0.0], dtype=torch.float64)
-    dist.broadcast(numbers, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return float(numbers[0])
+            kept.append(_barrier_to_barrier(run, group))
+    return _rank0s(wait_from_times(*times, rounds) if me == 0 else 0.0, group)

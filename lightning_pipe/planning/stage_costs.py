@@ -78,11 +78,8 @@ def stage_costs(costs: ModelCosts, c: Candidate, rows: float, links: Links, wait
     :func:`stage_balance` splits them); ``wait``: what each collective waits for its last rank
     (:attr:`.Machine.collective_wait_seconds`)."""
     layers = costs.layers
-    balance = _balance(
-        tuple(layer.forward_seconds + layer.backward_seconds for layer in layers), c.num_stages
-    )
     out, start = [], 0
-    for count in balance:
+    for count in stage_balance(costs, c):
         inputs = layers[start - 1].output_bytes if start else costs.input_bytes
         hidden = layers[start - 1].output_bytes if start else layers[0].output_bytes
         out.append(_stage(layers[start : start + count], costs, c, rows, inputs, hidden, links, wait))
